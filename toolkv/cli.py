@@ -1,0 +1,39 @@
+"""The ``toolkv`` console script.
+
+Each subcommand lives in its own module and is imported lazily, so ``toolkv --help`` stays fast and
+does not import torch or sglang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "spec-check": ("toolkv.spec_check", "run SANY and TLC over every spec config and mutant"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        sp.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sp)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    rc: int = module.run(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
