@@ -1,0 +1,72 @@
+"""What a backend does for the manager. The manager owns sessions and their lifecycle; a backend
+owns the KV: where it goes on ToolStart, how it comes back on ToolEnd, and what is released."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from toolkv.session import SessionRecord
+from toolkv.treeops import Tree, TreeNode
+
+
+class Agreement(Protocol):
+    """Agreement across tensor-parallel ranks. Every decision that depends on a local reading
+    (free memory, a local CUDA event, the wall clock) goes through here before any rank acts."""
+
+    def all_true(self, ok: bool) -> bool: ...
+
+    def max_time(self, t: float) -> float: ...
+
+
+class LocalAgreement:
+    """A single rank agrees with itself."""
+
+    def all_true(self, ok: bool) -> bool:
+        return ok
+
+    def max_time(self, t: float) -> float:
+        return t
+
+
+class Backend(Protocol):
+    name: str
+    tree: Tree
+
+    def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        """ToolStart's effect on the KV. Raises before changing anything when it cannot start;
+        returns True when nothing is in flight (the offload finished at once)."""
+        ...
+
+    def offload_pending(self, rec: SessionRecord) -> bool:
+        """True while a GPU→host write on the session's path is unacknowledged."""
+        ...
+
+    def free_gpu(self, recs: Sequence[SessionRecord]) -> None:
+        """Free the GPU copies that finished offloads allow (bottom-up, unlocked leaves only)."""
+        ...
+
+    def restore(self, rec: SessionRecord) -> bool:
+        """ToolEnd's effect. Raises before changing anything when it cannot start; returns True
+        when the session's KV is readable at once."""
+        ...
+
+    def poll_loads(self) -> None:
+        """Forget loads whose acknowledgement sglang has processed."""
+        ...
+
+    def restore_pending(self, rec: SessionRecord) -> bool:
+        """True while some load into the session's path is unacknowledged."""
+        ...
+
+    def release(self, rec: SessionRecord) -> None:
+        """Return everything the session holds (protection, pin, snapshot) — exactly once."""
+        ...
+
+    def forget(self, rec: SessionRecord) -> None:
+        """After a tree reset: drop references without releasing (the objects are gone)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def describe(self, rec: SessionRecord) -> dict[str, object]: ...

@@ -1,0 +1,220 @@
+"""HiRadixCache backend: offload into sglang's own host tier, with sglang's own primitives.
+
+ToolStart: ``write_backup`` root-down on the path nodes without a host copy (all or nothing
+against the free host slots), ``protect_host`` on the one recorded leaf. Once every write on the
+path is acknowledged (sglang's ``writing_check`` clears ``write_through_pending_id``), free the GPU
+copies with ``_evict_backuped``: only unlocked nodes whose device children are freed too, bottom-up
+(spec ``FreeSet``). ToolEnd: ``load_back`` + ``ready_to_load_host_cache``; the session is Runnable
+only after sglang's ``loading_check`` has processed the load ack.
+
+Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the ack queues,
+``writing_check``/``loading_check`` (they contain collectives; the scheduler runs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from toolkv.backends.base import Agreement, LocalAgreement
+from toolkv.errors import DeviceMemoryFull, HostMemoryFull
+from toolkv.session import SessionRecord
+from toolkv.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
+
+
+def _ntok(nodes: Sequence[TreeNode], attr: str = "key") -> int:
+    return sum(len(getattr(n, attr)) for n in nodes)
+
+
+class HiRadixBackend:
+    """Host offload on a ``HiRadixCache``. ``caveats`` switches on seeded defects for mutation
+    testing only (names as in ``spec/ToolKV.tla``'s BUG constant); production never sets it."""
+
+    name = "hiradix"
+
+    def __init__(
+        self,
+        tree: Tree,
+        *,
+        agree: Agreement | None = None,
+        host_budget_tokens: int | None = None,
+        schedule_stream: Any = None,
+        caveats: frozenset[str] = frozenset(),
+    ) -> None:
+        self.tree = tree
+        self.agree = agree or LocalAgreement()
+        self.host_budget_tokens = host_budget_tokens
+        self.schedule_stream = schedule_stream
+        self.caveats = caveats
+        # loads this manager issued: id(leaf) -> (leaf, nodes being filled)
+        self._loads: dict[int, tuple[TreeNode, list[TreeNode]]] = {}
+        self._loading_nodes: dict[int, int] = {}  # id(node) -> number of our loads filling it
+        self.protected_tokens = 0
+
+    # ---- ToolStart ------------------------------------------------------------------------------------
+    def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        tree = self.tree
+        path = path_to(tree, leaf)
+        to_write = [m for m in path if m.host_value is None]
+        need = _ntok(to_write)
+        host_ok = need <= tree.token_to_kv_pool_host.available_size()
+        if self.host_budget_tokens is not None:
+            host_ok = host_ok and self.protected_tokens + _ntok(path) <= self.host_budget_tokens
+        if not self.agree.all_true(host_ok):
+            raise HostMemoryFull(
+                f"host pool cannot take {need} more tokens for session {rec.session_id!r}",
+                need_tokens=need,
+                host_free_tokens=int(tree.token_to_kv_pool_host.available_size()),
+            )
+        for m in to_write:  # root-down: write_backup needs a backed-up parent
+            written = tree.write_backup(m)
+            assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
+        leaf.protect_host()
+        rec.protected = leaf
+        rec.offload_tokens = _ntok(path)
+        self.protected_tokens += rec.offload_tokens
+        return not self.offload_pending(rec)
+
+    def offload_pending(self, rec: SessionRecord) -> bool:
+        assert rec.node is not None
+        return any(m.write_through_pending_id is not None for m in path_to(self.tree, rec.node))
+
+    def _node_loading(self, m: TreeNode) -> bool:
+        if self._loading_nodes.get(id(m), 0) > 0:
+            return True
+        # Loads issued by sglang itself (a request's init_load_back) are keyed by their deepest node;
+        # conservatively treat every node on such a path as loading.
+        for x in self.tree.ongoing_load_back.values():
+            if id(x) not in self._loads and m in path_to(self.tree, x):
+                return True
+        return False
+
+    def free_gpu(self, recs: Sequence[SessionRecord]) -> None:
+        """Spec ``FreeSet``: the fixpoint of "free m if it is backed up, acked, unlocked, not
+        loading, and every child still on device is freed too", grown from the leaves."""
+        leaves = [r.node for r in recs if r.node is not None]
+        if not leaves:
+            return
+        early = "FreeBeforeAck" in self.caveats
+        cand: dict[int, TreeNode] = {}
+        for leaf in leaves:
+            for m in path_to(self.tree, leaf):
+                cand[id(m)] = m
+        leaf_ids = {id(x) for x in leaves}
+        freed: dict[int, TreeNode] = {}
+        order: list[TreeNode] = []
+        changed = True
+        while changed:
+            changed = False
+            for key, m in cand.items():
+                if key in freed or m.value is None or m.host_value is None:
+                    continue
+                if not early and (
+                    m.write_through_pending_id is not None or m.lock_ref != 0 or self._node_loading(m)
+                ):
+                    continue
+                if any(c.value is not None and id(c) not in freed for c in m.children.values()):
+                    continue
+                if key in leaf_ids or any(id(c) in freed for c in m.children.values()):
+                    freed[key] = m
+                    order.append(m)
+                    changed = True
+        for m in order:  # children were added before their parents
+            if early and m.lock_ref:
+                self.tree.dec_lock_ref(m)  # the mutant ignores the write lock the write still holds
+            self.tree._evict_backuped(m)
+        for r in recs:
+            r.freed_tokens = sum(len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node))
+
+    # ---- ToolEnd ----------------------------------------------------------------------------------------
+    def _load_slot_free(self) -> bool:
+        counter = self.tree.cache_controller.layer_done_counter
+        nxt = (counter.producer_index + 1) % counter.num_counters
+        return bool(counter.events[nxt].finish_event.query())
+
+    def restore(self, rec: SessionRecord) -> bool:
+        tree = self.tree
+        leaf = rec.node
+        assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
+        path = path_to(tree, leaf)
+        missing = [m for m in path if m.value is None]
+        need = _ntok(missing, "host_value")
+        ok = need == 0 or (
+            need <= tree.token_to_kv_pool_allocator.available_size()
+            and need >= tree.load_back_threshold
+            and self._load_slot_free()
+        )
+        if not self.agree.all_true(ok):
+            raise DeviceMemoryFull(
+                f"cannot load {need} tokens back now; session {rec.session_id!r} stays offloaded",
+                need_tokens=need,
+                device_free_tokens=int(tree.token_to_kv_pool_allocator.available_size()),
+            )
+        if missing:
+            dev = tree.load_back(leaf)
+            assert dev is not None and len(dev) == need, "load_back refused after the capacity check"
+            tree.ready_to_load_host_cache()
+            if self.schedule_stream is not None:
+                # Forwards run after the schedule stream: order them after this load.
+                self.schedule_stream.wait_event(tree.cache_controller.ack_load_queue[-1].finish_event)
+            self._loads[id(leaf)] = (leaf, missing)
+            for m in missing:
+                self._loading_nodes[id(m)] = self._loading_nodes.get(id(m), 0) + 1
+            rec.restored_tokens = need
+        runnable = not any(self._node_loading(m) for m in path)
+        if runnable or "EarlyRunnable" in self.caveats:
+            self._release_protection(rec)
+            return True
+        tree.inc_lock_ref(leaf)  # pin the path until every load into it is acknowledged
+        rec.pinned = leaf
+        return False
+
+    def poll_loads(self) -> None:
+        for key, (leaf, nodes) in list(self._loads.items()):
+            if not is_loading(self.tree, leaf):
+                del self._loads[key]
+                for m in nodes:
+                    c = self._loading_nodes[id(m)] - 1
+                    if c:
+                        self._loading_nodes[id(m)] = c
+                    else:
+                        del self._loading_nodes[id(m)]
+
+    def restore_pending(self, rec: SessionRecord) -> bool:
+        assert rec.node is not None
+        return any(m.value is None or self._node_loading(m) for m in path_to(self.tree, rec.node))
+
+    # ---- release --------------------------------------------------------------------------------------
+    def _release_protection(self, rec: SessionRecord) -> None:
+        if rec.protected is not None:
+            rec.protected.release_host()
+            rec.protected = None
+            self.protected_tokens -= rec.offload_tokens
+
+    def release(self, rec: SessionRecord) -> None:
+        if rec.pinned is not None:
+            self.tree.dec_lock_ref(rec.pinned)
+            rec.pinned = None
+        self._release_protection(rec)
+
+    def forget(self, rec: SessionRecord) -> None:
+        if rec.protected is not None:
+            self.protected_tokens -= rec.offload_tokens
+        rec.protected = None
+        rec.pinned = None
+
+    def reset(self) -> None:
+        self._loads.clear()
+        self._loading_nodes.clear()
+
+    def describe(self, rec: SessionRecord) -> dict[str, object]:
+        node = rec.node
+        if node is None or not attached(self.tree, node):
+            return {"tier": Tier.EVICTED.value, "tokens": 0, "device_tokens": 0, "host_tokens": 0}
+        path = path_to(self.tree, node)
+        return {
+            "tier": tier(self.tree, node, loading=self._node_loading(node)).value,
+            "tokens": _ntok(path),
+            "device_tokens": sum(len(m.key) for m in path if m.value is not None),
+            "host_tokens": sum(len(m.key) for m in path if m.host_value is not None),
+        }

@@ -1,0 +1,169 @@
+"""The two lifecycle tables — session phases and node tiers — declared once, run on ``transitions``.
+
+Each row is ``(trigger, source, dest)``; the trigger is the snake_case name of the spec action
+that causes the move (``ToolStart`` → ``tool_start``). ``model_tests/test_tables.py`` extracts the
+same relations from TLC's state graph of ``spec/ToolKV.tla`` and asserts equality, so a change on
+either side without the other breaks the build.
+
+Why one shared ``Machine`` with models that are not registered: ``transitions`` normally decorates
+every model with bound trigger methods (~20 objects each). With 100k tracked sessions that is
+memory for nothing; ``machine.events[trigger].trigger(model)`` runs the same transition logic
+(source check, conditions, state write) against any object that has a ``state`` attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from transitions import Machine, MachineError
+
+# ---- sessions --------------------------------------------------------------------------------------
+SESSION_STATES: tuple[str, ...] = (
+    "Running",  # tracked; its KV is in the tree on the GPU, or it never had one
+    "Offloading",  # tool_start accepted; GPU→host writes in flight, GPU copy not yet freed
+    "Offloaded",  # GPU copy freed; host copy protected
+    "Restoring",  # tool_end accepted; host→GPU load in flight
+    "Runnable",  # restored; the whole path is on the GPU and readable
+    "Expired",  # the TTL released the protection before a tool_end came
+    "Lost",  # the tree was reset while the session was offloaded: the KV is gone
+    "Closed",  # the client closed the session
+)
+PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring"})
+
+ALL = "*"
+SESSION_TRANSITIONS: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
+    ("insert", ("Running", "Runnable"), "Running"),
+    ("tool_start", "Running", "Offloading"),
+    ("tool_start", "Running", "Offloaded"),  # nothing was in flight: finished at once
+    ("write_ack", "Offloading", "Offloaded"),
+    ("tool_end", "Offloading", "Runnable"),  # cancel before anything was freed
+    ("tool_end", "Offloaded", "Restoring"),
+    ("tool_end", "Offloaded", "Runnable"),  # nothing to load (someone else restored it)
+    ("tool_end", "Offloading", "Restoring"),
+    ("load_ack", "Restoring", "Runnable"),
+    ("ttl_sweep", ("Offloading", "Offloaded", "Restoring"), "Expired"),
+    ("tree_reset", ("Offloading", "Offloaded", "Restoring"), "Lost"),
+    ("close", tuple(s for s in SESSION_STATES if s != "Closed"), "Closed"),
+)
+
+# ---- node tiers --------------------------------------------------------------------------------------
+TIER_STATES: tuple[str, ...] = (
+    "Unborn",  # not created yet (spec only; the implementation has no such object)
+    "GPU",
+    "BackingUp",
+    "CpuProtected",
+    "CpuUnprotected",
+    "Loading",
+    "Evicted",  # deleted from the tree (status Gone in the spec)
+)
+
+# Filled from the spec's state graph (see model_tests/test_tables.py for the extraction).
+TIER_TRANSITIONS: tuple[tuple[str, str | tuple[str, ...], str], ...] = ()
+
+
+class _DestIs:
+    """Row condition: the caller asked for this destination (or did not say)."""
+
+    __slots__ = ("dest",)
+
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+
+    def __call__(self, event: Any) -> bool:
+        target = getattr(event.model, "target", None)
+        return target is None or target == self.dest
+
+
+def _rows(table: Iterable[tuple[str, str | tuple[str, ...], str]], states: tuple[str, ...]) -> list[
+    dict[str, Any]
+]:
+    rows = []
+    for trigger, source, dest in table:
+        src = list(states) if source == ALL else [source] if isinstance(source, str) else list(source)
+        rows.append({"trigger": trigger, "source": src, "dest": dest, "conditions": [_DestIs(dest)]})
+    return rows
+
+
+def relation(table: Iterable[tuple[str, str | tuple[str, ...], str]]) -> set[tuple[str, str, str]]:
+    """The table as a set of (source, dest, trigger) triples — the form the spec comparison uses."""
+    out = set()
+    for trigger, source, dest in table:
+        for src in [source] if isinstance(source, str) else source:
+            out.add((src, dest, trigger))
+    return out
+
+
+def _machine(states: tuple[str, ...], table: Iterable[tuple[str, str | tuple[str, ...], str]]) -> Machine:
+    return Machine(
+        model=None,
+        states=list(states),
+        transitions=_rows(table, states),
+        initial=states[0],
+        auto_transitions=False,
+        ignore_invalid_triggers=False,
+        send_event=True,
+    )
+
+
+SESSION_MACHINE = _machine(SESSION_STATES, SESSION_TRANSITIONS)
+_SESSION_REL = relation(SESSION_TRANSITIONS)
+
+
+class IllegalTransition(AssertionError):
+    """A move that the lifecycle table (and therefore the spec) does not allow: always a bug."""
+
+
+def fire(model: Any, trigger: str, dest: str) -> None:
+    """Move ``model.state`` to ``dest`` through ``trigger``, run by the session machine.
+
+    The destination is chosen by the caller (the manager knows which branch of the spec action it
+    is in); the table decides whether the move exists. Several rows share a trigger and source
+    (``tool_start`` ends in Offloading or Offloaded), so every row carries the condition "the
+    caller asked for my destination" and ``transitions`` runs the one that matches.
+    """
+    src = model.state
+    model.target = dest
+    try:
+        ok = SESSION_MACHINE.events[trigger].trigger(model)
+    except (MachineError, KeyError) as exc:
+        raise IllegalTransition(f"{trigger}: {src} -> {dest} is not in the session lifecycle table") from exc
+    finally:
+        model.target = None
+    if not ok or model.state != dest:
+        raise IllegalTransition(f"{trigger}: {src} -> {dest} is not in the session lifecycle table")
+
+
+@dataclass
+class _TierModel:
+    state: str
+
+
+class TierMonitor:
+    """Checks observed tier changes of nodes against ``TIER_TRANSITIONS`` (run on ``transitions``).
+
+    Used by the fuzz campaign and the conformance replay, which know which action ran. An empty
+    table (before the extraction ran) accepts everything.
+    """
+
+    def __init__(self, table: Iterable[tuple[str, str | tuple[str, ...], str]] = TIER_TRANSITIONS) -> None:
+        rows = list(table)
+        self.enabled = bool(rows)
+        self.rel = relation(rows)
+        self.machine = _machine(TIER_STATES, rows) if rows else None
+
+    def observe(self, action: str, before: Mapping[Any, str], after: Mapping[Any, str]) -> None:
+        if self.machine is None:
+            return
+        for node, old in before.items():
+            new = after.get(node, "Evicted")
+            if old == new:
+                continue
+            model = _TierModel(old)
+            try:
+                self.machine.events[action].trigger(model)
+            except (MachineError, KeyError) as exc:
+                raise IllegalTransition(f"{action}: tier {old} -> {new} not in the tier table") from exc
+            if (old, new, action) not in self.rel:
+                raise IllegalTransition(f"{action}: tier {old} -> {new} not in the tier table")

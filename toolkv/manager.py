@@ -1,0 +1,359 @@
+"""ToolKVManager: the scheduler-side implementation of ``spec/ToolKV.tla``'s manager actions.
+
+Single-threaded by design: every method runs on the scheduler thread (inside a request handler or
+the per-iteration tick), so on every tensor-parallel rank the same calls happen at the same
+iteration with the same inputs. Time comes in as an argument (``tick(now)``) and asynchronous
+completion is read off the tree after sglang's own ``writing_check``/``loading_check`` (which agree
+across ranks with an all-reduce MIN), so nothing here reads a local clock or a local event without
+agreement.
+
+Spec action → method: ``Insert`` → :meth:`record_turn`, ``ToolStart`` → :meth:`tool_start`,
+``WriteAck`` → :meth:`process_write_acks`, ``ToolEnd`` → :meth:`tool_end`, ``LoadAck`` →
+:meth:`process_load_acks`, ``TtlSweep`` → :meth:`ttl_sweep`, ``Close`` → :meth:`close`,
+``TreeReset`` → :meth:`on_tree_reset`, ``Tick`` → :meth:`set_clock`. :meth:`tick` is what the
+scheduler calls once per iteration: the clock, then every enabled manager action.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from toolkv import lifecycle
+from toolkv.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.errors import (
+    BadRequest,
+    DeviceMemoryFull,
+    SessionKVLost,
+    StaleEpoch,
+    UnknownSession,
+    WrongState,
+)
+from toolkv.lifecycle import PROTECTING, fire
+from toolkv.session import SessionRecord
+from toolkv.treeops import Tree, attached, walk
+
+log = logging.getLogger("toolkv")
+
+# Seeded defects for mutation testing, named as in the spec's BUG constant. Never set in production.
+CAVEATS = frozenset(
+    {"HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected", "StaleNode", "NoTtl", "FreeBeforeAck",
+     "EarlyRunnable"}
+)
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    ttl_s: float = 600.0  # how long a protection lives without a tool_end
+    host_budget_tokens: int | None = None  # cap on tokens toolkv keeps protected on host
+    closed_history: int = 10_000  # closed sessions remembered for kv_meta (then 404)
+
+
+class ToolKVManager:
+    """Tracks sessions and moves their KV between tiers through a :class:`Backend`."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        backend: Backend | None = None,
+        *,
+        config: ManagerConfig | None = None,
+        agree: Agreement | None = None,
+        caveats: frozenset[str] = frozenset(),
+    ) -> None:
+        unknown = caveats - CAVEATS
+        if unknown:
+            raise ValueError(f"unknown caveats {sorted(unknown)}")
+        self.config = config or ManagerConfig()
+        self.agree = agree or LocalAgreement()
+        self.caveats = caveats
+        self.tree = tree
+        if backend is None:
+            backend = make_backend(tree, config=self.config, agree=self.agree, caveats=caveats)
+        self.backend = backend
+        self.sessions: dict[str, SessionRecord] = {}
+        self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
+        self._offloading: dict[str, SessionRecord] = {}
+        self._restoring: dict[str, SessionRecord] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, session id), lazy deletion
+        self._seq = 0
+        self.now = 0.0
+        self.tree_gen = 0
+        self.counters: Counter[str] = Counter()
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def _get(self, session_id: str) -> SessionRecord:
+        if not isinstance(session_id, str) or not session_id:
+            raise BadRequest("session_id must be a non-empty string")
+        rec = self.sessions.get(session_id)
+        if rec is None:
+            rec = self._closed.get(session_id)
+        if rec is None:
+            raise UnknownSession(f"unknown session {session_id!r}", session_id=session_id)
+        return rec
+
+    def _live_node(self, rec: SessionRecord) -> Any:
+        """The session's node if it is still in the current tree, else a re-walk by its tokens
+        (caveat 5: never act on a stale node). Returns None when nothing is left."""
+        node = rec.node
+        if node is not None and (
+            "StaleNode" in self.caveats or (rec.tree_gen == self.tree_gen and attached(self.tree, node))
+        ):
+            return node
+        if not rec.tokens:
+            return None
+        found, matched = walk(self.tree, rec.tokens, rec.extra_key)
+        if matched == len(rec.tokens) and found is not self.tree.root_node:
+            return found
+        return None
+
+    def _arm_deadline(self, rec: SessionRecord) -> None:
+        self._seq += 1
+        rec.deadline = self.now + self.config.ttl_s
+        rec.deadline_seq = self._seq
+        heapq.heappush(self._deadlines, (rec.deadline, self._seq, rec.session_id))
+
+    def _settle(self, rec: SessionRecord) -> None:
+        self._offloading.pop(rec.session_id, None)
+        self._restoring.pop(rec.session_id, None)
+        rec.deadline = math.inf
+
+    # ---- Insert ---------------------------------------------------------------------------------------
+    def record_turn(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
+        """A turn of the session finished and its KV landed in the tree (``cache_finished_req``)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise BadRequest("session_id must be a non-empty string")
+        rec = self.sessions.get(session_id)
+        if rec is None:
+            self._closed.pop(session_id, None)
+            rec = SessionRecord(session_id=session_id)
+        elif rec.state not in ("Running", "Runnable"):
+            raise WrongState(
+                f"session {session_id!r} is {rec.state}; a turn can only end while Running or Runnable",
+                state=rec.state,
+            )
+        node, matched = walk(self.tree, tokens, extra_key)
+        self.sessions[session_id] = rec
+        rec.tokens = array("q", tokens[:matched])
+        rec.extra_key = extra_key
+        rec.node = node if matched else None
+        rec.tree_gen = self.tree_gen
+        if rec.state != "Running":
+            fire(rec, "insert", "Running")
+        self.counters["turns"] += 1
+
+    # ---- ToolStart ------------------------------------------------------------------------------------
+    def tool_start(self, session_id: str) -> dict[str, object]:
+        rec = self._get(session_id)
+        if rec.state != "Running":
+            raise WrongState(f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state)
+        node = self._live_node(rec)
+        if node is None:
+            had = rec.node is not None
+            rec.node = None
+            self.counters["kv_lost"] += 1
+            raise SessionKVLost(
+                f"session {session_id!r} has no KV in the cache" + (" any more" if had else " yet"),
+                session_id=session_id,
+            )
+        rec.node, rec.tree_gen = node, self.tree_gen
+        clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
+        rec.epoch += 1
+        self._arm_deadline(rec)
+        if clean or "FreeBeforeAck" in self.caveats:
+            self.backend.free_gpu([rec])
+            fire(rec, "tool_start", "Offloaded")
+        else:
+            fire(rec, "tool_start", "Offloading")
+            self._offloading[session_id] = rec
+        self.counters["tool_start"] += 1
+        self.counters["offloaded_tokens"] += rec.offload_tokens
+        log.info("tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens)
+        return self._meta(rec)
+
+    # ---- WriteAck -------------------------------------------------------------------------------------
+    def process_write_acks(self) -> int:
+        """Finish every offload whose path writes are all acknowledged; returns how many."""
+        if not self._offloading:
+            return 0
+        done = [r for r in self._offloading.values() if not self.backend.offload_pending(r)]
+        if not done:
+            return 0
+        self.backend.free_gpu(done)
+        for rec in done:
+            del self._offloading[rec.session_id]
+            fire(rec, "write_ack", "Offloaded")
+            self.counters["freed_tokens"] += rec.freed_tokens
+        return len(done)
+
+    # ---- ToolEnd --------------------------------------------------------------------------------------
+    def tool_end(self, session_id: str, epoch: int) -> dict[str, object]:
+        rec = self._get(session_id)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise BadRequest("epoch must be an integer")
+        if epoch != rec.epoch:
+            self.counters["stale_epoch"] += 1
+            raise StaleEpoch(
+                f"epoch {epoch} is stale for session {session_id!r} (current {rec.epoch})",
+                current_epoch=rec.epoch,
+            )
+        if rec.state == "Restoring" and "DoubleLoad" in self.caveats:
+            self.backend.restore(rec)  # the mutant issues a second load for the same node
+            return self._meta(rec)
+        if rec.state not in ("Offloading", "Offloaded"):
+            raise WrongState(f"tool_end needs an offloaded session; {session_id!r} is {rec.state}", state=rec.state)
+        try:
+            runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
+        except DeviceMemoryFull:
+            self.counters["restore_deferred"] += 1
+            if "HostLockLeak" in self.caveats:  # the mutant gives up without releasing the host ref
+                rec.protected = None
+                self._settle(rec)
+                rec.state = "Expired"
+            raise
+        self._offloading.pop(session_id, None)
+        if runnable:
+            self._settle(rec)
+            fire(rec, "tool_end", "Runnable")
+        else:
+            fire(rec, "tool_end", "Restoring")
+            self._restoring[session_id] = rec
+        self.counters["tool_end"] += 1
+        self.counters["restored_tokens"] += rec.restored_tokens
+        log.info("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
+        return self._meta(rec)
+
+    # ---- LoadAck --------------------------------------------------------------------------------------
+    def process_load_acks(self) -> int:
+        if not self._restoring:
+            return 0
+        self.backend.poll_loads()
+        done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
+        for rec in done:
+            self.backend.release(rec)
+            self._settle(rec)
+            fire(rec, "load_ack", "Runnable")
+        return len(done)
+
+    # ---- TtlSweep -------------------------------------------------------------------------------------
+    def ttl_sweep(self) -> int:
+        """Release every protection past its deadline. O(1) when none is due, O(k log n) for k."""
+        if "NoTtl" in self.caveats:
+            return 0
+        heap, n = self._deadlines, 0
+        while heap and heap[0][0] <= self.now:
+            deadline, seq, sid = heapq.heappop(heap)
+            rec = self.sessions.get(sid)
+            if rec is None or rec.deadline_seq != seq or rec.state not in PROTECTING:
+                continue  # lazily deleted entry
+            self.backend.release(rec)
+            self._settle(rec)
+            fire(rec, "ttl_sweep", "Expired")
+            self.counters["expired"] += 1
+            log.warning("session %s expired after %.1fs without tool_end", sid, self.config.ttl_s)
+            n += 1
+        return n
+
+    # ---- Close ----------------------------------------------------------------------------------------
+    def close(self, session_id: str) -> dict[str, object]:
+        rec = self._get(session_id)
+        if rec.state == "Closed":
+            raise WrongState(f"session {session_id!r} is already closed", state=rec.state)
+        self.backend.release(rec)
+        self._settle(rec)
+        fire(rec, "close", "Closed")
+        rec.node = None
+        del self.sessions[session_id]
+        self._closed[session_id] = rec
+        while len(self._closed) > self.config.closed_history:
+            self._closed.popitem(last=False)
+        self.counters["closed"] += 1
+        return self._meta(rec)
+
+    # ---- TreeReset ------------------------------------------------------------------------------------
+    def on_tree_reset(self) -> None:
+        """The tree was replaced (flush_cache): every node object is gone, so drop references
+        without releasing; offloaded sessions lose their KV."""
+        self.tree_gen += 1
+        self.backend.reset()
+        for rec in self.sessions.values():
+            self.backend.forget(rec)
+            if rec.state in PROTECTING:
+                self._settle(rec)
+                fire(rec, "tree_reset", "Lost")
+                self.counters["lost"] += 1
+        self._offloading.clear()
+        self._restoring.clear()
+
+    # ---- Tick -----------------------------------------------------------------------------------------
+    def set_clock(self, now: float) -> None:
+        if now < self.now:
+            raise ValueError(f"the agreed clock went backwards ({now} < {self.now})")
+        self.now = now
+
+    def tick(self, now: float) -> None:
+        """Once per scheduler iteration, after sglang processed its acks. ``now`` must already be
+        agreed across ranks. Idle cost: three emptiness checks."""
+        self.set_clock(now)
+        if self._offloading:
+            self.process_write_acks()
+        if self._restoring:
+            self.process_load_acks()
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self.ttl_sweep()
+
+    # ---- kv_meta --------------------------------------------------------------------------------------
+    def _meta(self, rec: SessionRecord) -> dict[str, object]:
+        out: dict[str, object] = {
+            "session_id": rec.session_id,
+            "state": rec.state,
+            "epoch": rec.epoch,
+            "backend": self.backend.name,
+            "protected": rec.protected is not None,
+            "deadline": None if math.isinf(rec.deadline) else rec.deadline,
+        }
+        if rec.state == "Closed":
+            out.update(tier="Evicted", tokens=0, device_tokens=0, host_tokens=0)
+        else:
+            out.update(self.backend.describe(rec))
+        return out
+
+    def kv_meta(self, session_id: str | None = None) -> dict[str, object]:
+        if session_id is not None:
+            return self._meta(self._get(session_id))
+        states = Counter(r.state for r in self.sessions.values())
+        return {
+            "backend": self.backend.name,
+            "sessions": len(self.sessions),
+            "states": dict(states),
+            "now": self.now,
+            "counters": dict(self.counters),
+        }
+
+
+def make_backend(
+    tree: Tree,
+    *,
+    config: ManagerConfig,
+    agree: Agreement,
+    caveats: frozenset[str] = frozenset(),
+    fallback: str = "pin",
+) -> Backend:
+    """HiRadixCache → host offload; plain RadixCache → GPU pin (default) or shadow copy."""
+    if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
+        from toolkv.backends.hiradix import HiRadixBackend
+
+        return HiRadixBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats)
+    if fallback == "shadow":
+        from toolkv.backends.shadow import ShadowBackend
+
+        return ShadowBackend(tree, agree=agree, budget_tokens=config.host_budget_tokens)
+    from toolkv.backends.pin import PinBackend
+
+    return PinBackend(tree, agree=agree, budget_tokens=config.host_budget_tokens)

@@ -1,0 +1,40 @@
+"""The manager's record of one agent session (the spec's per-session variables)."""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkv.treeops import TreeNode
+
+
+@dataclass(slots=True, eq=False)
+class SessionRecord:
+    """Spec variables ``phase``, ``ref``, ``epoch``, ``prot``, ``deadline`` of one session, plus
+    what the implementation needs to re-find and describe its KV.
+
+    ``node`` is the session's last node (``ref``); it can go stale, so it is only ever used after
+    ``treeops.attached`` and the tree generation check. ``protected`` and ``pinned`` are the exact
+    objects this session took a ``host_ref_counter`` / ``lock_ref`` on — released exactly once.
+    """
+
+    session_id: str
+    state: str = "Running"
+    epoch: int = 0
+    tokens: array = field(default_factory=lambda: array("q"))
+    extra_key: str | None = None
+    node: TreeNode | None = None
+    tree_gen: int = 0
+    protected: TreeNode | None = None
+    pinned: TreeNode | None = None
+    deadline: float = math.inf
+    deadline_seq: int = 0
+    # per-offload bookkeeping for kv_meta / metrics
+    offload_tokens: int = 0
+    freed_tokens: int = 0
+    restored_tokens: int = 0
+    backend_state: Any = None  # backend-private (e.g. the shadow snapshot)
+    last_error: str = ""
+    target: str | None = None  # used by lifecycle.fire while a transition runs
