@@ -1,0 +1,297 @@
+"""ToolKVManager on the real HiRadixCache / RadixCache CPU harness: lifecycle, byte-exact
+restores, typed errors that change nothing, and every lock/host ref/slot returned."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from toolkv.errors import (
+    BadRequest,
+    DeviceMemoryFull,
+    HostMemoryFull,
+    SessionKVLost,
+    StaleEpoch,
+    UnknownSession,
+    WrongState,
+)
+from toolkv.manager import ManagerConfig, ToolKVManager
+from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+SHARED = list(range(1, 33))
+
+
+def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torch.Tensor:
+    """A turn finishes: its KV lands in the tree (like cache_finished_req) and is recorded."""
+    idx = h.alloc(len(tokens))
+    assert idx is not None
+    h.insert(tokens, idx)
+    m.record_turn(sid, tokens)
+    return h.device_kv(h.match(tokens).device_indices).clone()
+
+
+def step(h: CacheHarness, m: ToolKVManager, now: float, *, writes: bool = False, loads: bool = False) -> None:
+    """One scheduler iteration: optionally let copies finish, sglang's ack checks, the tick."""
+    if writes:
+        h.complete("write")
+    if loads:
+        h.complete("load")
+    h.check_events()
+    m.tick(now)
+
+
+def drain(h: CacheHarness) -> None:
+    h.synchronize()
+    h.check_events()
+    h.evict_device(10**6)
+    if h.is_hi:
+        h.check_events()
+        h.evict_host(10**6)
+
+
+@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
+def hh(request: pytest.FixtureRequest) -> Iterator[CacheHarness]:
+    h = CacheHarness(HarnessConfig(page_size=request.param))
+    yield h
+    h.close()
+
+
+def test_full_cycle_restores_identical_bytes_and_returns_everything(hh: CacheHarness) -> None:
+    h = hh
+    initial = h.accounting()
+    m = ToolKVManager(h.tree)
+    a = SHARED + list(range(100, 132))
+    b = SHARED + list(range(200, 232))
+    kv_a = turn(h, m, "a", a)
+    turn(h, m, "b", b)
+
+    r = m.tool_start("a")
+    assert r["state"] == "Offloading" and r["epoch"] == 1 and r["protected"] is True
+    step(h, m, 1)
+    assert m.kv_meta("a")["state"] == "Offloading", "the GPU copy is never freed before the write ack"
+    device_free_before = h.allocator.available_size()
+    step(h, m, 2, writes=True)
+    meta = m.kv_meta("a")
+    assert meta["state"] == "Offloaded" and meta["tier"] == "CpuProtected"
+    assert h.allocator.available_size() - device_free_before == 32, "only a's exclusive suffix is freed"
+    assert meta["device_tokens"] == 32 and meta["host_tokens"] == 64
+
+    h.scribble_unreferenced()
+    with pytest.raises(StaleEpoch):
+        m.tool_end("a", 0)
+    assert m.kv_meta("a")["state"] == "Offloaded"
+    r = m.tool_end("a", 1)
+    assert r["state"] == "Restoring" and r["tier"] == "Loading"
+    step(h, m, 3)
+    assert m.kv_meta("a")["state"] == "Restoring", "not runnable before the load ack"
+    step(h, m, 4, loads=True)
+    assert m.kv_meta("a")["state"] == "Runnable"
+    assert torch.equal(h.device_kv(h.match(a).device_indices), kv_a)
+
+    m.close("a")
+    m.close("b")
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_offload_finishes_at_once_when_nothing_is_in_flight(hh: CacheHarness) -> None:
+    h = hh
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", SHARED + list(range(50, 82)))
+    step(h, m, 1, writes=True)  # write-through already finished
+    assert m.tool_start("a")["state"] == "Offloaded"
+
+
+def test_errors_are_typed_and_change_nothing(hh: CacheHarness) -> None:
+    h = hh
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", SHARED)
+    before = (h.accounting(), m.kv_meta("a"))
+    with pytest.raises(UnknownSession):
+        m.tool_start("nope")
+    with pytest.raises(BadRequest):
+        m.tool_start("")
+    with pytest.raises(WrongState):
+        m.tool_end("a", 0)  # running, not offloaded
+    with pytest.raises(StaleEpoch):
+        m.tool_end("a", 5)
+    with pytest.raises(BadRequest):
+        m.tool_end("a", "0")  # type: ignore[arg-type]
+    assert (h.accounting(), m.kv_meta("a")) == before
+    m.tool_start("a")
+    with pytest.raises(WrongState):
+        m.tool_start("a")
+
+
+def test_host_pool_full_refuses_without_changes() -> None:
+    with CacheHarness(HarnessConfig(device_tokens=256, host_ratio=0.2, write_policy="write_through_selective")) as h:
+        m = ToolKVManager(h.tree)
+        turn(h, m, "a", list(range(1, 129)))  # selective: no write-through on the first hit
+        before = (h.accounting(), m.kv_meta("a"))
+        with pytest.raises(HostMemoryFull) as ei:
+            m.tool_start("a")
+        assert ei.value.http_status == 507
+        assert (h.accounting(), m.kv_meta("a")) == before
+
+
+def test_host_budget_refuses_without_changes(hh: CacheHarness) -> None:
+    h = hh
+    m = ToolKVManager(h.tree, config=ManagerConfig(host_budget_tokens=40))
+    turn(h, m, "a", SHARED + list(range(100, 132)))
+    with pytest.raises(HostMemoryFull):
+        m.tool_start("a")
+    assert m.kv_meta("a")["state"] == "Running" and m.kv_meta("a")["epoch"] == 0
+
+
+def test_restore_without_device_memory_stays_offloaded_and_protected(hh: CacheHarness) -> None:
+    h = hh
+    initial = h.accounting()
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", list(range(1, 65)))
+    step(h, m, 1, writes=True)
+    m.tool_start("a")
+    hog = h.alloc(h.allocator.available_size())  # another request takes all free device memory
+    assert hog is not None
+    with pytest.raises(DeviceMemoryFull) as ei:
+        m.tool_end("a", 1)
+    assert ei.value.http_status == 503
+    meta = m.kv_meta("a")
+    assert meta["state"] == "Offloaded" and meta["protected"] is True
+    h.allocator.free(hog)
+    assert m.tool_end("a", 1)["state"] == "Restoring"  # the retry works
+    step(h, m, 2, loads=True)
+    assert m.kv_meta("a")["state"] == "Runnable"
+    m.close("a")
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_ttl_releases_an_abandoned_protection(hh: CacheHarness) -> None:
+    h = hh
+    initial = h.accounting()
+    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=10))
+    turn(h, m, "a", list(range(1, 65)))
+    m.tool_start("a")
+    step(h, m, 5, writes=True)
+    assert m.kv_meta("a")["state"] == "Offloaded"
+    step(h, m, 9.9)
+    assert m.kv_meta("a")["protected"] is True
+    step(h, m, 10)
+    meta = m.kv_meta("a")
+    assert meta["state"] == "Expired" and meta["protected"] is False and meta["tier"] == "CpuUnprotected"
+    with pytest.raises(WrongState):
+        m.tool_end("a", 1)
+    m.close("a")
+    drain(h)
+    assert h.accounting() == initial
+
+
+@pytest.mark.parametrize("when", ["Offloading", "Offloaded", "Restoring"])
+def test_close_releases_in_every_protecting_state(hh: CacheHarness, when: str) -> None:
+    h = hh
+    initial = h.accounting()
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", list(range(1, 65)))
+    m.tool_start("a")
+    if when != "Offloading":
+        step(h, m, 1, writes=True)
+    if when == "Restoring":
+        m.tool_end("a", 1)
+    assert m.kv_meta("a")["state"] == when
+    m.close("a")
+    assert m.kv_meta("a")["state"] == "Closed"
+    with pytest.raises(WrongState):
+        m.close("a")
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_tree_reset_loses_offloaded_sessions_and_stale_nodes_are_rewalked(hh: CacheHarness) -> None:
+    h = hh
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", list(range(1, 65)))
+    turn(h, m, "b", list(range(300, 364)))
+    m.tool_start("a")
+    h.synchronize()
+    h.tree.reset()
+    m.on_tree_reset()
+    assert m.kv_meta("a")["state"] == "Lost"
+    with pytest.raises(SessionKVLost):
+        m.tool_start("b")  # its node is gone and the token walk finds nothing
+    # the same tokens come back (another request recomputed them): the walk re-finds them
+    turn(h, m, "b", list(range(300, 364)))
+    assert m.tool_start("b")["state"] in ("Offloading", "Offloaded")
+
+
+def test_split_keeps_the_protected_leaf(hh: CacheHarness) -> None:
+    h = hh
+    initial = h.accounting()
+    m = ToolKVManager(h.tree)
+    a = list(range(1, 65))
+    kv = turn(h, m, "a", a)
+    m.tool_start("a")
+    step(h, m, 1, writes=True)
+    h.match(a[:32])  # a diverging request splits a's node; the leaf object keeps the suffix
+    m.tool_end("a", 1)
+    step(h, m, 2, loads=True)
+    assert m.kv_meta("a")["state"] == "Runnable"
+    assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
+    m.close("a")
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_idle_tick_does_nothing(hh: CacheHarness) -> None:
+    h = hh
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", SHARED)
+    before = h.accounting()
+    for t in range(100):
+        m.tick(float(t))
+    assert h.accounting() == before and m.kv_meta("a")["state"] == "Running"
+    with pytest.raises(ValueError):
+        m.tick(1.0)  # the agreed clock never goes back
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pin_backend_on_plain_radix_cache(page_size: int) -> None:
+    with CacheHarness(HarnessConfig(kind="radix", page_size=page_size)) as h:
+        initial = h.accounting()
+        m = ToolKVManager(h.tree, config=ManagerConfig(host_budget_tokens=100))
+        turn(h, m, "a", list(range(1, 65)))
+        r = m.tool_start("a")
+        assert r["backend"] == "pin" and r["state"] == "Offloaded" and r["pinned"] is True
+        assert h.evict_device(10**6) == 0, "a pinned session survives eviction pressure"
+        turn(h, m, "b", list(range(500, 564)))
+        with pytest.raises(HostMemoryFull):
+            m.tool_start("b")  # 64 + 64 > budget 100
+        assert m.tool_end("a", 1)["state"] == "Runnable"
+        m.close("a")
+        m.close("b")
+        h.evict_device(10**6)
+        assert h.accounting() == initial
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shadow_backend_frees_gpu_and_reinserts_identical_bytes(page_size: int) -> None:
+    from toolkv.backends.shadow import ShadowBackend
+
+    with CacheHarness(HarnessConfig(kind="radix", page_size=page_size)) as h:
+        initial = h.accounting()
+        m = ToolKVManager(h.tree, ShadowBackend(h.tree))
+        a = SHARED + list(range(100, 132))
+        kv_a = turn(h, m, "a", a)
+        turn(h, m, "b", SHARED + list(range(200, 232)))
+        free0 = h.allocator.available_size()
+        assert m.tool_start("a")["state"] == "Offloaded"
+        assert h.allocator.available_size() - free0 == 32, "a's exclusive branch left the GPU"
+        assert h.match(a).device_indices.numel() == 32
+        h.scribble_unreferenced()
+        assert m.tool_end("a", 1)["state"] == "Runnable"
+        assert torch.equal(h.device_kv(h.match(a).device_indices), kv_a)
+        m.close("a")
+        m.close("b")
+        h.evict_device(10**6)
+        assert h.accounting() == initial

@@ -1,0 +1,79 @@
+"""Plain RadixCache fallback: keep the session's KV on the GPU, pinned against eviction.
+
+There is no host tier to move to, so ToolStart takes one path lock (``inc_lock_ref`` on the
+recorded leaf) within a token budget, and ToolEnd / TTL / Close return it exactly once. The GPU
+memory is not freed during the tool call — the win is that the prefix survives eviction pressure
+and the next turn is a full cache hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from toolkv.backends.base import Agreement, LocalAgreement
+from toolkv.errors import HostMemoryFull
+from toolkv.session import SessionRecord
+from toolkv.treeops import Tier, Tree, TreeNode, attached, path_to
+
+
+class PinBackend:
+    name = "pin"
+
+    def __init__(self, tree: Tree, *, agree: Agreement | None = None, budget_tokens: int | None = None) -> None:
+        self.tree = tree
+        self.agree = agree or LocalAgreement()
+        self.budget_tokens = budget_tokens
+        self.pinned_tokens = 0
+
+    def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        tokens = sum(len(m.key) for m in path_to(self.tree, leaf))
+        ok = self.budget_tokens is None or self.pinned_tokens + tokens <= self.budget_tokens
+        if not self.agree.all_true(ok):
+            raise HostMemoryFull(
+                f"pin budget exhausted: {self.pinned_tokens} + {tokens} > {self.budget_tokens} tokens",
+                need_tokens=tokens,
+            )
+        self.tree.inc_lock_ref(leaf)
+        rec.protected = leaf
+        rec.offload_tokens = tokens
+        self.pinned_tokens += tokens
+        return True
+
+    def offload_pending(self, rec: SessionRecord) -> bool:
+        return False
+
+    def free_gpu(self, recs: Sequence[SessionRecord]) -> None:
+        for r in recs:
+            r.freed_tokens = 0
+
+    def restore(self, rec: SessionRecord) -> bool:
+        self.release(rec)
+        return True
+
+    def poll_loads(self) -> None:
+        return None
+
+    def restore_pending(self, rec: SessionRecord) -> bool:
+        return False
+
+    def release(self, rec: SessionRecord) -> None:
+        if rec.protected is not None:
+            self.tree.dec_lock_ref(rec.protected)
+            rec.protected = None
+            self.pinned_tokens -= rec.offload_tokens
+
+    def forget(self, rec: SessionRecord) -> None:
+        if rec.protected is not None:
+            self.pinned_tokens -= rec.offload_tokens
+        rec.protected = None
+
+    def reset(self) -> None:
+        return None
+
+    def describe(self, rec: SessionRecord) -> dict[str, object]:
+        node = rec.node
+        if node is None or not attached(self.tree, node):
+            return {"tier": Tier.EVICTED.value, "tokens": 0, "device_tokens": 0, "host_tokens": 0}
+        tokens = sum(len(m.key) for m in path_to(self.tree, node))
+        return {"tier": Tier.GPU.value, "pinned": rec.protected is not None, "tokens": tokens,
+                "device_tokens": tokens, "host_tokens": 0}
