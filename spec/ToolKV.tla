@@ -1,0 +1,582 @@
+------------------------------- MODULE ToolKV -------------------------------
+(***************************************************************************)
+(* Tool-call-aware KV-cache tiering on top of SGLang's HiRadixCache.      *)
+(*                                                                         *)
+(* The model has three layers that move concurrently:                      *)
+(*   - the radix tree as HiRadixCache keeps it (device copy, host copy,    *)
+(*     lock_ref, host_ref_counter, in-flight write and load acks);         *)
+(*   - the toolkv manager (ToolStart, WriteAck, ToolEnd, LoadAck,          *)
+(*     TtlSweep, Close), which must only ever act on the current tree;     *)
+(*   - the environment: other requests, HiCache's own eviction and         *)
+(*     write-through, splits, flushes and the clock.                       *)
+(*                                                                         *)
+(* Every action is deterministic once its parameters are fixed, and it     *)
+(* records itself in the history variable `act`, so that an edge of the    *)
+(* state graph can be replayed on the Python implementation.  A constant   *)
+(* BUG switches on one seeded defect at a time (see docs/caveats.md).      *)
+(***************************************************************************)
+EXTENDS Integers, FiniteSets, TLC
+
+CONSTANTS
+    Nodes,      \* identities of TreeNode objects; never reused (Python object identity)
+    Sessions,   \* agent sessions
+    Root,       \* the radix root: always on device and on host, never evicted
+    NoNode,     \* "no node" (a null reference, also "no ack key")
+    DevSlots,   \* device KV slots; every node occupies exactly one while on device
+    HostSlots,  \* host KV slots; every node occupies exactly one while backed up
+    MaxEpoch,   \* bound on offloads per session (epochs are 1..MaxEpoch)
+    MaxTime,    \* the clock saturates here; deadlines are clamped to it
+    TTL,        \* ticks a protection may live without a ToolEnd
+    MaxResets,  \* bound on flush_cache / tree resets
+    EnvLocks,   \* BOOLEAN: model other requests locking shared prefixes
+    EnvWrites,  \* BOOLEAN: model HiCache's own write-through backups
+    Hist,       \* BOOLEAN: maintain the history variables act and tgt
+    BUG         \* "none" or the name of one seeded defect
+
+Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
+         "StaleNode", "NoTtl", "FreeBeforeAck", "EarlyRunnable",
+         "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse"}
+
+ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
+       /\ DevSlots \in Nat /\ HostSlots \in Nat
+       /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ MaxResets \in Nat
+       /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
+       /\ BUG \in Bugs
+
+VARIABLES
+    \* ---- radix tree (HiRadixCache) ----
+    status,    \* [Nodes -> {"Unborn","InTree","Gone"}]; Gone = detached, possibly still referenced
+    parent,    \* [Nodes -> Nodes \cup {Root}]; a VARIABLE because a split inserts a new prefix node
+    dev,       \* [Nodes -> BOOLEAN]; node.value is not None (a device slot is held)
+    host,      \* [Nodes -> BOOLEAN]; node.host_value is not None (a host slot is held)
+    lockRef,   \* [Nodes -> Nat]; path lock count (inc/dec_lock_ref walk to the root)
+    hostRef,   \* [Nodes -> Nat]; host_ref_counter (protect_host / release_host)
+    writeKey,  \* [Nodes -> Nodes \cup {NoNode}]; ack id of the D2H write that fills this host copy
+    loadKey,   \* [Nodes -> Nodes \cup {NoNode}]; ack id of the H2D load that fills this device copy
+    loadAcks,  \* [Nodes -> Nat]; in-flight load acks keyed by node id (ongoing_load_back)
+    extLock,   \* [Nodes -> BOOLEAN]; some other request holds a path lock ending here
+    devFree,   \* free device slots
+    hostFree,  \* free host slots
+    \* ---- toolkv manager, per session ----
+    phase,     \* [Sessions -> Phases]
+    ref,       \* [Sessions -> Nodes \cup {NoNode}]; the session's last node (may go stale)
+    epoch,     \* [Sessions -> 0..MaxEpoch]; bumped by every successful ToolStart
+    prot,      \* [Sessions -> Nodes \cup {NoNode}]; the node whose host copy this session protects
+    deadline,  \* [Sessions -> 0..MaxTime]; TTL deadline of the protection
+    \* ---- environment ----
+    now,       \* 0..MaxTime
+    resets,    \* 0..MaxResets, number of tree resets so far
+    \* ---- history (for invariants over steps and for replay) ----
+    act,       \* the last action with its parameters, e.g. <<"ToolStart", s>>
+    tgt        \* the session-referenced nodes the last manager step acted upon
+
+treeVars == <<status, parent, dev, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock,
+              devFree, hostFree>>
+sessVars == <<phase, ref, epoch, prot, deadline>>
+envVars  == <<now, resets>>
+core     == <<treeVars, sessVars, envVars>>
+vars     == <<core, act, tgt>>
+
+\* TLC fingerprints states by this view: `act` is history only and would multiply the state
+\* count by the number of distinct labels.  `tgt` stays in because NoStaleTarget reads it.
+View == <<core, tgt>>
+
+Sym == Permutations(Nodes) \cup Permutations(Sessions)
+
+Phases == {"Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed"}
+Protecting == {"Offloading", "Offloaded", "Restoring"}
+Settled == {"Runnable", "Expired", "Lost", "Closed"}
+
+-----------------------------------------------------------------------------
+(* Tree helpers *)
+
+InTree == {n \in Nodes : status[n] = "InTree"}
+
+\* n and its ancestors up to (excluding) the root.  Bounded so that it also terminates on
+\* detached nodes, whose parent pointers Python keeps.
+RECURSIVE PathUpTo(_, _)
+PathUpTo(n, k) == IF n = Root \/ n = NoNode \/ k = 0 THEN {} ELSE {n} \cup PathUpTo(parent[n], k - 1)
+Path(n) == PathUpTo(n, Cardinality(Nodes))
+
+Kids(n) == {c \in InTree : parent[c] = n}
+
+\* Number of keys in K whose path passes through m: the lock a set of path locks puts on m.
+Through(m, K) == Cardinality({k \in K : m \in Path(k)})
+
+\* Add d path locks for every key in K.
+Locked(lr, K, d) == [m \in Nodes |-> lr[m] + d * Through(m, K)]
+
+\* The whole path of n is on device and no load into it is in flight: a forward may read it.
+PathValid(n) == IF n = Root THEN TRUE
+                ELSE status[n] = "InTree" /\ \A m \in Path(n) : dev[m] /\ loadKey[m] = NoNode
+
+WriteKeys == {writeKey[m] : m \in Nodes} \ {NoNode}
+
+\* The tier of a node, as the manager and the metrics would report it.
+Tier(n) ==
+    CASE status[n] = "Unborn"                 -> "Unborn"
+      [] status[n] = "Gone"                   -> "Evicted"
+      [] dev[n] /\ loadKey[n] # NoNode        -> "Loading"
+      [] dev[n] /\ writeKey[n] # NoNode       -> "BackingUp"
+      [] dev[n]                               -> "GPU"
+      [] hostRef[n] > 0                       -> "CpuProtected"
+      [] OTHER                                -> "CpuUnprotected"
+
+\* Nodes whose GPU copy the manager frees when the sessions with leaves L finish offloading:
+\* walk up from each leaf, freeing a node only if it is backed up with its write acked, not
+\* locked, not loading, and every child still on device is itself being freed (bottom-up,
+\* device leaves only, as _evict_backuped requires).  The fixpoint is order-independent.
+FreeSet(L, d, wk, lk, lr) ==
+    LET Cand == UNION {Path(l) : l \in L}
+        Ok(m, F) == /\ d[m] /\ host[m] /\ wk[m] = NoNode /\ lk[m] = NoNode /\ lr[m] = 0
+                    /\ \A c \in Kids(m) : d[c] => c \in F
+        Step(F) == F \cup {m \in Cand : Ok(m, F) /\ (m \in L \/ \E c \in F : parent[c] = m)}
+        RECURSIVE Fix(_, _)
+        Fix(F, k) == IF k = 0 THEN F ELSE Fix(Step(F), k - 1)
+    IN Fix({}, Cardinality(Nodes))
+
+\* The FreeBeforeAck mutant frees without waiting for the ack and ignores locks.
+FreeSetNoAck(L, d) ==
+    LET Cand == UNION {Path(l) : l \in L}
+        Ok(m, F) == d[m] /\ host[m] /\ \A c \in Kids(m) : d[c] => c \in F
+        Step(F) == F \cup {m \in Cand : Ok(m, F) /\ (m \in L \/ \E c \in F : parent[c] = m)}
+        RECURSIVE Fix(_, _)
+        Fix(F, k) == IF k = 0 THEN F ELSE Fix(Step(F), k - 1)
+    IN Fix({}, Cardinality(Nodes))
+
+Rec(a, t) == IF Hist THEN act' = a /\ tgt' = t ELSE UNCHANGED <<act, tgt>>
+
+Min(a, b) == IF a < b THEN a ELSE b
+
+-----------------------------------------------------------------------------
+Init ==
+    /\ status = [n \in Nodes |-> "Unborn"]
+    /\ parent = [n \in Nodes |-> Root]
+    /\ dev = [n \in Nodes |-> FALSE]
+    /\ host = [n \in Nodes |-> FALSE]
+    /\ lockRef = [n \in Nodes |-> 0]
+    /\ hostRef = [n \in Nodes |-> 0]
+    /\ writeKey = [n \in Nodes |-> NoNode]
+    /\ loadKey = [n \in Nodes |-> NoNode]
+    /\ loadAcks = [n \in Nodes |-> 0]
+    /\ extLock = [n \in Nodes |-> FALSE]
+    /\ devFree = DevSlots
+    /\ hostFree = HostSlots
+    /\ phase = [s \in Sessions |-> "Running"]
+    /\ ref = [s \in Sessions |-> NoNode]
+    /\ epoch = [s \in Sessions |-> 0]
+    /\ prot = [s \in Sessions |-> NoNode]
+    /\ deadline = [s \in Sessions |-> 0]
+    /\ now = 0
+    /\ resets = 0
+    /\ act = <<"Init">>
+    /\ tgt = {}
+
+-----------------------------------------------------------------------------
+(* Manager actions *)
+
+\* tool_start: re-validate the session's node; back up its path root-down (write_backup needs
+\* a backed-up parent; all-or-nothing against the free host slots); protect the leaf; bump
+\* the epoch; arm the TTL.  If nothing is in flight, finish the offload at once.
+ToolStart(s) ==
+    LET n == ref[s] IN
+    /\ phase[s] = "Running" /\ n # NoNode /\ epoch[s] < MaxEpoch
+    /\ IF status[n] # "InTree" /\ BUG # "StaleNode"
+       THEN \* stale reference: the token walk finds no live node; forget it, touch nothing
+            /\ ref' = [ref EXCEPT ![s] = NoNode]
+            /\ UNCHANGED <<treeVars, phase, epoch, prot, deadline, envVars>>
+            /\ Rec(<<"ToolStart", s>>, {})
+       ELSE
+         LET W == {m \in Path(n) : ~host[m]} IN
+         IF Cardinality(W) > hostFree
+         THEN \* host pool full at write: the offload is refused, nothing changes
+              /\ UNCHANGED core
+              /\ Rec(<<"ToolStart", s>>, {})
+         ELSE
+           LET wk2 == [m \in Nodes |-> IF m \in W THEN m ELSE writeKey[m]]
+               lr2 == Locked(lockRef, W, 1)
+               clean == \A m \in Path(n) : wk2[m] = NoNode
+               F == IF BUG = "FreeBeforeAck" THEN FreeSetNoAck({n}, dev)
+                    ELSE IF clean THEN FreeSet({n}, dev, wk2, loadKey, lr2) ELSE {}
+           IN
+           /\ host' = [m \in Nodes |-> host[m] \/ m \in W]
+           /\ hostFree' = hostFree - Cardinality(W)
+           /\ writeKey' = wk2
+           /\ lockRef' = lr2
+           /\ hostRef' = [hostRef EXCEPT ![n] = @ + 1]
+           /\ dev' = [m \in Nodes |-> dev[m] /\ m \notin F]
+           /\ devFree' = devFree + Cardinality(F)
+           /\ prot' = [prot EXCEPT ![s] = n]
+           /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
+           /\ deadline' = [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)]
+           /\ phase' = [phase EXCEPT ![s] = IF clean \/ BUG = "FreeBeforeAck" THEN "Offloaded"
+                                                ELSE "Offloading"]
+           /\ UNCHANGED <<status, parent, loadKey, loadAcks, extLock, ref, envVars>>
+           /\ Rec(<<"ToolStart", s>>, {n})
+
+\* writing_check acknowledged the D2H write with id k: clear its pending marks, drop its path
+\* lock, then (manager hook) finish every offloading session whose path is now fully acked:
+\* free the GPU copies bottom-up and mark it Offloaded.
+WriteAck(k) ==
+    /\ \E m \in Nodes : writeKey[m] = k
+    /\ LET wk2 == [m \in Nodes |-> IF writeKey[m] = k THEN NoNode ELSE writeKey[m]]
+           lr2 == Locked(lockRef, {k}, -1)
+           Done == {s \in Sessions : phase[s] = "Offloading" /\ \A m \in Path(ref[s]) : wk2[m] = NoNode}
+           F == FreeSet({ref[s] : s \in Done}, dev, wk2, loadKey, lr2)
+       IN
+       /\ writeKey' = wk2
+       /\ lockRef' = lr2
+       /\ dev' = [m \in Nodes |-> dev[m] /\ m \notin F]
+       /\ devFree' = devFree + Cardinality(F)
+       /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Offloaded" ELSE phase[s]]
+       /\ UNCHANGED <<status, parent, host, hostRef, loadKey, loadAcks, extLock, hostFree,
+                      ref, epoch, prot, deadline, envVars>>
+       /\ Rec(<<"WriteAck", k>>, {ref[s] : s \in Done})
+
+\* tool_end with epoch e.  A stale epoch, or a session that is not offloading/offloaded,
+\* changes nothing.  Otherwise load_back the evicted part of the path (all or nothing against
+\* the free device slots).  On load-back failure the session stays Offloaded and keeps its
+\* protection (the client may retry; the TTL bounds the wait).  On success the manager pins
+\* the path (its own path lock) until the loads are acked; if nothing is in flight the
+\* session is Runnable at once and the protection is released.
+ToolEnd(s, e) ==
+    LET n == ref[s]
+        C == {m \in Path(n) : ~dev[m]}
+    IN
+    /\ phase[s] \in {"Offloading", "Offloaded", "Restoring", "Expired", "Lost"}
+    /\ e \in 0..MaxEpoch
+    /\ IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
+       THEN IF Cardinality(C) > devFree
+            THEN \* load-back failure (no device memory)
+                 /\ IF BUG = "HostLockLeak"
+                    THEN \* the session is given up but its host_ref is never released
+                         /\ phase' = [phase EXCEPT ![s] = "Expired"]
+                         /\ UNCHANGED <<treeVars, ref, epoch, prot, deadline, envVars>>
+                    ELSE UNCHANGED core
+                 /\ Rec(<<"ToolEnd", s, e>>, {n})
+            ELSE
+              LET lk2 == [m \in Nodes |-> IF m \in C THEN n ELSE loadKey[m]]
+                  loads == IF C = {} THEN 0 ELSE 1
+                  ready == \A m \in Path(n) : lk2[m] = NoNode
+                  runnable == ready \/ BUG = "EarlyRunnable"
+                  pin == IF runnable THEN 0 ELSE 1
+              IN
+              /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
+              /\ devFree' = devFree - Cardinality(C)
+              /\ loadKey' = lk2
+              /\ loadAcks' = [loadAcks EXCEPT ![n] = @ + loads]
+              /\ lockRef' = Locked(lockRef, {n}, loads + pin)
+              /\ phase' = [phase EXCEPT ![s] = IF runnable THEN "Runnable" ELSE "Restoring"]
+              /\ prot' = [prot EXCEPT ![s] = IF runnable THEN NoNode ELSE n]
+              /\ hostRef' = [hostRef EXCEPT ![n] = IF runnable THEN @ - 1 ELSE @]
+              /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, deadline,
+                             envVars>>
+              /\ Rec(<<"ToolEnd", s, e>>, {n})
+       ELSE IF BUG = "DoubleLoad" /\ phase[s] = "Restoring" /\ e = epoch[s] /\ loadKey[n] # NoNode
+       THEN \* a retried tool_end issues a second load for a node whose load is still in flight
+            /\ loadAcks' = [loadAcks EXCEPT ![n] = @ + 1]
+            /\ lockRef' = Locked(lockRef, {n}, 1)
+            /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, extLock, devFree,
+                           hostFree, sessVars, envVars>>
+            /\ Rec(<<"ToolEnd", s, e>>, {n})
+       ELSE /\ UNCHANGED core
+            /\ Rec(<<"ToolEnd", s, e>>, {})
+
+\* loading_check acknowledged the H2D load with id k: the loaded nodes become readable, the
+\* load's path lock is dropped, and (manager hook) every restoring session whose whole path is
+\* now readable becomes Runnable, dropping its pin and its protection.
+LoadAck(k) ==
+    /\ loadAcks[k] > 0
+    /\ LET la2 == [loadAcks EXCEPT ![k] = @ - 1]
+           lk2 == IF la2[k] = 0 THEN [m \in Nodes |-> IF loadKey[m] = k THEN NoNode ELSE loadKey[m]]
+                  ELSE loadKey
+           Done == {s \in Sessions : phase[s] = "Restoring"
+                                      /\ \A m \in Path(ref[s]) : dev[m] /\ lk2[m] = NoNode}
+           pins == [m \in Nodes |-> Cardinality({s \in Done : m \in Path(ref[s])})]
+       IN
+       /\ loadAcks' = la2
+       /\ loadKey' = lk2
+       /\ lockRef' = [m \in Nodes |-> lockRef[m] - Through(m, {k}) - pins[m]]
+       /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Runnable" ELSE phase[s]]
+       /\ prot' = [s \in Sessions |-> IF s \in Done THEN NoNode ELSE prot[s]]
+       /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in Done : prot[s] = m})]
+       /\ UNCHANGED <<status, parent, dev, host, writeKey, extLock, devFree, hostFree,
+                      ref, epoch, deadline, envVars>>
+       /\ Rec(<<"LoadAck", k>>, {ref[s] : s \in Done})
+
+\* Release everything session s holds: its protection and, if restoring, its pin.
+Released(S) ==
+    /\ prot' = [s \in Sessions |-> IF s \in S THEN NoNode ELSE prot[s]]
+    /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in S : prot[s] = m})]
+    /\ lockRef' = [m \in Nodes |->
+                     lockRef[m] - Cardinality({s \in S : phase[s] = "Restoring" /\ m \in Path(ref[s])})]
+
+\* The periodic sweep (driven from the scheduler loop): every protection past its deadline is
+\* released and its session expires.
+TtlSweep ==
+    LET Due == {s \in Sessions : phase[s] \in Protecting /\ deadline[s] <= now} IN
+    /\ BUG # "NoTtl"
+    /\ Due # {}
+    /\ Released(Due)
+    /\ phase' = [s \in Sessions |-> IF s \in Due THEN "Expired" ELSE phase[s]]
+    /\ epoch' = IF BUG = "EpochReuse" THEN [s \in Sessions |-> IF s \in Due THEN 0 ELSE epoch[s]]
+                ELSE epoch
+    /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
+                   ref, deadline, envVars>>
+    /\ Rec(<<"TtlSweep">>, {prot[s] : s \in Due})
+
+\* The client closes the session (or it is dropped): release whatever it holds.
+Close(s) ==
+    /\ phase[s] # "Closed"
+    /\ Released({s})
+    /\ phase' = [phase EXCEPT ![s] = "Closed"]
+    /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
+                   ref, epoch, deadline, envVars>>
+    /\ Rec(<<"Close", s>>, {prot[s]} \ {NoNode})
+
+-----------------------------------------------------------------------------
+(* Environment actions: what the rest of SGLang does concurrently *)
+
+\* Another request matches the prefix ending at n and locks it while it runs.
+Lock(n) ==
+    /\ EnvLocks /\ n \in InTree /\ ~extLock[n] /\ PathValid(n)
+    /\ extLock' = [extLock EXCEPT ![n] = TRUE]
+    /\ lockRef' = Locked(lockRef, {n}, 1)
+    /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
+                   sessVars, envVars>>
+    /\ Rec(<<"Lock", n>>, {})
+
+Unlock(n) ==
+    /\ extLock[n]
+    /\ extLock' = [extLock EXCEPT ![n] = FALSE]
+    /\ lockRef' = Locked(lockRef, {n}, -1)
+    /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
+                   sessVars, envVars>>
+    /\ Rec(<<"Unlock", n>>, {})
+
+\* Device eviction of an unlocked device leaf: a backed-up node stays in the tree host-only
+\* (_evict_backuped), any other node is deleted (_evict_regular).
+GpuEvict(n) ==
+    /\ n \in InTree /\ dev[n] /\ lockRef[n] = 0
+    /\ writeKey[n] = NoNode /\ loadKey[n] = NoNode
+    /\ \A c \in Kids(n) : ~dev[c]
+    /\ dev' = [dev EXCEPT ![n] = FALSE]
+    /\ devFree' = devFree + 1
+    /\ IF ~host[n] \/ (BUG = "OrphanHost" /\ Kids(n) = {})
+       THEN status' = [status EXCEPT ![n] = "Gone"]   \* OrphanHost: the host copy leaks
+       ELSE UNCHANGED status
+    /\ UNCHANGED <<parent, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, hostFree,
+                   sessVars, envVars>>
+    /\ Rec(<<"GpuEvict", n>>, {})
+
+\* evict_host: a host-only leaf (no child in the tree), unlocked and unprotected, is deleted
+\* and its host slot freed.
+HostEvict(n) ==
+    /\ n \in InTree /\ host[n] /\ ~dev[n] /\ Kids(n) = {} /\ lockRef[n] = 0
+    /\ IF BUG = "EvictProtected" THEN TRUE ELSE hostRef[n] = 0
+    /\ status' = [status EXCEPT ![n] = "Gone"]
+    /\ host' = [host EXCEPT ![n] = FALSE]
+    /\ hostFree' = hostFree + 1
+    /\ UNCHANGED <<parent, dev, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
+                   sessVars, envVars>>
+    /\ Rec(<<"HostEvict", n>>, {})
+
+\* HiCache's write-through: write_backup of a device node whose parent is backed up.
+WriteThrough(n) ==
+    /\ EnvWrites /\ n \in InTree /\ dev[n] /\ ~host[n] /\ loadKey[n] = NoNode
+    /\ IF parent[n] = Root THEN TRUE ELSE host[parent[n]]
+    /\ hostFree >= 1
+    /\ host' = [host EXCEPT ![n] = TRUE]
+    /\ hostFree' = hostFree - 1
+    /\ writeKey' = [writeKey EXCEPT ![n] = n]
+    /\ lockRef' = Locked(lockRef, {n}, 1)
+    /\ UNCHANGED <<status, parent, dev, hostRef, loadKey, loadAcks, extLock, devFree, sessVars, envVars>>
+    /\ Rec(<<"WriteThrough", n>>, {})
+
+\* A diverging insert splits n: the fresh node m becomes n's prefix, between n and its parent.
+\* n keeps its identity (the suffix).  m copies lock_ref and the in-flight marks but NOT
+\* host_ref_counter.  Slot abstraction: every node holds one slot per tier, so the split
+\* needs a free slot wherever n has a copy.
+Split(n, m) ==
+    /\ n \in InTree /\ status[m] = "Unborn"
+    /\ dev[n] => devFree >= 1
+    /\ host[n] => hostFree >= 1
+    /\ status' = [status EXCEPT ![m] = "InTree"]
+    /\ parent' = [parent EXCEPT ![m] = parent[n], ![n] = m]
+    /\ dev' = [dev EXCEPT ![m] = dev[n]]
+    /\ host' = [host EXCEPT ![m] = host[n]]
+    /\ lockRef' = [lockRef EXCEPT ![m] = lockRef[n]]
+    /\ hostRef' = [hostRef EXCEPT ![m] = IF BUG = "SplitCopiesHostRef" THEN hostRef[n] ELSE 0]
+    /\ writeKey' = [writeKey EXCEPT ![m] = writeKey[n]]
+    /\ loadKey' = [loadKey EXCEPT ![m] = loadKey[n]]
+    /\ devFree' = devFree - (IF dev[n] THEN 1 ELSE 0)
+    /\ hostFree' = hostFree - (IF host[n] THEN 1 ELSE 0)
+    /\ UNCHANGED <<loadAcks, extLock, sessVars, envVars>>
+    /\ Rec(<<"Split", n, m>>, {})
+
+\* Session s's turn finishes (cache_finished_req): its new leaf n lands under p, on device.
+Insert(s, p, n) ==
+    /\ phase[s] \in {"Running", "Runnable"}
+    /\ status[n] = "Unborn"
+    /\ PathValid(p)
+    /\ devFree >= 1
+    /\ status' = [status EXCEPT ![n] = "InTree"]
+    /\ parent' = [parent EXCEPT ![n] = p]
+    /\ dev' = [dev EXCEPT ![n] = TRUE]
+    /\ devFree' = devFree - 1
+    /\ ref' = [ref EXCEPT ![s] = n]
+    /\ phase' = [phase EXCEPT ![s] = "Running"]
+    /\ UNCHANGED <<host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, hostFree,
+                   epoch, prot, deadline, envVars>>
+    /\ Rec(<<"Insert", s, p, n>>, {})
+
+\* flush_cache (only when no request runs): a new tree; controller queues cleared, so no ack
+\* of the old tree is ever delivered.  The manager's reset hook drops every protection without
+\* releasing (the objects are gone) and marks offloaded sessions Lost; running sessions keep
+\* their now stale reference and must re-resolve it.
+TreeReset ==
+    /\ resets < MaxResets
+    /\ \A n \in Nodes : ~extLock[n]
+    /\ status' = [n \in Nodes |-> IF status[n] = "InTree" THEN "Gone" ELSE status[n]]
+    /\ dev' = [n \in Nodes |-> FALSE]
+    /\ host' = [n \in Nodes |-> FALSE]
+    /\ lockRef' = [n \in Nodes |-> 0]
+    /\ hostRef' = [n \in Nodes |-> 0]
+    /\ writeKey' = [n \in Nodes |-> NoNode]
+    /\ loadKey' = [n \in Nodes |-> NoNode]
+    /\ loadAcks' = [n \in Nodes |-> 0]
+    /\ devFree' = DevSlots
+    /\ hostFree' = HostSlots
+    /\ phase' = [s \in Sessions |-> IF phase[s] \in Protecting THEN "Lost" ELSE phase[s]]
+    /\ prot' = [s \in Sessions |-> NoNode]
+    /\ resets' = resets + 1
+    /\ UNCHANGED <<parent, extLock, ref, epoch, deadline, now>>
+    /\ Rec(<<"TreeReset">>, {})
+
+Tick ==
+    /\ now < MaxTime
+    /\ now' = now + 1
+    /\ UNCHANGED <<treeVars, sessVars, resets>>
+    /\ Rec(<<"Tick">>, {})
+
+-----------------------------------------------------------------------------
+ManagerNext ==
+    \/ \E s \in Sessions : ToolStart(s) \/ Close(s)
+    \/ \E s \in Sessions, e \in 0..MaxEpoch : ToolEnd(s, e)
+    \/ \E k \in Nodes : WriteAck(k) \/ LoadAck(k)
+    \/ TtlSweep
+
+EnvNext ==
+    \/ \E n \in Nodes : Lock(n) \/ Unlock(n) \/ GpuEvict(n) \/ HostEvict(n) \/ WriteThrough(n)
+    \/ \E n, m \in Nodes : Split(n, m)
+    \/ \E s \in Sessions, p \in Nodes \cup {Root}, n \in Nodes : Insert(s, p, n)
+    \/ TreeReset
+    \/ Tick
+
+Next == ManagerNext \/ EnvNext
+
+\* Acks, the clock and the sweep are fair; tool_end is not (clients may vanish).
+Fairness ==
+    /\ \A k \in Nodes : WF_vars(WriteAck(k)) /\ WF_vars(LoadAck(k))
+    /\ WF_vars(Tick)
+    /\ WF_vars(TtlSweep)
+
+Spec == Init /\ [][Next]_vars
+LiveSpec == Spec /\ Fairness
+
+-----------------------------------------------------------------------------
+(* Invariants *)
+
+TypeOK ==
+    /\ status \in [Nodes -> {"Unborn", "InTree", "Gone"}]
+    /\ parent \in [Nodes -> Nodes \cup {Root}]
+    /\ dev \in [Nodes -> BOOLEAN]
+    /\ host \in [Nodes -> BOOLEAN]
+    /\ lockRef \in [Nodes -> Nat]
+    /\ hostRef \in [Nodes -> Nat]
+    /\ writeKey \in [Nodes -> Nodes \cup {NoNode}]
+    /\ loadKey \in [Nodes -> Nodes \cup {NoNode}]
+    /\ loadAcks \in [Nodes -> Nat]
+    /\ extLock \in [Nodes -> BOOLEAN]
+    /\ devFree \in 0..DevSlots
+    /\ hostFree \in 0..HostSlots
+    /\ phase \in [Sessions -> Phases]
+    /\ ref \in [Sessions -> Nodes \cup {NoNode}]
+    /\ epoch \in [Sessions -> 0..MaxEpoch]
+    /\ prot \in [Sessions -> Nodes \cup {NoNode}]
+    /\ deadline \in [Sessions -> 0..MaxTime]
+    /\ now \in 0..MaxTime
+    /\ resets \in 0..MaxResets
+
+\* Every slot is either free or held by exactly one copy (no leak, no double free).
+SlotAccounting ==
+    /\ devFree + Cardinality({n \in Nodes : dev[n]}) = DevSlots
+    /\ hostFree + Cardinality({n \in Nodes : host[n]}) = HostSlots
+
+\* The tree is a tree, device copies are closed towards the root (only device leaves are ever
+\* freed), host copies are closed towards the root (write_backup is root-down), and a node in
+\* the tree has at least one copy.
+TreeShape ==
+    \A n \in InTree :
+        /\ parent[n] = Root \/ parent[n] \in InTree
+        /\ n \notin Path(parent[n])
+        /\ dev[n] \/ host[n]
+        /\ parent[n] # Root => (dev[n] => dev[parent[n]]) /\ (host[n] => host[parent[n]])
+
+\* lock_ref is exactly the sum of the path locks that are held: in-flight writes and loads,
+\* other requests, and restoring sessions' pins.
+LockAccounting ==
+    \A n \in Nodes :
+        lockRef[n] = Through(n, WriteKeys)
+                     + Through(n, {k \in Nodes : loadAcks[k] >= 1})
+                     + Through(n, {k \in Nodes : loadAcks[k] >= 2})
+                     + Through(n, {k \in Nodes : extLock[k]})
+                     + Cardinality({s \in Sessions : phase[s] = "Restoring" /\ n \in Path(ref[s])})
+
+\* host_ref_counter equals the protections that sessions hold.
+HostRefAccounting == \A n \in Nodes : hostRef[n] = Cardinality({s \in Sessions : prot[s] = n})
+
+\* Caveat 1: no protection outlives its session's offload.
+ProtectionOwned ==
+    \A s \in Sessions : prot[s] # NoNode => phase[s] \in Protecting /\ prot[s] = ref[s]
+
+\* Caveat 2: at most one load ack in flight per id, only for ids of the current tree, and
+\* every loading node is covered by a pending ack.
+LoadAckSane ==
+    /\ \A k \in Nodes : loadAcks[k] <= 1 /\ (loadAcks[k] > 0 => status[k] = "InTree")
+    /\ \A n \in Nodes : loadKey[n] # NoNode => status[n] = "InTree" /\ dev[n] /\ loadAcks[loadKey[n]] = 1
+
+\* Caveat 3: no host slot (and no device slot) is held by a node outside the tree.
+NoOrphanHost == \A n \in Nodes : (host[n] \/ dev[n]) => status[n] = "InTree"
+
+\* Caveat 4: a protected node is never host-evicted.
+ProtectedHasHost == \A s \in Sessions : prot[s] # NoNode => status[prot[s]] = "InTree" /\ host[prot[s]]
+
+\* Caveat 5: the manager never acts on a node outside the current tree.
+NoStaleTarget == \A n \in tgt : status[n] = "InTree"
+
+\* Caveat 7 (write side): no GPU copy is freed while its write ack is pending.
+NoFreeWhilePending == \A n \in Nodes : writeKey[n] # NoNode => dev[n] /\ host[n] /\ status[n] = "InTree"
+
+-----------------------------------------------------------------------------
+(* Properties of steps *)
+
+\* Caveat 7 (read side): a session becomes Runnable only when its whole path is readable.
+RunnableOnlyWhenLoaded ==
+    [][\A s \in Sessions : (phase'[s] = "Runnable" /\ phase[s] # "Runnable") => PathValid(ref[s])']_vars
+
+\* A tool_end whose epoch is not the session's current one changes nothing.
+StaleEpochNoop ==
+    [][(act'[1] = "ToolEnd" /\ act'[3] # epoch[act'[2]]) => UNCHANGED core]_vars
+
+EpochMonotone == [][\A s \in Sessions : epoch'[s] >= epoch[s]]_vars
+
+(* Liveness (under Fairness) *)
+
+\* Every offload ends: the session becomes runnable, expires, is lost with the tree, or closes.
+OffloadResolves == \A s \in Sessions : phase[s] \in Protecting ~> phase[s] \in Settled
+
+\* Caveat 6: every protection is eventually released.
+ProtectionReleased == \A s \in Sessions : prot[s] # NoNode ~> prot[s] = NoNode
+
+=============================================================================

@@ -1,0 +1,39 @@
+------------------------------ MODULE Witness ------------------------------
+(***************************************************************************)
+(* Reachability witnesses: each property claims a scenario NEVER happens.  *)
+(* spec-check expects TLC to refute every one of them, which shows that    *)
+(* the safety run really explores the hazardous corners (no vacuity).      *)
+(***************************************************************************)
+EXTENDS ToolKV
+
+\* tool_start refused because the host pool cannot take the path's backups.
+NeverHostFullAtWrite ==
+    [][~(act'[1] = "ToolStart" /\ ref'[act'[2]] # NoNode /\ phase'[act'[2]] = "Running")]_vars
+
+\* tool_end with the right epoch, but load_back finds no device memory.
+NeverLoadBackFailure ==
+    [][~(act'[1] = "ToolEnd" /\ phase[act'[2]] = "Offloaded" /\ act'[3] = epoch[act'[2]]
+         /\ phase'[act'[2]] = "Offloaded")]_vars
+
+\* tool_start finds the remembered node gone and re-resolution fails.
+NeverStaleResolved ==
+    [][~(act'[1] = "ToolStart" /\ ref[act'[2]] # NoNode /\ ref'[act'[2]] = NoNode)]_vars
+
+\* A protected node is split while its session is offloaded or offloading.
+NeverSplitProtected ==
+    [][~(act'[1] = "Split" /\ hostRef[act'[2]] > 0)]_vars
+
+\* A write ack lets the manager free GPU copies.
+NeverFreeOnAck ==
+    [][~(act'[1] = "WriteAck" /\ devFree' > devFree)]_vars
+
+\* A load ack completes a restore.
+NeverRestoreCompletes ==
+    [][~(act'[1] = "LoadAck" /\ \E s \in Sessions : phase[s] = "Restoring" /\ phase'[s] = "Runnable")]_vars
+
+\* A tree reset loses an offloaded session.
+NeverLostOnReset == \A s \in Sessions : phase[s] # "Lost"
+
+\* Both sessions hold protections at the same time.
+NeverTwoProtected == Cardinality({s \in Sessions : prot[s] # NoNode}) < 2
+=============================================================================
