@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec-check": ("toolkv.spec_check", "run SANY and TLC over every spec config and mutant"),
+    "demo": ("toolkv.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
 }
 
 

@@ -323,6 +323,38 @@ class CacheHarness:
             self.allocator.free(value[:prefix_len])
         return int(prefix_len)
 
+    def run_request(self, tokens: Sequence[int], extra_key: str | None = None) -> bool:
+        """One request's KV lifecycle as the scheduler runs it: match the cached prefix and lock it,
+        allocate (evicting if needed) and compute the rest, then ``cache_finished_req``-style
+        insert, free the duplicates, unlock. Returns False when there is no memory for it now."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        ps = self.cfg.page_size
+        n = len(tokens) // ps * ps
+        tokens = list(tokens[:n])
+        m = self.match(tokens, extra_key)
+        prefix = m.device_indices
+        last = m.last_device_node
+        self.tree.inc_lock_ref(last)
+        try:
+            need = n - len(prefix)
+            new = self.alloc(need) if need else prefix[:0]
+            if new is None:
+                self.tree.evict(EvictParams(num_tokens=need))
+                new = self.alloc(need)
+            if new is None:
+                return False
+            from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+            value = torch.cat([prefix, new.to(prefix.device)])
+            res = self.tree.insert(InsertParams(key=rkey(tokens, extra_key), value=value))
+            prefix_len = int(res.prefix_len if hasattr(res, "prefix_len") else res)
+            if prefix_len > len(prefix):
+                self.allocator.free(value[len(prefix) : prefix_len])
+            return True
+        finally:
+            self.tree.dec_lock_ref(last)
+
     def match(self, tokens: Sequence[int], extra_key: str | None = None) -> Any:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
