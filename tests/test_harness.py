@@ -45,7 +45,9 @@ def _drain_everything(h: CacheHarness) -> None:
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
-def test_round_trip_is_byte_exact_and_leak_free(make: type[CacheHarness], page_size: int, policy: str) -> None:
+def test_round_trip_is_byte_exact_and_leak_free(
+    make: type[CacheHarness], page_size: int, policy: str
+) -> None:
     h = make(HarnessConfig(page_size=page_size, write_policy=policy), seed=page_size)
     initial = h.accounting()
     tokens = list(range(1, 65))

@@ -126,7 +126,9 @@ def test_errors_are_typed_and_change_nothing(hh: CacheHarness) -> None:
 
 
 def test_host_pool_full_refuses_without_changes() -> None:
-    with CacheHarness(HarnessConfig(device_tokens=256, host_ratio=0.2, write_policy="write_through_selective")) as h:
+    with CacheHarness(
+        HarnessConfig(device_tokens=256, host_ratio=0.2, write_policy="write_through_selective")
+    ) as h:
         m = ToolKVManager(h.tree)
         turn(h, m, "a", list(range(1, 129)))  # selective: no write-through on the first hit
         before = (h.accounting(), m.kv_meta("a"))

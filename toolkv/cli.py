@@ -15,6 +15,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec-check": ("toolkv.spec_check", "run SANY and TLC over every spec config and mutant"),
     "demo": ("toolkv.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
+    "bench": ("toolkv.bench", "benchmarks (overhead: control-path cost per call and per idle tick)"),
 }
 
 
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(_module=module_name)
         importlib.import_module(module_name).add_arguments(sp)
     return parser

@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _bar(total: int, enabled: bool) -> object:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="sessions done", unit="session", file=sys.stderr, disable=not enabled,
-                leave=False)
+    return tqdm(
+        total=total, desc="sessions done", unit="session", file=sys.stderr, disable=not enabled, leave=False
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print_report(report, args.timeline)
-    ok = report.leaks["count"] == 0 and report.restore_mismatches == 0 and report.leaks["sessions_unfinished"] == 0
+    ok = (
+        report.leaks["count"] == 0
+        and report.restore_mismatches == 0
+        and report.leaks["sessions_unfinished"] == 0
+    )
     return 0 if ok else 1
 
 
@@ -77,7 +82,7 @@ def print_report(r: object, timeline: int) -> None:
 
     assert isinstance(r, DemoReport)
     if timeline:
-        print("timeline (first %d of %d events)" % (min(timeline, len(r.timeline)), len(r.timeline)))
+        print(f"timeline (first {min(timeline, len(r.timeline))} of {len(r.timeline)} events)")
         for line in r.timeline[:timeline]:
             print("  " + line)
         print()

@@ -76,9 +76,9 @@ class _DestIs:
         return target is None or target == self.dest
 
 
-def _rows(table: Iterable[tuple[str, str | tuple[str, ...], str]], states: tuple[str, ...]) -> list[
-    dict[str, Any]
-]:
+def _rows(
+    table: Iterable[tuple[str, str | tuple[str, ...], str]], states: tuple[str, ...]
+) -> list[dict[str, Any]]:
     rows = []
     for trigger, source, dest in table:
         src = list(states) if source == ALL else [source] if isinstance(source, str) else list(source)

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from toolkv import lifecycle
 from toolkv.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.errors import (
     BadRequest,
@@ -43,8 +42,16 @@ log = logging.getLogger("toolkv")
 
 # Seeded defects for mutation testing, named as in the spec's BUG constant. Never set in production.
 CAVEATS = frozenset(
-    {"HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected", "StaleNode", "NoTtl", "FreeBeforeAck",
-     "EarlyRunnable"}
+    {
+        "HostLockLeak",
+        "DoubleLoad",
+        "OrphanHost",
+        "EvictProtected",
+        "StaleNode",
+        "NoTtl",
+        "FreeBeforeAck",
+        "EarlyRunnable",
+    }
 )
 
 
@@ -152,7 +159,9 @@ class ToolKVManager:
     def tool_start(self, session_id: str) -> dict[str, object]:
         rec = self._get(session_id)
         if rec.state != "Running":
-            raise WrongState(f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state)
+            raise WrongState(
+                f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state
+            )
         node = self._live_node(rec)
         if node is None:
             had = rec.node is not None
@@ -174,7 +183,9 @@ class ToolKVManager:
             self._offloading[session_id] = rec
         self.counters["tool_start"] += 1
         self.counters["offloaded_tokens"] += rec.offload_tokens
-        log.info("tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens)
+        log.info(
+            "tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens
+        )
         return self._meta(rec)
 
     # ---- WriteAck -------------------------------------------------------------------------------------
@@ -207,7 +218,9 @@ class ToolKVManager:
             self.backend.restore(rec)  # the mutant issues a second load for the same node
             return self._meta(rec)
         if rec.state not in ("Offloading", "Offloaded"):
-            raise WrongState(f"tool_end needs an offloaded session; {session_id!r} is {rec.state}", state=rec.state)
+            raise WrongState(
+                f"tool_end needs an offloaded session; {session_id!r} is {rec.state}", state=rec.state
+            )
         try:
             runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         except DeviceMemoryFull:
@@ -248,7 +261,7 @@ class ToolKVManager:
             return 0
         heap, n = self._deadlines, 0
         while heap and heap[0][0] <= self.now:
-            deadline, seq, sid = heapq.heappop(heap)
+            _deadline, seq, sid = heapq.heappop(heap)
             rec = self.sessions.get(sid)
             if rec is None or rec.deadline_seq != seq or rec.state not in PROTECTING:
                 continue  # lazily deleted entry
@@ -349,7 +362,9 @@ def make_backend(
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
         from toolkv.backends.hiradix import HiRadixBackend
 
-        return HiRadixBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats)
+        return HiRadixBackend(
+            tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats
+        )
     if fallback == "shadow":
         from toolkv.backends.shadow import ShadowBackend
 

@@ -23,7 +23,7 @@ class SessionRecord:
     session_id: str
     state: str = "Running"
     epoch: int = 0
-    tokens: array = field(default_factory=lambda: array("q"))
+    tokens: array[int] = field(default_factory=lambda: array("q"))
     extra_key: str | None = None
     node: TreeNode | None = None
     tree_gen: int = 0

@@ -93,7 +93,9 @@ class Simulation:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.h = harness or CacheHarness(
-            HarnessConfig(page_size=cfg.page_size, device_tokens=cfg.device_tokens, host_ratio=cfg.host_ratio),
+            HarnessConfig(
+                page_size=cfg.page_size, device_tokens=cfg.device_tokens, host_ratio=cfg.host_ratio
+            ),
             seed=cfg.seed,
         )
         self.mgr = ToolKVManager(self.h.tree, config=ManagerConfig(ttl_s=float(cfg.ttl_ticks)))
@@ -132,8 +134,14 @@ class Simulation:
         protected = sum(r.offload_tokens for r in m.sessions.values() if r.protected is not None)
         states = Counter(r.state for r in m.sessions.values())
         self.report.samples.append(
-            Sample(self.now, int(dev_used), int(host_used), int(protected),
-                   states["Offloaded"] + states["Offloading"], states["Running"] + states["Runnable"])
+            Sample(
+                self.now,
+                int(dev_used),
+                int(host_used),
+                int(protected),
+                states["Offloaded"] + states["Offloading"],
+                states["Running"] + states["Runnable"],
+            )
         )
         freed = sum(r.freed_tokens for r in m.sessions.values() if r.state == "Offloaded")
         self.report.peak_device_freed_during_tools = max(self.report.peak_device_freed_during_tools, freed)
@@ -171,8 +179,10 @@ class Simulation:
         abandon = self.rng.random() < self.cfg.abandon_prob
         a.phase = "abandoned" if abandon else "tool"
         a.tool_until = self.now + self.rng.randint(*self.cfg.tool_ticks)
-        self._log(f"{a.sid} tool_start epoch={a.epoch} {r['tokens']} tokens -> {r['state']}"
-                  + ("  (client will vanish)" if abandon else ""))
+        self._log(
+            f"{a.sid} tool_start epoch={a.epoch} {r['tokens']} tokens -> {r['state']}"
+            + ("  (client will vanish)" if abandon else "")
+        )
 
     def _end_tool(self, a: Agent) -> None:
         if a.snapshot is None:  # the offload was refused: nothing to restore
@@ -256,9 +266,16 @@ class Simulation:
         self.h.check_events()
         self.h.evict_host(10**9)
         final = self.h.accounting()
-        diffs = {k: (getattr(initial, k), getattr(final, k)) for k in asdict(initial) if getattr(initial, k) != getattr(final, k)}
-        return {"count": len(diffs), "differences": {k: list(v) for k, v in diffs.items()},
-                "sessions_unfinished": sum(1 for a in self.agents if a.phase != "done")}
+        diffs = {
+            k: (getattr(initial, k), getattr(final, k))
+            for k in asdict(initial)
+            if getattr(initial, k) != getattr(final, k)
+        }
+        return {
+            "count": len(diffs),
+            "differences": {k: list(v) for k, v in diffs.items()},
+            "sessions_unfinished": sum(1 for a in self.agents if a.phase != "done"),
+        }
 
 
 def tokens_of(h: CacheHarness, tokens: list[int]) -> int:

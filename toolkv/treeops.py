@@ -87,10 +87,11 @@ def is_loading(tree: Tree, node: TreeNode) -> bool:
     return pending is not None and pending.get(node.id) is node
 
 
-def tier(tree: Tree, node: TreeNode | None, loading: bool = False) -> Tier:
+def tier(tree: Tree, node: TreeNode | None, loading: bool = False, checked: bool = False) -> Tier:
     """The derived tier. ``loading`` is passed by the caller that knows a load covers ``node``
-    (a load is keyed by its deepest node only)."""
-    if node is None or not attached(tree, node):
+    (a load is keyed by its deepest node only); ``checked`` says the caller already verified that
+    the node is attached."""
+    if node is None or not (checked or attached(tree, node)):
         return Tier.EVICTED
     if node.value is not None:
         if loading or is_loading(tree, node):

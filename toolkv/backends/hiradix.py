@@ -22,8 +22,10 @@ from toolkv.session import SessionRecord
 from toolkv.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 
 
-def _ntok(nodes: Sequence[TreeNode], attr: str = "key") -> int:
-    return sum(len(getattr(n, attr)) for n in nodes)
+def _ntok(nodes: Sequence[TreeNode]) -> int:
+    """Tokens held by ``nodes`` (key length equals value and host_value length; ``len`` of a
+    RadixKey is a few times cheaper than ``len`` of a tensor)."""
+    return sum(len(n.key) for n in nodes)
 
 
 class HiRadixBackend:
@@ -124,7 +126,9 @@ class HiRadixBackend:
                 self.tree.dec_lock_ref(m)  # the mutant ignores the write lock the write still holds
             self.tree._evict_backuped(m)
         for r in recs:
-            r.freed_tokens = sum(len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node))
+            r.freed_tokens = sum(
+                len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node)
+            )
 
     # ---- ToolEnd ----------------------------------------------------------------------------------------
     def _load_slot_free(self) -> bool:
@@ -138,7 +142,7 @@ class HiRadixBackend:
         assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
         path = path_to(tree, leaf)
         missing = [m for m in path if m.value is None]
-        need = _ntok(missing, "host_value")
+        need = _ntok(missing)
         ok = need == 0 or (
             need <= tree.token_to_kv_pool_allocator.available_size()
             and need >= tree.load_back_threshold
@@ -211,10 +215,18 @@ class HiRadixBackend:
         node = rec.node
         if node is None or not attached(self.tree, node):
             return {"tier": Tier.EVICTED.value, "tokens": 0, "device_tokens": 0, "host_tokens": 0}
-        path = path_to(self.tree, node)
+        tokens = dev = host = 0
+        m = node
+        root = self.tree.root_node
+        while m is not root:  # one walk up the path
+            n = len(m.key)
+            tokens += n
+            dev += n if m.value is not None else 0
+            host += n if m.host_value is not None else 0
+            m = m.parent
         return {
-            "tier": tier(self.tree, node, loading=self._node_loading(node)).value,
-            "tokens": _ntok(path),
-            "device_tokens": sum(len(m.key) for m in path if m.value is not None),
-            "host_tokens": sum(len(m.key) for m in path if m.host_value is not None),
+            "tier": tier(self.tree, node, loading=self._node_loading(node), checked=True).value,
+            "tokens": tokens,
+            "device_tokens": dev,
+            "host_tokens": host,
         }

@@ -19,7 +19,9 @@ from toolkv.treeops import Tier, Tree, TreeNode, attached, path_to
 class PinBackend:
     name = "pin"
 
-    def __init__(self, tree: Tree, *, agree: Agreement | None = None, budget_tokens: int | None = None) -> None:
+    def __init__(
+        self, tree: Tree, *, agree: Agreement | None = None, budget_tokens: int | None = None
+    ) -> None:
         self.tree = tree
         self.agree = agree or LocalAgreement()
         self.budget_tokens = budget_tokens
@@ -75,5 +77,10 @@ class PinBackend:
         if node is None or not attached(self.tree, node):
             return {"tier": Tier.EVICTED.value, "tokens": 0, "device_tokens": 0, "host_tokens": 0}
         tokens = sum(len(m.key) for m in path_to(self.tree, node))
-        return {"tier": Tier.GPU.value, "pinned": rec.protected is not None, "tokens": tokens,
-                "device_tokens": tokens, "host_tokens": 0}
+        return {
+            "tier": Tier.GPU.value,
+            "pinned": rec.protected is not None,
+            "tokens": tokens,
+            "device_tokens": tokens,
+            "host_tokens": 0,
+        }

@@ -37,7 +37,9 @@ class Snapshot:
 class ShadowBackend:
     name = "shadow"
 
-    def __init__(self, tree: Tree, *, agree: Agreement | None = None, budget_tokens: int | None = None) -> None:
+    def __init__(
+        self, tree: Tree, *, agree: Agreement | None = None, budget_tokens: int | None = None
+    ) -> None:
         self.tree = tree
         self.agree = agree or LocalAgreement()
         self.budget_tokens = budget_tokens
@@ -96,10 +98,12 @@ class ShadowBackend:
         n = snap.tokens
         ok = n == 0 or self.allocator.available_size() >= n
         if not self.agree.all_true(ok):
-            raise DeviceMemoryFull(f"cannot re-insert {n} tokens now; session {rec.session_id!r} stays offloaded")
+            raise DeviceMemoryFull(
+                f"cannot re-insert {n} tokens now; session {rec.session_id!r} stays offloaded"
+            )
         if n:
             tokens = rec.tokens
-            node, matched = walk(self.tree, tokens[: snap.prefix_len], rec.extra_key)
+            _node, matched = walk(self.tree, tokens[: snap.prefix_len], rec.extra_key)
             if matched == snap.prefix_len:
                 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
                 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -141,7 +145,11 @@ class ShadowBackend:
     def describe(self, rec: SessionRecord) -> dict[str, object]:
         snap = rec.backend_state
         node = rec.node
-        dev = sum(len(m.key) for m in path_to(self.tree, node)) if node is not None and attached(self.tree, node) else 0
+        dev = (
+            sum(len(m.key) for m in path_to(self.tree, node))
+            if node is not None and attached(self.tree, node)
+            else 0
+        )
         host = snap.tokens if snap is not None else 0
         t = Tier.CPU_PROTECTED if host else (Tier.GPU if dev else Tier.EVICTED)
         return {"tier": t.value, "tokens": dev + host, "device_tokens": dev, "host_tokens": host}

@@ -270,8 +270,8 @@ class CacheHarness:
         for layer in range(self.cfg.layers):
             for buf in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer]):
                 shape = (n_tokens, *buf.shape[1:])
-                buf[idx] = torch.randn(shape, generator=self.rng, dtype=torch.float32).to(buf.dtype).to(
-                    buf.device
+                buf[idx] = (
+                    torch.randn(shape, generator=self.rng, dtype=torch.float32).to(buf.dtype).to(buf.device)
                 )
         return idx
 

@@ -168,10 +168,10 @@ class ControlledDeviceModule:
     def __init__(self, engine: ControlledTransferEngine) -> None:
         self.engine = engine
 
-    def Event(self, enable_timing: bool = False, **kw: Any) -> ControlledEvent:  # noqa: N802 (torch API)
+    def Event(self, enable_timing: bool = False, **kw: Any) -> ControlledEvent:
         return ControlledEvent(self.engine, enable_timing=enable_timing, **kw)
 
-    def Stream(self, *args: Any, **kw: Any) -> ControlledStream:  # noqa: N802 (torch API)
+    def Stream(self, *args: Any, **kw: Any) -> ControlledStream:
         return self.engine.new_stream()
 
     @contextlib.contextmanager
