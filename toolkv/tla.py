@@ -632,8 +632,17 @@ def parse_dot(text: str, parse_values: bool = True) -> StateGraph:
     return g
 
 
+def dot_file(dump: Path) -> Path:
+    """The file TLC actually wrote for ``-dump dot,... dump`` (it appends ``.dot`` when missing)."""
+    dump = Path(dump)
+    if dump.suffix == ".dot" and dump.is_file():
+        return dump
+    return dump.with_name(dump.name + ".dot")
+
+
 def read_dot(path: Path, parse_values: bool = True) -> StateGraph:
-    return parse_dot(Path(path).read_text(), parse_values)
+    """Read a dumped state graph; ``path`` may be the name given to ``-dump`` or the ``.dot`` file."""
+    return parse_dot(dot_file(Path(path)).read_text(), parse_values)
 
 
 def to_plain(value: Any) -> Any:
