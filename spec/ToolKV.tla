@@ -83,7 +83,8 @@ View == <<core, tgt>>
 
 Sym == Permutations(Nodes) \cup Permutations(Sessions)
 
-Phases == {"Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed"}
+\* New: the manager has never heard of the session (no turn recorded yet); Close is refused then.
+Phases == {"New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed"}
 Protecting == {"Offloading", "Offloaded", "Restoring"}
 Settled == {"Runnable", "Expired", "Lost", "Closed"}
 
@@ -162,7 +163,7 @@ Init ==
     /\ extLock = [n \in Nodes |-> FALSE]
     /\ devFree = DevSlots
     /\ hostFree = HostSlots
-    /\ phase = [s \in Sessions |-> "Running"]
+    /\ phase = [s \in Sessions |-> "New"]
     /\ ref = [s \in Sessions |-> NoNode]
     /\ epoch = [s \in Sessions |-> 0]
     /\ prot = [s \in Sessions |-> NoNode]
@@ -327,7 +328,7 @@ TtlSweep ==
 
 \* The client closes the session (or it is dropped): release whatever it holds.
 Close(s) ==
-    /\ phase[s] # "Closed"
+    /\ phase[s] \notin {"New", "Closed"}
     /\ Released({s})
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
@@ -414,9 +415,10 @@ Split(n, m) ==
     /\ UNCHANGED <<loadAcks, extLock, sessVars, envVars>>
     /\ Rec(<<"Split", n, m>>, {})
 
-\* Session s's turn finishes (cache_finished_req): its new leaf n lands under p, on device.
+\* Session s's turn finishes (cache_finished_req): its new leaf n lands under p, on device. A
+\* session whose offload expired, or was lost with the tree, simply continues with a new turn.
 Insert(s, p, n) ==
-    /\ phase[s] \in {"Running", "Runnable"}
+    /\ phase[s] \in {"New", "Running", "Runnable", "Expired", "Lost"}
     /\ status[n] = "Unborn"
     /\ PathValid(p)
     /\ devFree >= 1

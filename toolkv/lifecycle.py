@@ -19,8 +19,11 @@ from typing import Any
 
 from transitions import Machine, MachineError
 
+Row = tuple[str, str | tuple[str, ...], str | tuple[str, ...]]  # (trigger, source(s), dest(s))
+
 # ---- sessions --------------------------------------------------------------------------------------
 SESSION_STATES: tuple[str, ...] = (
+    "New",  # created, no turn recorded yet (the spec's initial phase; close is refused)
     "Running",  # tracked; its KV is in the tree on the GPU, or it never had one
     "Offloading",  # tool_start accepted; GPU→host writes in flight, GPU copy not yet freed
     "Offloaded",  # GPU copy freed; host copy protected
@@ -32,9 +35,8 @@ SESSION_STATES: tuple[str, ...] = (
 )
 PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring"})
 
-ALL = "*"
-SESSION_TRANSITIONS: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
-    ("insert", ("Running", "Runnable"), "Running"),
+SESSION_TRANSITIONS: tuple[Row, ...] = (
+    ("insert", ("New", "Runnable", "Expired", "Lost"), "Running"),
     ("tool_start", "Running", "Offloading"),
     ("tool_start", "Running", "Offloaded"),  # nothing was in flight: finished at once
     ("write_ack", "Offloading", "Offloaded"),
@@ -45,7 +47,7 @@ SESSION_TRANSITIONS: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
     ("load_ack", "Restoring", "Runnable"),
     ("ttl_sweep", ("Offloading", "Offloaded", "Restoring"), "Expired"),
     ("tree_reset", ("Offloading", "Offloaded", "Restoring"), "Lost"),
-    ("close", tuple(s for s in SESSION_STATES if s != "Closed"), "Closed"),
+    ("close", tuple(s for s in SESSION_STATES if s not in ("New", "Closed")), "Closed"),
 )
 
 # ---- node tiers --------------------------------------------------------------------------------------
@@ -59,8 +61,24 @@ TIER_STATES: tuple[str, ...] = (
     "Evicted",  # deleted from the tree (status Gone in the spec)
 )
 
-# Filled from the spec's state graph (see model_tests/test_tables.py for the extraction).
-TIER_TRANSITIONS: tuple[tuple[str, str | tuple[str, ...], str], ...] = ()
+# Every tier change a node can make, by the spec action that makes it. Rows are the spec's own
+# relation (model_tests/test_tables.py extracts it from TLC's state graph and checks equality).
+TIER_TRANSITIONS: tuple[Row, ...] = (
+    ("insert", "Unborn", "GPU"),  # a turn's new leaf lands on the GPU
+    ("write_through", "GPU", "BackingUp"),  # HiCache's own write-through starts
+    ("tool_start", "GPU", "BackingUp"),  # toolkv backs up the path
+    ("tool_start", "GPU", "CpuProtected"),  # nothing in flight: freed at once
+    ("tool_start", "CpuUnprotected", "CpuProtected"),  # already host-only: just protected
+    ("write_ack", "BackingUp", "GPU"),  # ack of a write nobody offloads
+    ("write_ack", "BackingUp", "CpuProtected"),  # ack, then toolkv frees the GPU copy
+    ("gpu_evict", "GPU", ("CpuProtected", "CpuUnprotected", "Evicted")),  # sglang's device eviction
+    ("host_evict", "CpuUnprotected", "Evicted"),  # sglang's host eviction (never a protected node)
+    ("tool_end", "CpuProtected", "Loading"),  # load_back starts
+    ("load_ack", "Loading", "GPU"),  # the load is acknowledged: readable
+    ("ttl_sweep", "CpuProtected", "CpuUnprotected"),  # TTL released the protection
+    ("close", "CpuProtected", "CpuUnprotected"),  # close released the protection
+    ("tree_reset", ("GPU", "BackingUp", "CpuProtected", "CpuUnprotected", "Loading"), "Evicted"),
+)
 
 
 class _DestIs:
@@ -76,30 +94,33 @@ class _DestIs:
         return target is None or target == self.dest
 
 
-def _rows(
-    table: Iterable[tuple[str, str | tuple[str, ...], str]], states: tuple[str, ...]
-) -> list[dict[str, Any]]:
-    rows = []
-    for trigger, source, dest in table:
-        src = list(states) if source == ALL else [source] if isinstance(source, str) else list(source)
-        rows.append({"trigger": trigger, "source": src, "dest": dest, "conditions": [_DestIs(dest)]})
-    return rows
-
-
-def relation(table: Iterable[tuple[str, str | tuple[str, ...], str]]) -> set[tuple[str, str, str]]:
-    """The table as a set of (source, dest, trigger) triples — the form the spec comparison uses."""
-    out = set()
+def _expand(table: Iterable[Row]) -> list[tuple[str, str, str]]:
+    """(trigger, source, dest) rows with tuples of sources/destinations expanded."""
+    out = []
     for trigger, source, dest in table:
         for src in [source] if isinstance(source, str) else source:
-            out.add((src, dest, trigger))
+            for dst in [dest] if isinstance(dest, str) else dest:
+                out.append((trigger, src, dst))
     return out
 
 
-def _machine(states: tuple[str, ...], table: Iterable[tuple[str, str | tuple[str, ...], str]]) -> Machine:
+def relation(table: Iterable[Row]) -> set[tuple[str, str, str]]:
+    """The table as a set of (source, dest, trigger) triples — the form the spec comparison uses."""
+    return {(src, dst, trigger) for trigger, src, dst in _expand(table)}
+
+
+def _rows(table: Iterable[Row]) -> list[dict[str, Any]]:
+    return [
+        {"trigger": trigger, "source": src, "dest": dst, "conditions": [_DestIs(dst)]}
+        for trigger, src, dst in _expand(table)
+    ]
+
+
+def _machine(states: tuple[str, ...], table: Iterable[Row]) -> Machine:
     return Machine(
         model=None,
         states=list(states),
-        transitions=_rows(table, states),
+        transitions=_rows(table),
         initial=states[0],
         auto_transitions=False,
         ignore_invalid_triggers=False,
@@ -147,7 +168,7 @@ class TierMonitor:
     table (before the extraction ran) accepts everything.
     """
 
-    def __init__(self, table: Iterable[tuple[str, str | tuple[str, ...], str]] = TIER_TRANSITIONS) -> None:
+    def __init__(self, table: Iterable[Row] = TIER_TRANSITIONS) -> None:
         rows = list(table)
         self.enabled = bool(rows)
         self.rel = relation(rows)

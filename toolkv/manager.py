@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -127,9 +126,10 @@ class ToolKVManager:
         heapq.heappush(self._deadlines, (rec.deadline, self._seq, rec.session_id))
 
     def _settle(self, rec: SessionRecord) -> None:
+        """The session left the protecting states: stop watching it (its old deadline stays on
+        record, as in the spec; the sweep ignores sessions that protect nothing)."""
         self._offloading.pop(rec.session_id, None)
         self._restoring.pop(rec.session_id, None)
-        rec.deadline = math.inf
 
     # ---- Insert ---------------------------------------------------------------------------------------
     def record_turn(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
@@ -140,9 +140,10 @@ class ToolKVManager:
         if rec is None:
             self._closed.pop(session_id, None)
             rec = SessionRecord(session_id=session_id)
-        elif rec.state not in ("Running", "Runnable"):
+        elif rec.state not in ("Running", "Runnable", "Expired", "Lost"):
             raise WrongState(
-                f"session {session_id!r} is {rec.state}; a turn can only end while Running or Runnable",
+                f"session {session_id!r} is {rec.state}; a turn cannot end while its KV is offloaded"
+                " (call tool_end first)",
                 state=rec.state,
             )
         node, matched = walk(self.tree, tokens, extra_key)
@@ -329,7 +330,7 @@ class ToolKVManager:
             "epoch": rec.epoch,
             "backend": self.backend.name,
             "protected": rec.protected is not None,
-            "deadline": None if math.isinf(rec.deadline) else rec.deadline,
+            "deadline": rec.deadline if rec.state in PROTECTING else None,
         }
         if rec.state == "Closed":
             out.update(tier="Evicted", tokens=0, device_tokens=0, host_tokens=0)

@@ -21,7 +21,7 @@ class SessionRecord:
     """
 
     session_id: str
-    state: str = "Running"
+    state: str = "New"
     epoch: int = 0
     tokens: array[int] = field(default_factory=lambda: array("q"))
     extra_key: str | None = None
