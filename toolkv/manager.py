@@ -42,14 +42,15 @@ log = logging.getLogger("toolkv")
 # Seeded defects for mutation testing, named as in the spec's BUG constant. Never set in production.
 CAVEATS = frozenset(
     {
-        "HostLockLeak",
-        "DoubleLoad",
-        "OrphanHost",
-        "EvictProtected",
-        "StaleNode",
-        "NoTtl",
-        "FreeBeforeAck",
-        "EarlyRunnable",
+        "HostLockLeak",  # caveat 1: a failed restore gives the session up without releasing its host ref
+        "DoubleLoad",  # caveat 2: a retried tool_end issues a second load for a node already loading
+        "EvictProtected",  # caveat 4: the host copy is not protected, so host eviction may take it
+        "StaleNode",  # caveat 5: the session's node is used without checking it is still in the tree
+        "NoTtl",  # caveat 6: the TTL sweep never runs
+        "FreeBeforeAck",  # caveat 7: the GPU copy is freed before the write is acknowledged
+        "EarlyRunnable",  # caveat 7: runnable before the load is acknowledged
+        "NoEpochCheck",  # tool_end ignores the epoch
+        "EpochReuse",  # expiry resets the epoch, so an old epoch becomes valid again
     }
 )
 
@@ -209,7 +210,7 @@ class ToolKVManager:
         rec = self._get(session_id)
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise BadRequest("epoch must be an integer")
-        if epoch != rec.epoch:
+        if epoch != rec.epoch and "NoEpochCheck" not in self.caveats:
             self.counters["stale_epoch"] += 1
             raise StaleEpoch(
                 f"epoch {epoch} is stale for session {session_id!r} (current {rec.epoch})",
@@ -227,7 +228,6 @@ class ToolKVManager:
         except DeviceMemoryFull:
             self.counters["restore_deferred"] += 1
             if "HostLockLeak" in self.caveats:  # the mutant gives up without releasing the host ref
-                rec.protected = None
                 self._settle(rec)
                 rec.state = "Expired"
             raise
@@ -245,7 +245,9 @@ class ToolKVManager:
 
     # ---- LoadAck --------------------------------------------------------------------------------------
     def process_load_acks(self) -> int:
-        if not self._restoring:
+        """Forget acknowledged loads; every restoring session whose path is now readable becomes
+        Runnable (its pin and protection are released)."""
+        if not self._restoring and not self.backend.loads_in_flight():
             return 0
         self.backend.poll_loads()
         done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
@@ -269,6 +271,8 @@ class ToolKVManager:
             self.backend.release(rec)
             self._settle(rec)
             fire(rec, "ttl_sweep", "Expired")
+            if "EpochReuse" in self.caveats:
+                rec.epoch = 0
             self.counters["expired"] += 1
             log.warning("session %s expired after %.1fs without tool_end", sid, self.config.ttl_s)
             n += 1
@@ -282,7 +286,6 @@ class ToolKVManager:
         self.backend.release(rec)
         self._settle(rec)
         fire(rec, "close", "Closed")
-        rec.node = None
         del self.sessions[session_id]
         self._closed[session_id] = rec
         while len(self._closed) > self.config.closed_history:
@@ -317,7 +320,7 @@ class ToolKVManager:
         self.set_clock(now)
         if self._offloading:
             self.process_write_acks()
-        if self._restoring:
+        if self._restoring or self.backend.loads_in_flight():
             self.process_load_acks()
         if self._deadlines and self._deadlines[0][0] <= now:
             self.ttl_sweep()

@@ -50,7 +50,7 @@ def path_to(tree: Tree, node: TreeNode) -> list[TreeNode]:
     """Root-excluded path from the root down to ``node`` (top-down)."""
     out: list[TreeNode] = []
     root = tree.root_node
-    while node is not root:
+    while node is not root and node is not None:  # None: a detached node of an old tree
         out.append(node)
         node = node.parent
     out.reverse()

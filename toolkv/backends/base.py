@@ -51,6 +51,10 @@ class Backend(Protocol):
         when the session's KV is readable at once."""
         ...
 
+    def loads_in_flight(self) -> bool:
+        """True while a load this backend issued is not known to be acknowledged."""
+        ...
+
     def poll_loads(self) -> None:
         """Forget loads whose acknowledgement sglang has processed."""
         ...

@@ -71,7 +71,8 @@ class HiRadixBackend:
         for m in to_write:  # root-down: write_backup needs a backed-up parent
             written = tree.write_backup(m)
             assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
-        leaf.protect_host()
+        if "EvictProtected" not in self.caveats:  # the mutant records a protection it never takes
+            leaf.protect_host()
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
         self.protected_tokens += rec.offload_tokens
@@ -86,8 +87,9 @@ class HiRadixBackend:
             return True
         # Loads issued by sglang itself (a request's init_load_back) are keyed by their deepest node;
         # conservatively treat every node on such a path as loading.
+        # sglang's reset() does not clear ongoing_load_back: skip entries of an old tree.
         for x in self.tree.ongoing_load_back.values():
-            if id(x) not in self._loads and m in path_to(self.tree, x):
+            if id(x) not in self._loads and attached(self.tree, x) and m in path_to(self.tree, x):
                 return True
         return False
 
@@ -122,8 +124,6 @@ class HiRadixBackend:
                     order.append(m)
                     changed = True
         for m in order:  # children were added before their parents
-            if early and m.lock_ref:
-                self.tree.dec_lock_ref(m)  # the mutant ignores the write lock the write still holds
             self.tree._evict_backuped(m)
         for r in recs:
             r.freed_tokens = sum(
@@ -173,6 +173,9 @@ class HiRadixBackend:
         rec.pinned = leaf
         return False
 
+    def loads_in_flight(self) -> bool:
+        return bool(self._loads)
+
     def poll_loads(self) -> None:
         for key, (leaf, nodes) in list(self._loads.items()):
             if not is_loading(self.tree, leaf):
@@ -191,7 +194,8 @@ class HiRadixBackend:
     # ---- release --------------------------------------------------------------------------------------
     def _release_protection(self, rec: SessionRecord) -> None:
         if rec.protected is not None:
-            rec.protected.release_host()
+            if "EvictProtected" not in self.caveats:
+                rec.protected.release_host()
             rec.protected = None
             self.protected_tokens -= rec.offload_tokens
 

@@ -52,6 +52,9 @@ class PinBackend:
         self.release(rec)
         return True
 
+    def loads_in_flight(self) -> bool:
+        return False
+
     def poll_loads(self) -> None:
         return None
 

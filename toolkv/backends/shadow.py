@@ -124,6 +124,9 @@ class ShadowBackend:
         self.release(rec)
         return True
 
+    def loads_in_flight(self) -> bool:
+        return False
+
     def poll_loads(self) -> None:
         return None
 

@@ -1,0 +1,295 @@
+"""The refinement mapping: the implementation's abstract state in the spec's variables, and the
+spec's invariants evaluated on it in Python.
+
+The mapping needs to know which real ``TreeNode`` object stands for which spec node name; whoever
+drives the implementation (the conformance replayer, the fuzz state machine) keeps that
+correspondence in a :class:`NodeMap`. Everything else is read off the real objects:
+
+| spec variable | implementation |
+|---|---|
+| ``status[n]`` | ``Unborn`` if never created; ``InTree`` if attached to the current tree (``treeops.attached``) and created in the current tree generation; else ``Gone`` |
+| ``parent[n]`` | name of ``node.parent`` (``Root`` for any tree root) |
+| ``dev[n]`` | in the tree and ``node.value is not None`` |
+| ``host[n]`` | in the tree and ``node.host_value is not None``; for a detached node of the current generation: its host slots are still allocated (an orphaned host buffer, caveat 3) |
+| ``lockRef[n]``, ``hostRef[n]`` | ``node.lock_ref``, ``node.host_ref_counter`` (0 once the node's tree was reset) |
+| ``writeKey[n]`` | name of the node whose id is ``node.write_through_pending_id`` |
+| ``loadKey[n]`` | the manager's own loads: ``backend._loads`` |
+| ``loadAcks[k]`` | acks in the controller's ``ack_load_queue`` carrying ``k``'s id |
+| ``phase[s]``, ``ref[s]``, ``epoch[s]``, ``prot[s]``, ``deadline[s]`` | the ``SessionRecord`` (``state``, ``node``, ``epoch``, ``protected``, ``min(deadline, MaxTime)``) |
+| ``devFree``, ``hostFree`` | ``DevSlots``/``HostSlots`` minus the nodes holding a copy (slots are node-granular in the spec; token capacity is an environment choice, see ``conformance.py``) |
+| ``now``, ``resets`` | ``manager.now``, resets seen |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkv.treeops import TreeNode, attached, path_to
+
+NO_NODE = "NoNode"
+ROOT = "Root"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The spec constants a mapping needs."""
+
+    nodes: tuple[str, ...]
+    sessions: tuple[str, ...]
+    dev_slots: int
+    host_slots: int
+    max_time: int
+    ttl: int
+    max_epoch: int = 1
+
+    @classmethod
+    def from_cfg(cls, consts: Mapping[str, Any]) -> Bounds:
+        def names(v: Any) -> tuple[str, ...]:
+            return tuple(sorted(str(x) for x in v))
+
+        return cls(
+            nodes=names(consts["Nodes"]),
+            sessions=names(consts["Sessions"]),
+            dev_slots=int(consts["DevSlots"]),
+            host_slots=int(consts["HostSlots"]),
+            max_time=int(consts["MaxTime"]),
+            ttl=int(consts["TTL"]),
+            max_epoch=int(consts.get("MaxEpoch", 1)),
+        )
+
+
+@dataclass
+class NodeMap:
+    """Spec node name ↔ real TreeNode object, with the tree generation each was created in."""
+
+    obj: dict[str, TreeNode] = field(default_factory=dict)
+    gen: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, node: TreeNode, generation: int) -> None:
+        assert name not in self.obj, f"spec node {name} created twice"
+        self.obj[name] = node
+        self.gen[name] = generation
+
+    def name_of(self, node: TreeNode | None) -> str:
+        if node is None:
+            return NO_NODE
+        for name, o in self.obj.items():
+            if o is node:
+                return name
+        return NO_NODE
+
+
+def abstract_state(mgr: Any, nodes: NodeMap, bounds: Bounds, *, ext_locks: set[str], resets: int) -> dict[str, Any]:
+    """The implementation's state in the spec's variables (``core`` of ``ToolKV.tla``)."""
+    tree = mgr.tree
+    by_id = {id(o): n for n, o in nodes.obj.items()}
+    gen = mgr.tree_gen
+    roots = {id(tree.root_node)}
+
+    status: dict[str, str] = {}
+    for n in bounds.nodes:
+        o = nodes.obj.get(n)
+        if o is None:
+            status[n] = "Unborn"
+        elif nodes.gen[n] == gen and attached(tree, o):
+            status[n] = "InTree"
+        else:
+            status[n] = "Gone"
+
+    in_tree = [n for n in bounds.nodes if status[n] == "InTree"]
+    owned_host: set[int] = set()
+    for n in in_tree:
+        hv = nodes.obj[n].host_value
+        if hv is not None:
+            owned_host.update(int(x) for x in hv.tolist())
+
+    def parent(n: str) -> str:
+        o = nodes.obj.get(n)
+        if o is None or o.parent is None or id(o.parent) in roots or id(o.parent) not in by_id:
+            return ROOT
+        return by_id[id(o.parent)]
+
+    host_pool = getattr(tree, "token_to_kv_pool_host", None)
+
+    def host(n: str) -> bool:
+        o = nodes.obj.get(n)
+        if o is None or getattr(o, "host_value", None) is None:
+            return False
+        if status[n] == "InTree":
+            return True
+        if status[n] == "Gone" and nodes.gen[n] == gen and host_pool is not None:
+            idx = [int(x) for x in o.host_value.tolist()]
+            return bool(host_pool.slot_used[idx].all()) and not owned_host.intersection(idx)
+        return False
+
+    real_id_to_name = {o.id: n for n, o in nodes.obj.items() if nodes.gen[n] == gen and status[n] == "InTree"}
+    loads: dict[int, tuple[TreeNode, list[TreeNode]]] = getattr(mgr.backend, "_loads", {})
+    load_key: dict[str, str] = {}
+    for leaf, filled in loads.values():
+        for m in filled:
+            if id(m) in by_id:
+                load_key[by_id[id(m)]] = by_id.get(id(leaf), NO_NODE)
+    ack_q = tree.cache_controller.ack_load_queue if hasattr(tree, "cache_controller") else []
+    pending_ids = [i for ack in ack_q for i in ack.node_ids]
+
+    dev = {n: status[n] == "InTree" and nodes.obj[n].value is not None for n in bounds.nodes}
+    hst = {n: host(n) for n in bounds.nodes}
+    alive_gen = {n: n in nodes.obj and nodes.gen[n] == gen for n in bounds.nodes}
+
+    sessions = {**getattr(mgr, "_closed", {}), **mgr.sessions}
+    phase, ref, epoch, prot, deadline = {}, {}, {}, {}, {}
+    for s in bounds.sessions:
+        rec = sessions.get(s)
+        if rec is None:
+            phase[s], ref[s], epoch[s], prot[s], deadline[s] = "New", NO_NODE, 0, NO_NODE, 0
+            continue
+        phase[s] = rec.state
+        ref[s] = by_id.get(id(rec.node), NO_NODE) if rec.node is not None else NO_NODE
+        epoch[s] = rec.epoch
+        prot[s] = by_id.get(id(rec.protected), NO_NODE) if rec.protected is not None else NO_NODE
+        deadline[s] = 0 if rec.deadline_seq == 0 else int(min(rec.deadline, bounds.max_time))
+
+    return {
+        "status": status,
+        "parent": {n: parent(n) for n in bounds.nodes},
+        "dev": dev,
+        "host": hst,
+        "lockRef": {n: nodes.obj[n].lock_ref if status[n] == "InTree" else 0 for n in bounds.nodes},
+        "hostRef": {
+            n: nodes.obj[n].host_ref_counter if (n in nodes.obj and alive_gen[n]) else 0 for n in bounds.nodes
+        },
+        "writeKey": {
+            n: real_id_to_name.get(nodes.obj[n].write_through_pending_id, NO_NODE)
+            if status[n] == "InTree" and nodes.obj[n].write_through_pending_id is not None
+            else NO_NODE
+            for n in bounds.nodes
+        },
+        "loadKey": {n: load_key.get(n, NO_NODE) if status[n] == "InTree" else NO_NODE for n in bounds.nodes},
+        "loadAcks": {
+            n: sum(1 for i in pending_ids if status[n] == "InTree" and i == nodes.obj[n].id) for n in bounds.nodes
+        },
+        "devFree": bounds.dev_slots - sum(dev.values()),
+        "hostFree": bounds.host_slots - sum(hst.values()),
+        "phase": phase,
+        "ref": ref,
+        "epoch": epoch,
+        "prot": prot,
+        "deadline": deadline,
+        "now": int(min(mgr.now, bounds.max_time)),  # the spec's clock saturates: MaxTime means "or later"
+        "resets": resets,
+    }
+
+
+# ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
+PROTECTING = {"Offloading", "Offloaded", "Restoring"}
+
+
+def _path(st: Mapping[str, Any], n: str, limit: int) -> list[str]:
+    out = []
+    while n not in (ROOT, NO_NODE) and limit > 0:
+        out.append(n)
+        n = st["parent"][n]
+        limit -= 1
+    return out
+
+
+def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
+    """Names of the spec invariants (``ToolKV.tla``) that ``st`` violates."""
+    bad: list[str] = []
+    nodes, sess = b.nodes, b.sessions
+    in_tree = [n for n in nodes if st["status"][n] == "InTree"]
+    if st["devFree"] < 0 or st["hostFree"] < 0:
+        bad.append("SlotAccounting")
+    for n in in_tree:
+        p = st["parent"][n]
+        if not (st["dev"][n] or st["host"][n]) or (p != ROOT and st["status"].get(p) != "InTree"):
+            bad.append("TreeShape")
+            break
+        if p != ROOT and ((st["dev"][n] and not st["dev"][p]) or (st["host"][n] and not st["host"][p])):
+            bad.append("TreeShape")
+            break
+    lim = len(nodes)
+    paths = {k: set(_path(st, k, lim)) for k in nodes}
+    write_keys = {st["writeKey"][m] for m in nodes} - {NO_NODE}
+    for n in nodes:
+        if st["status"][n] != "InTree":
+            continue
+        expect = sum(1 for k in write_keys if n in paths[k])
+        expect += sum(1 for k in nodes if st["loadAcks"][k] >= 1 and n in paths[k])
+        expect += sum(1 for k in nodes if st["loadAcks"][k] >= 2 and n in paths[k])
+        expect += sum(1 for k in nodes if st["extLock"].get(k) and n in paths[k])
+        expect += sum(
+            1
+            for s in sess
+            if st["phase"][s] == "Restoring" and st["ref"][s] != NO_NODE and n in paths.get(st["ref"][s], set())
+        )
+        if st["lockRef"][n] != expect:
+            bad.append("LockAccounting")
+            break
+    for n in nodes:
+        held = sum(1 for s in sess if st["prot"][s] == n)
+        if st["hostRef"][n] != held:
+            bad.append("HostRefAccounting")
+            break
+    for s in sess:
+        if st["prot"][s] != NO_NODE and not (st["phase"][s] in PROTECTING and st["prot"][s] == st["ref"][s]):
+            bad.append("ProtectionOwned")
+            break
+    for n in nodes:
+        if st["loadAcks"][n] > 1 or (st["loadAcks"][n] > 0 and st["status"][n] != "InTree"):
+            bad.append("LoadAckSane")
+            break
+        lk = st["loadKey"][n]
+        if lk != NO_NODE and not (st["status"][n] == "InTree" and st["dev"][n] and st["loadAcks"].get(lk, 0) == 1):
+            bad.append("LoadAckSane")
+            break
+    for n in nodes:
+        if (st["host"][n] or st["dev"][n]) and st["status"][n] != "InTree":
+            bad.append("NoOrphanHost")
+            break
+    for s in sess:
+        p = st["prot"][s]
+        if p != NO_NODE and not (st["status"][p] == "InTree" and st["host"][p]):
+            bad.append("ProtectedHasHost")
+            break
+    for n in nodes:
+        if st["writeKey"][n] != NO_NODE and not (st["dev"][n] and st["host"][n] and st["status"][n] == "InTree"):
+            bad.append("NoFreeWhilePending")
+            break
+    return bad
+
+
+CORE = (
+    "status", "parent", "dev", "host", "lockRef", "hostRef", "writeKey", "loadKey", "loadAcks", "extLock",
+    "devFree", "hostFree", "phase", "ref", "epoch", "prot", "deadline", "now", "resets",
+)  # fmt: skip
+
+
+def check_step(
+    pre: Mapping[str, Any], post: Mapping[str, Any], b: Bounds, act: tuple[Any, ...] | None = None
+) -> list[str]:
+    """The spec's action properties over one step: ``RunnableOnlyWhenLoaded``, ``EpochMonotone``,
+    and (given the action) ``StaleEpochNoop``."""
+    bad: list[str] = []
+    if act is not None and act[0] == "ToolEnd" and int(act[2]) != pre["epoch"][str(act[1])]:
+        if any(pre[k] != post[k] for k in CORE if k in pre and k in post):
+            bad.append("StaleEpochNoop")
+    for s in b.sessions:
+        if post["phase"][s] == "Runnable" and pre["phase"][s] != "Runnable":
+            r = post["ref"][s]
+            path = _path(post, r, len(b.nodes)) if r != NO_NODE else []
+            if r == NO_NODE or not all(
+                post["status"][m] == "InTree" and post["dev"][m] and post["loadKey"][m] == NO_NODE for m in path
+            ):
+                bad.append("RunnableOnlyWhenLoaded")
+                break
+    if any(post["epoch"][s] < pre["epoch"][s] for s in b.sessions):
+        bad.append("EpochMonotone")
+    return bad
+
+
+def path_names(nodes: NodeMap, tree: Any, node: TreeNode) -> list[str]:
+    by_id = {id(o): n for n, o in nodes.obj.items()}
+    return [by_id.get(id(m), "?") for m in path_to(tree, node)]
