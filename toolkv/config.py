@@ -1,0 +1,104 @@
+"""Plugin configuration from ``TOOLKV_*`` environment variables.
+
+Environment variables, not sglang flags: sglang's argument parser is closed to plugins, and the
+environment is the one thing every process sglang spawns inherits (the HTTP process, each
+scheduler rank), so all of them see the same configuration without any plumbing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from toolkv.manager import ManagerConfig
+
+Fallback = Literal["pin", "shadow"]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, lo: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
+    if not math.isfinite(v) or v < lo:
+        raise ValueError(f"{name}={raw!r}: expected a finite number >= {lo}")
+    return v
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int) -> int | None:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if v < lo:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {lo}")
+    return v
+
+
+@dataclass(frozen=True)
+class ToolKVConfig:
+    """Everything the plugin reads from the environment (see ``docs/operations.md``)."""
+
+    enable: bool = False  # TOOLKV_ENABLE: nothing is hooked unless set
+    ttl_s: float = 600.0  # TOOLKV_TTL_S: protection lifetime without a tool_end
+    host_budget_tokens: int | None = None  # TOOLKV_HOST_BUDGET_TOKENS: cap on tokens toolkv protects
+    fallback: Fallback = "pin"  # TOOLKV_FALLBACK: backend on a plain RadixCache
+    zero_change: bool = False  # TOOLKV_ZERO_CHANGE: offload on finish_reason "tool_calls"
+    restore_on_request: bool = True  # TOOLKV_RESTORE_ON_REQUEST: a session's next request restores it
+    sweep_every: int = 64  # TOOLKV_SWEEP_EVERY: scheduler iterations between clock agreements
+    reply_timeout_s: float = 30.0  # TOOLKV_REPLY_TIMEOUT_S: HTTP side wait for the scheduler
+    closed_history: int = 10_000  # TOOLKV_CLOSED_HISTORY: closed sessions kept for kv_meta
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ToolKVConfig:
+        """Parse and validate; a bad value raises ``ValueError`` naming the variable, so a typo
+        stops the server at start-up instead of silently running with a default."""
+        e = os.environ if env is None else env
+        fallback = (e.get("TOOLKV_FALLBACK") or "pin").strip().lower()
+        if fallback not in ("pin", "shadow"):
+            raise ValueError(f"TOOLKV_FALLBACK={fallback!r}: expected 'pin' or 'shadow'")
+        sweep = _int(e, "TOOLKV_SWEEP_EVERY", cls.sweep_every, lo=1)
+        closed = _int(e, "TOOLKV_CLOSED_HISTORY", cls.closed_history, lo=0)
+        assert sweep is not None and closed is not None
+        return cls(
+            enable=_bool(e, "TOOLKV_ENABLE", False),
+            ttl_s=_float(e, "TOOLKV_TTL_S", cls.ttl_s, lo=0.0),
+            host_budget_tokens=_int(e, "TOOLKV_HOST_BUDGET_TOKENS", None, lo=0),
+            fallback="shadow" if fallback == "shadow" else "pin",
+            zero_change=_bool(e, "TOOLKV_ZERO_CHANGE", False),
+            restore_on_request=_bool(e, "TOOLKV_RESTORE_ON_REQUEST", True),
+            sweep_every=sweep,
+            reply_timeout_s=_float(e, "TOOLKV_REPLY_TIMEOUT_S", cls.reply_timeout_s, lo=0.001),
+            closed_history=closed,
+        )
+
+    def manager_config(self) -> ManagerConfig:
+        return ManagerConfig(
+            ttl_s=self.ttl_s,
+            host_budget_tokens=self.host_budget_tokens,
+            closed_history=self.closed_history,
+        )

@@ -1,0 +1,54 @@
+"""Wire types between sglang's HTTP process (tokenizer manager) and its scheduler ranks.
+
+They subclass sglang's ``BaseReq`` so they travel over sglang's own ZMQ channel in either wire
+format: pickle (the default, ``SGLANG_USE_PICKLE_IPC``) needs the classes importable under the same
+module path in both processes — the plugin imports this module in both — and msgpack needs them in
+the decoder's tagged union, which :func:`register_wire_types` adds via ``hook_custom_types``.
+
+The payload is a plain ``dict`` on purpose: msgspec encodes it in both formats, and the schema is
+validated at the edges (the HTTP routes and the manager), not in the transport.
+"""
+
+from typing import Any
+
+import msgspec
+from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
+
+# Operations the scheduler side understands. "auto_offload" is the zero-change trigger: like
+# tool_start, but a no-op (not an error) for sessions toolkv does not track or that are busy.
+OPS = frozenset({"tool_start", "tool_end", "kv_meta", "close", "auto_offload", "status"})
+
+
+class ToolKVReqInput(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
+    """HTTP process -> every scheduler rank (rank 0 receives it and broadcasts it)."""
+
+    op: str
+    body: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolKVReqOutput(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
+    """Scheduler rank 0 -> HTTP process. ``status`` is the HTTP status the route answers with;
+    on failure ``body`` is ``ToolKVError.to_dict()`` (``error``, ``message``, details)."""
+
+    ok: bool
+    status: int = 200
+    body: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_registered = False
+
+
+def register_wire_types() -> None:
+    """Teach sglang's msgpack decoder the two types (idempotent; harmless in pickle mode)."""
+    global _registered
+    if not _registered:
+        hook_custom_types(ToolKVReqInput, ToolKVReqOutput)
+        _registered = True
+
+
+def reply_ok(rid: str | None, body: dict[str, Any]) -> ToolKVReqOutput:
+    return ToolKVReqOutput(rid=rid, ok=True, status=200, body=body)
+
+
+def reply_error(rid: str | None, status: int, body: dict[str, Any]) -> ToolKVReqOutput:
+    return ToolKVReqOutput(rid=rid, ok=False, status=status, body=body)
