@@ -1,0 +1,379 @@
+"""The sglang plugin on CPU: configuration, registration through sglang's real plugin loader,
+start-up refusals, the scheduler-side hooks over a real HiRadixCache/RadixCache, zero-change."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from _turns import LoopbackChannel, finish_turn, iteration
+
+from toolkv.config import ToolKVConfig
+from toolkv.errors import Unsupported
+from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.scheduler_side import (
+    SchedulerToolKV,
+    check_server_args,
+    check_tree,
+    decide_on_request,
+    decide_on_tool_calls,
+    unsupported_reasons,
+)
+from toolkv.sglang_plugin import after_scheduler_init, after_tree_reset, around_chat_non_streaming, hooks
+from toolkv.testing.harness import CacheHarness, HarnessConfig, ensure_process_group, make_server_args
+
+SGLANG = Path(__import__("sglang").__file__).parent
+PROMPT = list(range(1, 41))
+
+
+@pytest.fixture
+def hh() -> Iterator[CacheHarness]:
+    h = CacheHarness(HarnessConfig())
+    yield h
+    h.close()
+
+
+def drain(h: CacheHarness) -> None:
+    h.synchronize()
+    h.check_events()
+    h.evict_device(10**6)
+    if h.is_hi:
+        h.check_events()
+        h.evict_host(10**6)
+
+
+def fake_scheduler(h: CacheHarness, **args: Any) -> Any:
+    from sglang.utils import TypeBasedDispatcher
+
+    sa = make_server_args(h.cfg)
+    for k, v in args.items():
+        setattr(sa, k, v)
+    return SimpleNamespace(
+        server_args=sa,
+        tree_cache=h.tree,
+        tp_cpu_group=ensure_process_group(),
+        tp_size=1,
+        tp_rank=0,
+        _request_dispatcher=TypeBasedDispatcher([(int, lambda x: x)]),
+    )
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+def test_config_defaults_and_parsing() -> None:
+    assert ToolKVConfig.from_env({}) == ToolKVConfig()
+    c = ToolKVConfig.from_env(
+        {
+            "TOOLKV_ENABLE": "1",
+            "TOOLKV_TTL_S": "30",
+            "TOOLKV_HOST_BUDGET_TOKENS": "1000",
+            "TOOLKV_FALLBACK": "shadow",
+            "TOOLKV_ZERO_CHANGE": "yes",
+            "TOOLKV_SWEEP_EVERY": "8",
+        }
+    )
+    assert (c.enable, c.ttl_s, c.host_budget_tokens, c.fallback, c.zero_change, c.sweep_every) == (
+        True,
+        30.0,
+        1000,
+        "shadow",
+        True,
+        8,
+    )
+    assert c.manager_config().ttl_s == 30.0
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"TOOLKV_ENABLE": "maybe"},
+        {"TOOLKV_TTL_S": "-1"},
+        {"TOOLKV_TTL_S": "nan"},
+        {"TOOLKV_HOST_BUDGET_TOKENS": "lots"},
+        {"TOOLKV_FALLBACK": "disk"},
+        {"TOOLKV_SWEEP_EVERY": "0"},
+    ],
+)
+def test_config_errors_name_the_variable(env: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match=next(iter(env))):
+        ToolKVConfig.from_env(env)
+
+
+# ---- registration -----------------------------------------------------------------------------------
+def test_register_is_inert_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import toolkv.sglang_plugin as plugin
+
+    monkeypatch.delenv("TOOLKV_ENABLE", raising=False)
+    before = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    plugin.register()
+    assert {k: list(v) for k, v in HookRegistry._hooks.items()} == before
+    assert not plugin._registered
+
+
+_LOADER = r"""
+import importlib.metadata, json, os, sys
+eps = [ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "toolkv"]
+from sglang.srt.plugins import load_plugins
+load_plugins()  # sglang's own loader: entry point -> register() -> HookRegistry.apply_hooks()
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+names = ["__init__", "process_input_requests", "handle_generate_request", "get_internal_state"]
+out = {"eps": eps}
+out.update({f"Scheduler.{n}": getattr(getattr(Scheduler, n), "__wrapped__", None) is not None for n in names})
+out.update({f"RadixCache.{n}": hasattr(getattr(RadixCache, n), "__wrapped__") for n in ["cache_finished_req", "reset"]})
+out["HiRadixCache inherits"] = HiRadixCache.cache_finished_req is RadixCache.cache_finished_req
+out["HiRadixCache.reset calls super"] = "super().reset()" in __import__("inspect").getsource(HiRadixCache.reset)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_entry_point_loads_through_sglangs_plugin_loader() -> None:
+    """In a fresh interpreter (hooks patch classes process-wide): sglang's ``load_plugins`` finds
+    the entry point, runs ``register`` and patches every scheduler-side target."""
+    env = dict(os.environ, TOOLKV_ENABLE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        [sys.executable, "-c", _LOADER], capture_output=True, text=True, env=env, timeout=240, check=False
+    )
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, p.stdout[-2000:] + p.stderr[-4000:]
+    import json
+
+    res = json.loads(line[0][len("RESULT") :])
+    assert res.pop("eps") == ["toolkv.sglang_plugin:register"]
+    assert all(res.values()), res
+
+
+def test_http_side_targets_exist_in_sglang_source() -> None:
+    """The HTTP process targets cannot be imported on this CPU box (uvloop), so check the source."""
+
+    def defs(path: Path, cls: str | None) -> set[str]:
+        tree = ast.parse(path.read_text())
+        body: list[ast.stmt] = tree.body
+        if cls is not None:
+            body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+        return {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    assert "launch_server" in defs(SGLANG / "srt/entrypoints/http_server.py", None)
+    chat = defs(SGLANG / "srt/entrypoints/openai/serving_chat.py", "OpenAIServingChat")
+    assert {"_handle_non_streaming_request", "_generate_chat_stream"} <= chat
+    targets = {t for t, _, _ in hooks(main_process=True, config=ToolKVConfig(zero_change=True))}
+    assert len(targets) == 9
+    assert {t for t, _, _ in hooks(main_process=False, config=ToolKVConfig(zero_change=True))} < targets
+
+
+# ---- start-up refusals ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("enable_streaming_session", True, "streaming sessions"),
+        ("pp_size", 2, "pipeline parallelism"),
+        ("enable_dp_attention", True, "DP attention"),
+        ("tokenizer_worker_num", 2, "tokenizer workers"),
+        ("enable_session_radix_cache", True, "session-radix-cache"),
+        ("dp_size", 2, "data parallelism"),
+    ],
+)
+def test_unsupported_configurations_are_refused(flag: str, value: object, words: str) -> None:
+    sa = make_server_args(HarnessConfig())  # hierarchical cache on
+    assert unsupported_reasons(sa) == []
+    setattr(sa, flag, value)
+    with pytest.raises(Unsupported, match=words) as ei:
+        check_server_args(sa)
+    assert ei.value.http_status == 501 and "TOOLKV_ENABLE" in ei.value.message
+
+
+def test_only_exact_radix_and_hiradix_trees_are_accepted(hh: CacheHarness) -> None:
+    check_tree(hh.tree)
+
+    class Wrapped:  # e.g. StreamingSession, UnifiedRadixCache: anything else is refused
+        pass
+
+    with pytest.raises(Unsupported, match="Wrapped"):
+        check_tree(Wrapped())
+
+
+def test_scheduler_init_hook_refuses_unsupported_config(hh: CacheHarness) -> None:
+    sched = fake_scheduler(hh, enable_streaming_session=True)
+    with pytest.raises(Unsupported, match="streaming"):
+        after_scheduler_init(None, sched)
+    assert not hasattr(sched, "_toolkv")
+
+
+# ---- scheduler-side hooks over the real cache -------------------------------------------------------
+def call(sched: Any, op: str, **body: Any) -> ToolKVReqOutput:
+    out = sched._request_dispatcher(ToolKVReqInput(rid=f"r-{op}", op=op, body=body))
+    assert isinstance(out, ToolKVReqOutput) and out.rid == f"r-{op}"
+    return out
+
+
+def test_full_cycle_through_the_hooks_returns_every_resource(hh: CacheHarness) -> None:
+    h = hh
+    initial = h.accounting()
+    sched = fake_scheduler(h)
+    after_scheduler_init(None, sched)
+    tk: SchedulerToolKV = sched._toolkv
+    assert h.tree._toolkv is tk and tk.manager.backend.name == "hiradix"
+
+    assert finish_turn(h, "s1", PROMPT, [41, 42, 43, 44])
+    meta = call(sched, "kv_meta", session_id="s1")
+    assert meta.ok and meta.body["state"] == "Running" and meta.body["tokens"] == 43
+    assert finish_turn(h, None, [900, 901, 902], [903])  # no session label: not tracked
+    assert call(sched, "kv_meta").body["sessions"] == 1
+
+    started = call(sched, "tool_start", session_id="s1")
+    assert started.ok and started.body["epoch"] == 1
+    free0 = h.allocator.available_size()
+    iteration(h, tk, writes=True)
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Offloaded"
+    assert h.allocator.available_size() - free0 == 43, "the session's device tokens were freed"
+
+    ended = call(sched, "tool_end", session_id="s1", epoch=1)
+    assert ended.ok and ended.body["state"] == "Restoring"
+    iteration(h, tk, loads=True)
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Runnable"
+
+    # the next turn extends the session; its record follows the new leaf
+    assert finish_turn(h, "s1", [*PROMPT, 41, 42, 43, 44, 50, 51], [52, 53], slot=1)
+    assert call(sched, "kv_meta", session_id="s1").body["tokens"] == 47
+
+    assert call(sched, "close", session_id="s1").ok
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_errors_travel_as_typed_replies(hh: CacheHarness) -> None:
+    sched = fake_scheduler(hh)
+    after_scheduler_init(None, sched)
+    assert finish_turn(hh, "s1", PROMPT, [41])
+    assert call(sched, "tool_start", session_id="nope").status == 404
+    r = call(sched, "tool_end", session_id="s1", epoch=3)
+    assert (r.ok, r.status, r.body["error"], r.body["current_epoch"]) == (False, 409, "stale_epoch", 0)
+    assert call(sched, "tool_end", session_id="s1", epoch=0).body["error"] == "wrong_state"
+    assert call(sched, "tool_start").status == 400
+    assert call(sched, "frobnicate", session_id="s1").status == 400
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Running"
+
+
+def test_tree_reset_hook_marks_offloaded_sessions_lost(hh: CacheHarness) -> None:
+    sched = fake_scheduler(hh)
+    after_scheduler_init(None, sched)
+    assert finish_turn(hh, "s1", PROMPT, [41])
+    call(sched, "tool_start", session_id="s1")
+    hh.synchronize()
+    hh.tree.reset()  # what flush_cache does (scheduler.py:3851)
+    after_tree_reset(None, hh.tree)  # the AFTER hook on RadixCache.reset
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Lost"
+    assert call(sched, "tool_end", session_id="s1", epoch=1).status == 409
+
+
+@pytest.mark.parametrize("fallback", ["pin", "shadow"])
+def test_plain_radix_cache_uses_the_configured_fallback(
+    fallback: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOOLKV_FALLBACK", fallback)
+    with CacheHarness(HarnessConfig(kind="radix")) as h:
+        initial = h.accounting()
+        sched = fake_scheduler(h)
+        after_scheduler_init(None, sched)
+        assert sched._toolkv.manager.backend.name == fallback
+        assert finish_turn(h, "s1", PROMPT, [41, 42])
+        r = call(sched, "tool_start", session_id="s1")
+        assert r.ok and r.body["state"] == "Offloaded"
+        assert call(sched, "tool_end", session_id="s1", epoch=1).body["state"] == "Runnable"
+        call(sched, "close", session_id="s1")
+        drain(h)
+        assert h.accounting() == initial
+
+
+# ---- zero-change -------------------------------------------------------------------------------------
+def test_zero_change_decision_tables() -> None:
+    assert decide_on_tool_calls("Running", zero_change=True) == "offload"
+    assert decide_on_tool_calls("Running", zero_change=False) == "skip:disabled"
+    assert decide_on_tool_calls(None, zero_change=True) == "skip:untracked"
+    for s in ("Offloading", "Offloaded", "Restoring", "Closed"):
+        assert decide_on_tool_calls(s, zero_change=True) == f"skip:{s}"
+    for s in ("Offloading", "Offloaded"):
+        assert decide_on_request(s, restore_on_request=True) == "restore"
+        assert decide_on_request(s, restore_on_request=False) == "none"
+    for s in (None, "Running", "Restoring", "Runnable", "Expired", "Lost"):
+        assert decide_on_request(s, restore_on_request=True) == "none"
+
+
+def test_zero_change_offloads_on_tool_calls_and_next_request_restores(hh: CacheHarness) -> None:
+    h = hh
+    initial = h.accounting()
+    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(zero_change=True))
+    h.tree._toolkv = tk
+    assert finish_turn(h, "agent", PROMPT, [41, 42])
+    assert tk.handle("auto_offload", {"session_id": "agent"})[1]["state"] == "Offloading"
+    iteration(h, tk, writes=True)
+    assert tk.manager.kv_meta("agent")["tier"] == "CpuProtected"
+    # the tool result comes back as the session's next chat request: its arrival restores
+    tk.on_request("agent")
+    assert tk.manager.kv_meta("agent")["state"] == "Restoring"
+    iteration(h, tk, loads=True)
+    assert finish_turn(h, "agent", [*PROMPT, 41, 42, 60, 61], [62], slot=1)
+    meta = tk.manager.kv_meta("agent")
+    assert meta["state"] == "Running" and meta["epoch"] == 1 and meta["tokens"] == 44
+    # untracked sessions and a disabled server are skipped, never errors
+    assert tk.handle("auto_offload", {"session_id": "ghost"}) == (200, {"skipped": "skip:untracked"})
+    tk.manager.close("agent")
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_turn_finishing_while_offloaded_settles_and_keeps_the_epoch(hh: CacheHarness) -> None:
+    """A client that never calls tool_end, and whose restore is deferred (no device memory): the
+    next turn still records, toolkv releases what it held and the old epoch stays stale."""
+    h = hh
+    initial = h.accounting()
+    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(restore_on_request=False))
+    h.tree._toolkv = tk
+    assert finish_turn(h, "s", PROMPT, [41])
+    tk.handle("tool_start", {"session_id": "s"})
+    iteration(h, tk, writes=True)
+    assert tk.manager.kv_meta("s")["state"] == "Offloaded"
+    assert finish_turn(h, "s", [*PROMPT, 41, 70], [71], slot=1)  # recomputed / reloaded by sglang
+    meta = tk.manager.kv_meta("s")
+    assert meta["state"] == "Running" and meta["epoch"] == 1 and meta["protected"] is False
+    assert tk.handle("tool_end", {"session_id": "s", "epoch": 1})[0] == 409
+    tk.manager.close("s")
+    drain(h)
+    assert h.accounting() == initial
+
+
+def test_http_side_zero_change_hook_sends_auto_offload(hh: CacheHarness) -> None:
+    import toolkv.sglang_plugin as plugin
+
+    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True))
+    hh.tree._toolkv = tk
+    assert finish_turn(hh, "agent", PROMPT, [41])
+    channel = LoopbackChannel(tk)
+    plugin._transport, saved = channel, plugin._transport
+    try:
+        response = SimpleNamespace(choices=[SimpleNamespace(finish_reason="tool_calls")])
+
+        async def original(serving: Any, adapted: Any, request: Any, raw: Any) -> Any:
+            return response
+
+        async def run() -> Any:
+            req = SimpleNamespace(session_id="agent")
+            got = await around_chat_non_streaming(original, object(), object(), req, object())
+            await asyncio.sleep(0)
+            return got
+
+        assert asyncio.run(run()) is response
+    finally:
+        plugin._transport = saved
+    assert [r.op for r in channel.sent] == ["auto_offload"]
+    assert tk.manager.kv_meta("agent")["state"] == "Offloading"

@@ -1,0 +1,366 @@
+"""HTTP side: the routes, and the tokenizer-manager end of the control channel.
+
+Routes (added to sglang's own FastAPI ``app``, so sglang's API-key middleware covers them):
+
+* ``POST /session/tool_start`` ``{"session_id"}`` -> session kv_meta (with the new ``epoch``)
+* ``POST /session/tool_end`` ``{"session_id", "epoch"}`` -> session kv_meta
+* ``GET /session/kv_meta[?session_id=]`` -> one session, or server-wide metrics
+* ``POST /session/close`` ``{"session_id"}`` -> session kv_meta (releases everything it holds)
+
+Status codes: 400 malformed body, 404 unknown session, 409 stale epoch / wrong state / KV lost,
+507 host budget or pool exhausted, 503 device memory full or toolkv not loaded in the scheduler,
+504 scheduler did not answer in time, 401 without the server's ``--api-key`` (sglang's
+middleware). Every error body is ``{"error": code, "message": text, ...details}`` and, except
+504, the call changed nothing.
+
+Bodies are parsed by hand rather than by FastAPI's parameter binding: sglang's app turns binding
+errors into its own error shape, and toolkv's contract (a 400 with toolkv's error body) should not
+depend on the host app's exception handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolkv.errors import BadRequest, ToolKVError
+from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
+
+log = logging.getLogger("toolkv")
+
+
+class ToolKVUnavailable(ToolKVError):
+    """The scheduler does not run toolkv (handshake failed) or the server is not up yet."""
+
+    http_status = 503
+    code = "toolkv_unavailable"
+
+
+class SchedulerTimeout(ToolKVError):
+    """No reply within the timeout. The operation may still take effect: check kv_meta."""
+
+    http_status = 504
+    code = "scheduler_timeout"
+
+
+# ---- schemas (validation and OpenAPI) ---------------------------------------------------------------
+SessionId = Field(
+    min_length=1, max_length=512, description="The session label used on generate/chat requests"
+)
+
+
+class ToolStartBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    session_id: str = SessionId
+
+
+class ToolEndBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    session_id: str = SessionId
+    epoch: int = Field(ge=0, description="The epoch returned by the matching tool_start")
+
+
+class CloseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    session_id: str = SessionId
+
+
+class SessionMeta(BaseModel):
+    """One session's record: lifecycle state, epoch, and where its KV is."""
+
+    model_config = ConfigDict(extra="allow")
+    session_id: str
+    state: str = Field(description="New|Running|Offloading|Offloaded|Restoring|Runnable|Expired|Lost|Closed")
+    epoch: int
+    backend: str = Field(description="hiradix (host offload), pin or shadow")
+    protected: bool
+    deadline: float | None = Field(description="TTL deadline (agreed server clock) while protected")
+    tier: str = Field(description="GPU|BackingUp|Loading|CpuProtected|CpuUnprotected|Evicted")
+    tokens: int
+    device_tokens: int
+    host_tokens: int
+
+
+class ServerMeta(BaseModel):
+    """Server-wide view: counts by state, lifetime counters, memory toolkv holds."""
+
+    model_config = ConfigDict(extra="allow")
+    backend: str
+    sessions: int
+    states: dict[str, int]
+    counters: dict[str, int]
+    now: float
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    error: str = Field(description="stable machine-readable code, e.g. stale_epoch")
+    message: str
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "Malformed body or parameter"},
+    401: {"description": "Missing or wrong API key (sglang --api-key)"},
+    404: {"model": ErrorBody, "description": "Unknown session"},
+    409: {"model": ErrorBody, "description": "Stale epoch, wrong lifecycle state, or KV lost"},
+    503: {
+        "model": ErrorBody,
+        "description": "Device memory full / no load slot (retry), or toolkv unavailable",
+    },
+    504: {"model": ErrorBody, "description": "Scheduler did not answer in time"},
+    507: {"model": ErrorBody, "description": "Host pool or toolkv host budget exhausted"},
+}
+
+
+def _body_spec(model: type[BaseModel]) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+# ---- reply registry and transports ------------------------------------------------------------------
+class ReplyRegistry:
+    """rid -> future. Replies for unknown rids (timed out, fire-and-forget) are dropped and
+    counted, never delivered to another caller — unlike a queueing communicator."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, asyncio.Future[ToolKVReqOutput]] = {}
+        self.dropped = 0
+
+    def expect(self, rid: str) -> asyncio.Future[ToolKVReqOutput]:
+        fut: asyncio.Future[ToolKVReqOutput] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        return fut
+
+    def resolve(self, out: ToolKVReqOutput) -> None:
+        fut = self._waiting.pop(out.rid, None) if out.rid is not None else None
+        if fut is None or fut.done():
+            self.dropped += 1
+            return
+        fut.set_result(out)
+
+    def drop(self, rid: str) -> None:
+        self._waiting.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
+class Transport(Protocol):
+    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]: ...
+
+    async def send_nowait(self, op: str, body: Mapping[str, Any]) -> None: ...
+
+
+class ChannelTransport:
+    """rid-keyed request/reply over a one-way send; subclasses provide ``_send``."""
+
+    def __init__(self, *, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self.replies = ReplyRegistry()
+
+    async def ensure_ready(self) -> None:
+        return None
+
+    def _send(self, req: ToolKVReqInput) -> None:
+        raise NotImplementedError
+
+    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        await self.ensure_ready()
+        rid = f"toolkv-{uuid.uuid4().hex}"
+        fut = self.replies.expect(rid)
+        try:
+            self._send(ToolKVReqInput(rid=rid, op=op, body=dict(body)))
+            out = await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            raise SchedulerTimeout(
+                f"scheduler did not answer {op} within {self.timeout_s}s; it may still apply (check kv_meta)"
+            ) from None
+        finally:
+            self.replies.drop(rid)
+        return int(out.status), dict(out.body)
+
+    async def send_nowait(self, op: str, body: Mapping[str, Any]) -> None:
+        """Send without waiting for the reply (its rid is not registered, so it is dropped)."""
+        await self.ensure_ready()
+        self._send(ToolKVReqInput(rid=f"toolkv-nowait-{uuid.uuid4().hex}", op=op, body=dict(body)))
+
+
+class TokenizerManagerTransport(ChannelTransport):
+    """sglang's own TM -> scheduler channel: ``tm._dispatch_to_scheduler`` (tokenizer_manager.py:435)
+    out, ``tm._result_dispatcher`` (built l.602, called from handle_loop l.1895) back.
+
+    Before the first send it checks, through ``tm.get_internal_state()``, that every scheduler
+    reports ``toolkv`` (plugin hook on ``Scheduler.get_internal_state``): a scheduler without the
+    plugin would raise on the unknown request type (sglang/utils.py:677) and die.
+    """
+
+    def __init__(self, get_tm: Callable[[], Any], *, timeout_s: float = 30.0) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self._get_tm = get_tm
+        self._attached: Any = None
+        self._ready = False
+        self._lock: asyncio.Lock | None = None
+
+    def _tm(self) -> Any:
+        tm = self._get_tm()
+        if tm is None:
+            raise ToolKVUnavailable("the server is still starting")
+        if self._attached is not tm:
+            from sglang.utils import TypeBasedDispatcher
+
+            tm._result_dispatcher += TypeBasedDispatcher([(ToolKVReqOutput, self.replies.resolve)])
+            self._attached = tm
+        return tm
+
+    async def ensure_ready(self) -> None:
+        if self._ready:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._ready:
+                return
+            tm = self._tm()
+            states = await tm.get_internal_state()
+            bad = [i for i, s in enumerate(states) if not isinstance(s, dict) or "toolkv" not in s]
+            if not states or bad:
+                raise ToolKVUnavailable(
+                    f"scheduler(s) {bad} do not run toolkv: is TOOLKV_ENABLE=1 set for the whole server?"
+                )
+            self._ready = True
+
+    def _send(self, req: ToolKVReqInput) -> None:
+        tm = self._tm()
+        tm.auto_create_handle_loop()
+        tm._dispatch_to_scheduler(req)
+
+
+# ---- routes -----------------------------------------------------------------------------------------
+def _error(e: ToolKVError) -> JSONResponse:
+    return JSONResponse(status_code=e.http_status, content=e.to_dict())
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(data).model_dump()
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        raise BadRequest(f"{where}: {first.get('msg', 'invalid')}", field=where) from None
+
+
+async def _forward(transport: Transport, op: str, body: Mapping[str, Any]) -> JSONResponse:
+    try:
+        status, out = await transport.call(op, body)
+    except ToolKVError as e:
+        return _error(e)
+    return JSONResponse(status_code=status, content=out)
+
+
+def install_routes(app: FastAPI, transport: Transport) -> None:
+    """Add the toolkv routes to ``app`` (sglang's, or a bare one in tests / for OpenAPI)."""
+
+    async def tool_start(request: Request) -> JSONResponse:
+        """Offload the session's KV for the duration of a tool call. Returns the new epoch."""
+        try:
+            body = await _parse(request, ToolStartBody)
+        except ToolKVError as e:
+            return _error(e)
+        return await _forward(transport, "tool_start", body)
+
+    async def tool_end(request: Request) -> JSONResponse:
+        """Bring the session's KV back; ``epoch`` must be the one tool_start returned."""
+        try:
+            body = await _parse(request, ToolEndBody)
+        except ToolKVError as e:
+            return _error(e)
+        return await _forward(transport, "tool_end", body)
+
+    async def close(request: Request) -> JSONResponse:
+        """Forget the session and release everything toolkv holds for it."""
+        try:
+            body = await _parse(request, CloseBody)
+        except ToolKVError as e:
+            return _error(e)
+        return await _forward(transport, "close", body)
+
+    async def kv_meta(request: Request, session_id: str | None = None) -> JSONResponse:
+        """One session's record (with ``session_id``), else server-wide metrics."""
+        if session_id is not None and not session_id:
+            return _error(BadRequest("session_id must be a non-empty string", field="session_id"))
+        extra = set(request.query_params) - {"session_id"}
+        if extra:
+            return _error(BadRequest(f"unknown query parameter(s) {sorted(extra)}"))
+        return await _forward(transport, "kv_meta", {} if session_id is None else {"session_id": session_id})
+
+    tags: list[str | Enum] = ["toolkv"]
+    app.add_api_route(
+        "/session/tool_start", tool_start, methods=["POST"], tags=tags, response_model=SessionMeta,
+        responses=_ERRORS, openapi_extra=_body_spec(ToolStartBody), summary="Tool call starts: offload KV",
+    )  # fmt: skip
+    app.add_api_route(
+        "/session/tool_end", tool_end, methods=["POST"], tags=tags, response_model=SessionMeta,
+        responses=_ERRORS, openapi_extra=_body_spec(ToolEndBody), summary="Tool call ended: restore KV",
+    )  # fmt: skip
+    app.add_api_route(
+        "/session/kv_meta", kv_meta, methods=["GET"], tags=tags, response_model=SessionMeta | ServerMeta,
+        responses=_ERRORS, summary="Where a session's KV is, or server-wide metrics",
+    )  # fmt: skip
+    app.add_api_route(
+        "/session/close", close, methods=["POST"], tags=tags, response_model=SessionMeta,
+        responses=_ERRORS, openapi_extra=_body_spec(CloseBody), summary="Forget a session",
+    )  # fmt: skip
+
+
+def build_app(transport: Transport) -> FastAPI:
+    """A FastAPI app with only toolkv's routes (tests, and the OpenAPI document)."""
+    from toolkv import __version__
+
+    app = FastAPI(title="toolkv session API (sglang plugin)", version=__version__)
+    install_routes(app, transport)
+    return app
+
+
+class _NoTransport:
+    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        raise ToolKVUnavailable("documentation-only app")
+
+    async def send_nowait(self, op: str, body: Mapping[str, Any]) -> None:
+        raise ToolKVUnavailable("documentation-only app")
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document of toolkv's routes (written to docs/openapi.json)."""
+    doc: dict[str, Any] = build_app(_NoTransport()).openapi()
+    return doc
+
+
+_TOOL_CALLS = re.compile(r'"finish_reason"\s*:\s*"tool_calls"')
+
+
+def is_tool_calls_chunk(chunk: Any) -> bool:
+    """True for an SSE chat chunk whose finish_reason is "tool_calls"."""
+    if isinstance(chunk, bytes):
+        chunk = chunk.decode("utf-8", "replace")
+    return isinstance(chunk, str) and _TOOL_CALLS.search(chunk) is not None

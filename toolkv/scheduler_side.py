@@ -1,0 +1,335 @@
+"""The manager bound to one scheduler rank: IPC handling, the tick, turn capture, zero-change.
+
+Everything here runs on the scheduler thread, from sglang hooks that fire on every TP rank at the
+same iteration with the same inputs (broadcast requests, finished requests of the same batch, the
+iteration boundary). This class holds no sglang ``Scheduler`` reference: the plugin passes in the
+tree, the agreement and the few scheduler facts it needs, so the whole class is unit-tested on
+CPU over a real cache (``tests/test_plugin.py``, ``tests/test_tp.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from toolkv import __version__
+from toolkv.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.config import ToolKVConfig
+from toolkv.errors import BadRequest, DeviceMemoryFull, ToolKVError, Unsupported
+from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.lifecycle import PROTECTING
+from toolkv.manager import ToolKVManager, make_backend
+from toolkv.tp import AgreedClock
+from toolkv.treeops import Tree
+
+log = logging.getLogger("toolkv")
+
+
+# ---- configuration checks ---------------------------------------------------------------------------
+def unsupported_reasons(server_args: Any) -> list[str]:
+    """Server configurations toolkv refuses (readable in both the HTTP and scheduler processes).
+
+    Each one breaks an assumption the design rests on: one tree per TP group fed by one broadcast
+    request stream (pp, DP attention, attention CP), the session's KV living in the radix tree
+    (streaming sessions), a single tokenizer-manager process that owns the routes and the reply
+    registry (tokenizer workers), and no foreign owner of session leaves (session radix cache on
+    top of HiCache leaks host memory upstream).
+    """
+
+    def g(name: str, default: Any = None) -> Any:
+        return getattr(server_args, name, default)
+
+    out: list[str] = []
+    if g("enable_streaming_session", False):
+        out.append("streaming sessions (--enable-streaming-session) keep a turn's KV outside the radix tree")
+    if (g("pp_size", 1) or 1) > 1:
+        out.append("pipeline parallelism (--pp-size > 1)")
+    if g("enable_dp_attention", False):
+        out.append("DP attention (--enable-dp-attention)")
+    if (g("attn_cp_size", 1) or 1) > 1:
+        out.append("attention context parallelism (--attn-cp-size > 1)")
+    if g("enable_session_radix_cache", False) and g("enable_hierarchical_cache", False):
+        out.append("--enable-session-radix-cache together with --enable-hierarchical-cache")
+    if (g("tokenizer_worker_num", 1) or 1) > 1:
+        out.append("multiple tokenizer workers (--tokenizer-worker-num > 1)")
+    if (g("dp_size", 1) or 1) > 1:
+        out.append("data parallelism (--dp-size > 1): one scheduler reply per call is assumed")
+    if g("disaggregation_mode", "null") not in (None, "null"):
+        out.append("prefill/decode disaggregation")
+    if g("use_ray", False):
+        out.append("Ray launch mode (--use-ray): sglang's plugin hooks are not applied there")
+    return out
+
+
+def check_server_args(server_args: Any) -> None:
+    reasons = unsupported_reasons(server_args)
+    if reasons:
+        raise Unsupported(
+            "toolkv cannot run with this sglang configuration: "
+            + "; ".join(reasons)
+            + " (unset TOOLKV_ENABLE to serve without toolkv)",
+            reasons=reasons,
+        )
+
+
+def check_tree(tree: Any) -> None:
+    """Only the two tree classes whose internals toolkv was verified against are accepted —
+    exactly, not subclasses: UnifiedRadixCache, the C++ tree, LMCache/FlexKV and the streaming
+    wrapper all store or evict KV differently."""
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    kind = type(tree)
+    if kind not in (RadixCache, HiRadixCache):
+        raise Unsupported(
+            f"toolkv supports RadixCache and HiRadixCache, not {kind.__name__}"
+            " (UnifiedRadixCache is used for hybrid/DSA models or with SGLANG_ENABLE_UNIFIED_RADIX_TREE)",
+            tree=kind.__name__,
+        )
+    if getattr(tree, "disable", False):
+        raise Unsupported("the radix cache is disabled (--disable-radix-cache)")
+    if getattr(tree, "is_eagle", False):
+        raise Unsupported("EAGLE speculative decoding stores bigram keys; toolkv walks plain keys")
+
+
+def session_label(req: Any) -> str | None:
+    """The session a finished request belongs to: the top-level ``session_id`` label (copied from
+    ``GenerateReqInput.session_id``), else the id of its ``session_params`` session. Streaming
+    sessions return None: their KV is not in the tree."""
+    sid = getattr(req, "session_id", None)
+    session = getattr(req, "session", None)
+    if session is not None and getattr(session, "streaming", False):
+        return None
+    if sid is None and session is not None:
+        sid = getattr(session, "session_id", None)
+    return sid if isinstance(sid, str) and sid else None
+
+
+# ---- zero-change decisions ------------------------------------------------------------------------------
+def decide_on_tool_calls(state: str | None, *, zero_change: bool) -> str:
+    """A chat turn of the session ended with finish_reason "tool_calls". Returns ``offload`` or
+    the reason to skip. Skipping is never an error: the client did not ask for anything."""
+    if not zero_change:
+        return "skip:disabled"
+    if state is None:
+        return "skip:untracked"
+    if state != "Running":
+        return f"skip:{state}"
+    return "offload"
+
+
+def decide_on_request(state: str | None, *, restore_on_request: bool) -> str:
+    """A new request of the session arrived. If its KV is away, the request itself is the tool's
+    end: restore now instead of letting prefill reload it piecemeal (or recompute it)."""
+    if not restore_on_request or state is None:
+        return "none"
+    if state in ("Offloading", "Offloaded"):
+        return "restore"
+    return "none"
+
+
+def _need_str(body: Mapping[str, Any], key: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or not v:
+        raise BadRequest(f"{key} must be a non-empty string")
+    return v
+
+
+class SchedulerToolKV:
+    """One rank's toolkv: the manager, its agreed clock, and the glue sglang's hooks call."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        *,
+        config: ToolKVConfig | None = None,
+        agree: Agreement | None = None,
+        backend: Backend | None = None,
+        tp_size: int = 1,
+        clock: AgreedClock | None = None,
+    ) -> None:
+        self.config = config or ToolKVConfig()
+        self.agree = agree or LocalAgreement()
+        mcfg = self.config.manager_config()
+        if backend is None:
+            backend = make_backend(tree, config=mcfg, agree=self.agree, fallback=self.config.fallback)
+        self.manager = ToolKVManager(tree, backend, config=mcfg, agree=self.agree)
+        self.clock = clock or AgreedClock(self.agree, every=self.config.sweep_every)
+        self.tp_size = tp_size
+        self.skipped: dict[str, int] = {}
+        # Agree on the clock before the first handler can arm a deadline: the manager starts at
+        # t=0, and a deadline armed then would expire on the first real reading. Every rank
+        # builds its instance in Scheduler.__init__, so this first reduction is unconditional.
+        self.tick()
+
+    @property
+    def tree(self) -> Tree:
+        return self.manager.tree
+
+    def bind_schedule_stream(self, stream: Any) -> None:
+        """sglang creates ``schedule_stream`` in ``run_event_loop``, after ``__init__``; the
+        HiRadix backend orders forwards after its restores on it."""
+        if stream is not None and getattr(self.manager.backend, "schedule_stream", stream) is None:
+            self.manager.backend.schedule_stream = stream  # type: ignore[attr-defined]
+
+    # ---- per iteration ------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Once per scheduler iteration on every rank. The clock reduction inside is
+        unconditional (every ``sweep_every`` ticks on every rank), so ranks never disagree on
+        whether a collective happens."""
+        self.manager.tick(self.clock.tick())
+
+    # ---- IPC ----------------------------------------------------------------------------------------
+    def handle(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Run one control operation. Returns (http status, JSON body). Typed errors become their
+        status; anything else is a 500 whose message names the exception (and is logged)."""
+        try:
+            return 200, self._dispatch(op, body)
+        except ToolKVError as e:
+            return e.http_status, _jsonable(e.to_dict())
+        except Exception as e:  # never take the scheduler loop down for a control call
+            log.exception("toolkv op %s failed", op)
+            return 500, {"error": "internal", "message": f"{type(e).__name__}: {e}"}
+
+    def _dispatch(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        m = self.manager
+        if op == "tool_start":
+            return _jsonable(m.tool_start(_need_str(body, "session_id")))
+        if op == "tool_end":
+            sid = _need_str(body, "session_id")
+            return _jsonable(m.tool_end(sid, body.get("epoch")))  # type: ignore[arg-type]
+        if op == "kv_meta":
+            if body.get("session_id") is None:
+                return self.metrics()
+            return _jsonable(m.kv_meta(_need_str(body, "session_id")))
+        if op == "close":
+            return _jsonable(m.close(_need_str(body, "session_id")))
+        if op == "auto_offload":
+            return self.on_tool_calls(_need_str(body, "session_id"))
+        if op == "status":
+            return self.status()
+        raise BadRequest(f"unknown toolkv operation {op!r}")
+
+    def ipc_handler(self, req: ToolKVReqInput) -> ToolKVReqOutput:
+        """What the scheduler's ``_request_dispatcher`` calls for a :class:`ToolKVReqInput`; the
+        returned output is sent to the tokenizer manager by ``process_input_requests`` (rank 0)."""
+        body = req.body if isinstance(req.body, Mapping) else {}
+        status, out = self.handle(req.op, body)
+        return ToolKVReqOutput(rid=req.rid, ok=status == 200, status=status, body=out)
+
+    def status(self) -> dict[str, Any]:
+        """What the HTTP side checks before its first call (handshake via get_internal_state)."""
+        return {
+            "version": __version__,
+            "backend": self.manager.backend.name,
+            "tp_size": self.tp_size,
+            "zero_change": self.config.zero_change,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """Server-wide kv_meta: lifecycle counts, counters, and the memory toolkv holds."""
+        m = self.manager
+        out: dict[str, Any] = dict(m.kv_meta())
+        out.update(
+            version=__version__,
+            tp_size=self.tp_size,
+            ttl_s=self.config.ttl_s,
+            host_budget_tokens=self.config.host_budget_tokens,
+            zero_change=self.config.zero_change,
+            skipped=dict(self.skipped),
+        )
+        b: Any = m.backend
+        for attr in ("protected_tokens", "pinned_tokens", "host_tokens"):
+            if hasattr(b, attr):
+                out[attr] = int(getattr(b, attr))
+        tree = m.tree
+        alloc = getattr(tree, "token_to_kv_pool_allocator", None)
+        if alloc is not None:
+            out["device_free_tokens"] = int(alloc.available_size())
+        host = getattr(tree, "token_to_kv_pool_host", None)
+        if host is not None:
+            out["host_free_tokens"] = int(host.available_size())
+            out["host_total_tokens"] = int(host.size)
+        return _jsonable(out)
+
+    # ---- request lifecycle hooks --------------------------------------------------------------------
+    def _state(self, sid: str) -> str | None:
+        rec = self.manager.sessions.get(sid)
+        return None if rec is None else rec.state
+
+    def _skip(self, reason: str) -> dict[str, Any]:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        return {"skipped": reason}
+
+    def on_tool_calls(self, sid: str) -> dict[str, Any]:
+        """Zero-change: the turn ended in tool calls, offload like an explicit tool_start would."""
+        decision = decide_on_tool_calls(self._state(sid), zero_change=self.config.zero_change)
+        if decision != "offload":
+            return self._skip(decision)
+        try:
+            return _jsonable(self.manager.tool_start(sid))
+        except ToolKVError as e:  # e.g. host_memory_full, kv_lost: the turn just stays on GPU
+            return self._skip(f"skip:{e.code}")
+
+    def on_request(self, sid: str | None) -> None:
+        """A new generate request of ``sid`` arrived (the same broadcast request on every rank)."""
+        if sid is None:
+            return
+        rec = self.manager.sessions.get(sid)
+        if (
+            decide_on_request(
+                None if rec is None else rec.state, restore_on_request=self.config.restore_on_request
+            )
+            != "restore"
+        ):
+            return
+        assert rec is not None
+        try:
+            self.manager.tool_end(sid, rec.epoch)
+        except DeviceMemoryFull:
+            # Stays offloaded and protected; sglang's prefill reloads the path itself
+            # (init_load_back) if it can, and on_finished settles the record afterwards.
+            self.skipped["restore_deferred"] = self.skipped.get("restore_deferred", 0) + 1
+
+    def on_finished(self, sid: str, tokens: Sequence[int], extra_key: str | None) -> None:
+        """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
+        m = self.manager
+        rec = m.sessions.get(sid)
+        if rec is not None and rec.state in PROTECTING:
+            # The session ran a turn while toolkv still held its KV (a request without tool_end,
+            # or a restore that was deferred). Settle first so the new turn can be recorded:
+            # process acks (state is agreed: sglang's ack checks reduce across ranks), then end
+            # the tool call; if that cannot happen now, close and re-open the record, keeping the
+            # epoch so an old tool_end stays stale.
+            m.tick(m.now)
+            if rec.state in ("Offloading", "Offloaded"):
+                try:
+                    m.tool_end(sid, rec.epoch)
+                    m.tick(m.now)
+                except ToolKVError:
+                    pass
+            if rec.state in PROTECTING:
+                epoch = rec.epoch
+                m.close(sid)
+                m.record_turn(sid, tokens, extra_key)
+                m.sessions[sid].epoch = epoch
+                self.skipped["reopened"] = self.skipped.get("reopened", 0) + 1
+                return
+        m.record_turn(sid, tokens, extra_key)
+
+    def on_tree_reset(self) -> None:
+        self.manager.on_tree_reset()
+
+
+def _jsonable(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Manager results hold floats like ``inf`` (no deadline) that JSON cannot carry."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+            out[k] = None
+        elif isinstance(v, Mapping):
+            out[k] = _jsonable(v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,232 @@
+"""sglang plugin entry point: ``[project.entry-points."sglang.srt.plugins"] toolkv = ...:register``.
+
+sglang calls :func:`register` through ``load_plugins()`` in the CLI process (launch_server.py:64-66,
+cli/serve.py:97-99) and at the top of every scheduler process (scheduler.py:4589-4590), then
+``HookRegistry.apply_hooks()`` patches the targets below before ``Scheduler(...)`` is built. Hook
+targets (sglang 0.5.16, verified against the installed source):
+
+| target | type | role |
+|---|---|---|
+| managers/scheduler.py:313 ``Scheduler.__init__`` | AFTER | refuse unsupported configs; build the rank's manager; add ``ToolKVReqInput`` to ``_request_dispatcher`` (built at l.536) |
+| managers/scheduler.py:1663 ``Scheduler.process_input_requests`` | AFTER | the tick: once per iteration, every loop type, every rank |
+| managers/scheduler.py:2072 ``Scheduler.handle_generate_request`` | BEFORE | a session's next request restores its KV |
+| managers/scheduler.py:3876 ``Scheduler.get_internal_state`` | AFTER | handshake: ``internal_state["toolkv"]`` |
+| mem_cache/radix_cache.py:437 ``RadixCache.cache_finished_req`` | AROUND | record the finished turn's session leaf (HiRadixCache inherits it) |
+| mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780) |
+| entrypoints/http_server.py:2648 ``launch_server`` | BEFORE | main process only: refuse unsupported configs; add the HTTP routes |
+| entrypoints/openai/serving_chat.py:1437/1198 | AROUND | main process, TOOLKV_ZERO_CHANGE=1 only: see finish_reason "tool_calls" |
+
+Nothing is registered unless ``TOOLKV_ENABLE=1``: an installed entry point activates for every
+sglang launch in the environment, so the plugin must be inert by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from toolkv.config import ToolKVConfig
+
+log = logging.getLogger("toolkv")
+
+SCHED = "sglang.srt.managers.scheduler.Scheduler"
+RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+HTTP = "sglang.srt.entrypoints.http_server"
+CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+
+_registered = False
+_transport: Any = None  # the HTTP process's TokenizerManagerTransport, once routes are installed
+
+
+def register() -> None:
+    """The entry point. Idempotent; a no-op unless TOOLKV_ENABLE=1."""
+    global _registered
+    cfg = ToolKVConfig.from_env()
+    if not cfg.enable or _registered:
+        return
+    _registered = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from toolkv.ipc import register_wire_types
+
+    register_wire_types()
+    for target, hook, kind in hooks(main_process=multiprocessing.parent_process() is None, config=cfg):
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    log.warning(
+        "toolkv enabled (ttl=%ss, fallback=%s, zero_change=%s)", cfg.ttl_s, cfg.fallback, cfg.zero_change
+    )
+
+
+def hooks(*, main_process: bool, config: ToolKVConfig) -> list[tuple[str, Callable[..., Any], str]]:
+    """(target, hook, HookType name) for this process. Scheduler-side hooks are registered in
+    every process (in the HTTP process the targets are imported anyway and never run); HTTP-side
+    hooks only in the main process, so scheduler processes do not import the HTTP server."""
+    out: list[tuple[str, Callable[..., Any], str]] = [
+        (f"{SCHED}.__init__", after_scheduler_init, "AFTER"),
+        (f"{SCHED}.process_input_requests", after_process_input_requests, "AFTER"),
+        (f"{SCHED}.handle_generate_request", before_handle_generate_request, "BEFORE"),
+        (f"{SCHED}.get_internal_state", after_get_internal_state, "AFTER"),
+        (f"{RADIX}.cache_finished_req", around_cache_finished_req, "AROUND"),
+        (f"{RADIX}.reset", after_tree_reset, "AFTER"),
+    ]
+    if main_process:
+        out.append((f"{HTTP}.launch_server", before_launch_server, "BEFORE"))
+        if config.zero_change:
+            out.append((f"{CHAT}._handle_non_streaming_request", around_chat_non_streaming, "AROUND"))
+            out.append((f"{CHAT}._generate_chat_stream", around_chat_stream, "AROUND"))
+    return out
+
+
+# ---- scheduler process ------------------------------------------------------------------------------
+def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -> None:
+    """Build this rank's toolkv. Raises ``Unsupported`` (the scheduler, hence the launch, fails
+    with that message) for configurations toolkv cannot serve correctly."""
+    from sglang.utils import TypeBasedDispatcher
+
+    from toolkv.ipc import ToolKVReqInput
+    from toolkv.scheduler_side import SchedulerToolKV, check_server_args, check_tree
+    from toolkv.tp import ProcessGroupAgreement
+
+    cfg = ToolKVConfig.from_env()
+    check_server_args(sched.server_args)
+    tree = sched.tree_cache
+    check_tree(tree)
+    group = getattr(sched, "tp_cpu_group", None)
+    tk = SchedulerToolKV(
+        tree, config=cfg, agree=ProcessGroupAgreement(group), tp_size=int(getattr(sched, "tp_size", 1))
+    )
+    sched._toolkv = tk
+    tree._toolkv = tk
+    sched._request_dispatcher += TypeBasedDispatcher([(ToolKVReqInput, tk.ipc_handler)])
+    log.warning(
+        "toolkv: scheduler rank %s uses the %s backend", getattr(sched, "tp_rank", 0), tk.manager.backend.name
+    )
+
+
+def after_process_input_requests(_result: None, sched: Any, *args: Any, **kwargs: Any) -> None:
+    tk = getattr(sched, "_toolkv", None)
+    if tk is not None:
+        tk.bind_schedule_stream(getattr(sched, "schedule_stream", None))
+        tk.tick()
+
+
+def before_handle_generate_request(sched: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    tk = getattr(sched, "_toolkv", None)
+    if tk is None:
+        return
+    sid = getattr(recv_req, "session_id", None)
+    params = getattr(recv_req, "session_params", None)
+    if sid is None and params is not None:
+        sid = getattr(params, "id", None)
+    if isinstance(sid, str) and sid:
+        try:
+            tk.on_request(sid)
+        except Exception:  # the request must be served even if toolkv cannot restore first
+            log.exception("toolkv: restore on request of session %s failed", sid)
+
+
+def after_get_internal_state(result: Any, sched: Any, *args: Any, **kwargs: Any) -> None:
+    tk = getattr(sched, "_toolkv", None)
+    state = getattr(result, "internal_state", None)
+    if tk is not None and isinstance(state, dict):
+        state["toolkv"] = tk.status()
+
+
+def finished_turn(tree: Any, req: Any, is_insert: bool, kv_len: int | None) -> tuple[str, Any, Any] | None:
+    """(session id, token ids, extra_key) of a finished request whose KV was just inserted, or None.
+    Mirrors ``cache_finished_req``'s own key (radix_cache.py:455-462)."""
+    if not is_insert or getattr(tree, "disable", False) or getattr(tree, "disable_finished_insert", False):
+        return None
+    from toolkv.scheduler_side import session_label
+
+    sid = session_label(req)
+    if sid is None:
+        return None
+    tokens = req.origin_input_ids + req.output_ids
+    if kv_len is not None:
+        tokens = tokens[:kv_len]
+    return sid, tokens, getattr(req, "extra_key", None)
+
+
+def around_cache_finished_req(
+    original: Callable[..., Any], tree: Any, req: Any, *args: Any, **kwargs: Any
+) -> Any:
+    result = original(tree, req, *args, **kwargs)
+    tk = getattr(tree, "_toolkv", None)
+    if tk is None:
+        return result
+    is_insert = bool(args[0]) if args else bool(kwargs.get("is_insert", True))
+    turn = finished_turn(tree, req, is_insert, kwargs.get("kv_len_to_handle"))
+    if turn is not None:
+        try:
+            tk.on_finished(*turn)
+        except Exception:  # deterministic on every rank; never fail the request for toolkv
+            log.exception("toolkv: recording the turn of session %s failed", turn[0])
+    return result
+
+
+def after_tree_reset(_result: None, tree: Any, *args: Any, **kwargs: Any) -> None:
+    tk = getattr(tree, "_toolkv", None)  # absent during the tree's own __init__ -> reset()
+    if tk is not None:
+        tk.on_tree_reset()
+
+
+# ---- HTTP process -----------------------------------------------------------------------------------
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Refuse unsupported configs before any process starts, then add the routes to sglang's
+    FastAPI ``app`` (sglang adds its API-key middleware later, in _setup_and_run_http_server,
+    and it covers these routes too)."""
+    global _transport
+    from sglang.srt.entrypoints import http_server
+
+    from toolkv.http_api import TokenizerManagerTransport, install_routes
+    from toolkv.scheduler_side import check_server_args
+
+    check_server_args(server_args)
+    cfg = ToolKVConfig.from_env()
+    if _transport is None:
+        _transport = TokenizerManagerTransport(
+            lambda: http_server.get_global_state().tokenizer_manager, timeout_s=cfg.reply_timeout_s
+        )
+        install_routes(http_server.app, _transport)
+
+
+async def _notify_tool_calls(request: Any) -> None:
+    sid = getattr(request, "session_id", None)
+    if _transport is not None and isinstance(sid, str) and sid:
+        try:
+            await _transport.send_nowait("auto_offload", {"session_id": sid})
+        except Exception:
+            log.exception("toolkv: zero-change offload of session %s not sent", sid)
+
+
+async def around_chat_non_streaming(
+    original: Callable[..., Any], serving: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """finish_reason "tool_calls" is decided here in the HTTP process (serving_chat.py:1724/1735),
+    after the scheduler already inserted the turn's KV (release_kv_cache runs before the output is
+    streamed). The offload request is sent before the response goes out, so the session's next
+    request cannot overtake it on the same ZMQ socket."""
+    response = await original(serving, *args, **kwargs)
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    choices = getattr(response, "choices", None) or []
+    if any(getattr(c, "finish_reason", None) == "tool_calls" for c in choices):
+        await _notify_tool_calls(request)
+    return response
+
+
+async def around_chat_stream(
+    original: Callable[..., Any], serving: Any, *args: Any, **kwargs: Any
+) -> AsyncIterator[Any]:
+    """Streaming twin: the finish chunk carries ``"finish_reason":"tool_calls"`` (serving_chat.py:1329-1341)."""
+    from toolkv.http_api import is_tool_calls_chunk
+
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    sent = False
+    async for chunk in original(serving, *args, **kwargs):
+        if not sent and is_tool_calls_chunk(chunk):
+            await _notify_tool_calls(request)
+            sent = True
+        yield chunk
