@@ -131,6 +131,19 @@ def _body_spec(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+_KV_META_QUERY: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "session_id",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": 512},
+            "description": "Omit for server-wide metrics",
+        }
+    ]
+}
+
+
 # ---- reply registry and transports ------------------------------------------------------------------
 class ReplyRegistry:
     """rid -> future. Replies for unknown rids (timed out, fire-and-forget) are dropped and
@@ -305,8 +318,9 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
             return _error(e)
         return await _forward(transport, "close", body)
 
-    async def kv_meta(request: Request, session_id: str | None = None) -> JSONResponse:
+    async def kv_meta(request: Request) -> JSONResponse:
         """One session's record (with ``session_id``), else server-wide metrics."""
+        session_id = request.query_params.get("session_id")
         if session_id is not None and not session_id:
             return _error(BadRequest("session_id must be a non-empty string", field="session_id"))
         extra = set(request.query_params) - {"session_id"}
@@ -325,7 +339,7 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
     )  # fmt: skip
     app.add_api_route(
         "/session/kv_meta", kv_meta, methods=["GET"], tags=tags, response_model=SessionMeta | ServerMeta,
-        responses=_ERRORS, summary="Where a session's KV is, or server-wide metrics",
+        responses=_ERRORS, summary="Where a session's KV is, or server-wide metrics", openapi_extra=_KV_META_QUERY,
     )  # fmt: skip
     app.add_api_route(
         "/session/close", close, methods=["POST"], tags=tags, response_model=SessionMeta,

@@ -1,0 +1,288 @@
+"""The HTTP contract on CPU: FastAPI's TestClient -> toolkv's routes -> (named test double of the
+TM<->scheduler channel) -> the plugin's scheduler-side handler -> the real ToolKVManager over the
+real HiRadixCache. Every error has a code and a message and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _turns import LoopbackChannel, finish_turn, iteration
+from fastapi.testclient import TestClient
+
+from toolkv.config import ToolKVConfig
+from toolkv.http_api import (
+    ChannelTransport,
+    ReplyRegistry,
+    TokenizerManagerTransport,
+    build_app,
+    is_tool_calls_chunk,
+    openapi_document,
+)
+from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.scheduler_side import SchedulerToolKV
+from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+PROMPT = list(range(1, 65))
+OPENAPI = Path(__file__).resolve().parents[1] / "docs" / "openapi.json"
+
+
+class Server:
+    def __init__(self, h: CacheHarness, tk: SchedulerToolKV, client: TestClient) -> None:
+        self.h, self.tk, self.client = h, tk, client
+
+    def snapshot(self) -> Any:
+        return (self.h.accounting(), {sid: self.tk.manager.kv_meta(sid) for sid in self.tk.manager.sessions})
+
+
+def make_server(h: CacheHarness, config: ToolKVConfig | None = None) -> Server:
+    tk = SchedulerToolKV(h.tree, config=config)
+    h.tree._toolkv = tk
+    return Server(h, tk, TestClient(build_app(LoopbackChannel(tk))))
+
+
+@pytest.fixture
+def srv() -> Iterator[Server]:
+    with CacheHarness(HarnessConfig()) as h:
+        s = make_server(h)
+        assert finish_turn(h, "s1", PROMPT, [65, 66])
+        yield s
+
+
+def test_tool_call_cycle_over_http(srv: Server) -> None:
+    c, h = srv.client, srv.h
+    initial_free = h.allocator.available_size()
+    r = c.post("/session/tool_start", json={"session_id": "s1"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["state"] == "Offloading" and body["epoch"] == 1 and body["backend"] == "hiradix"
+    iteration(h, srv.tk, writes=True)
+    meta = c.get("/session/kv_meta", params={"session_id": "s1"}).json()
+    assert meta["state"] == "Offloaded" and meta["tier"] == "CpuProtected"
+    assert meta["device_tokens"] == 0 and meta["host_tokens"] == 65
+    assert h.allocator.available_size() - initial_free == 65
+    r = c.post("/session/tool_end", json={"session_id": "s1", "epoch": 1})
+    assert r.status_code == 200 and r.json()["state"] == "Restoring"
+    iteration(h, srv.tk, loads=True)
+    assert c.get("/session/kv_meta", params={"session_id": "s1"}).json()["state"] == "Runnable"
+    server = c.get("/session/kv_meta").json()
+    assert server["sessions"] == 1 and server["counters"]["tool_start"] == 1 and "host_free_tokens" in server
+    assert c.post("/session/close", json={"session_id": "s1"}).json()["state"] == "Closed"
+
+
+BAD = [
+    ("/session/tool_start", b"{not json", "not valid JSON"),
+    ("/session/tool_start", b"[1, 2]", "JSON object"),
+    ("/session/tool_start", b"", "JSON object"),
+    ("/session/tool_start", json.dumps({}).encode(), "session_id"),
+    ("/session/tool_start", json.dumps({"session_id": ""}).encode(), "session_id"),
+    ("/session/tool_start", json.dumps({"session_id": 7}).encode(), "session_id"),
+    ("/session/tool_start", json.dumps({"session_id": "s1", "x": 1}).encode(), "x"),
+    ("/session/tool_end", json.dumps({"session_id": "s1"}).encode(), "epoch"),
+    ("/session/tool_end", json.dumps({"session_id": "s1", "epoch": "1"}).encode(), "epoch"),
+    ("/session/tool_end", json.dumps({"session_id": "s1", "epoch": True}).encode(), "epoch"),
+    ("/session/tool_end", json.dumps({"session_id": "s1", "epoch": -1}).encode(), "epoch"),
+    ("/session/tool_end", json.dumps({"session_id": "s1", "epoch": 1.5}).encode(), "epoch"),
+    ("/session/close", json.dumps({"sid": "s1"}).encode(), "session_id"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "words"), BAD, ids=[f"{p.split('/')[-1]}-{i}" for i, (p, _, _) in enumerate(BAD)]
+)
+def test_malformed_bodies_are_400_and_change_nothing(srv: Server, path: str, raw: bytes, words: str) -> None:
+    before = srv.snapshot()
+    r = srv.client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["error"] == "bad_request" and words in body["message"]
+    assert srv.snapshot() == before
+
+
+def test_bad_query_is_400(srv: Server) -> None:
+    assert srv.client.get("/session/kv_meta", params={"session_id": ""}).status_code == 400
+    assert srv.client.get("/session/kv_meta", params={"sid": "s1"}).status_code == 400
+
+
+def test_unknown_session_is_404(srv: Server) -> None:
+    before = srv.snapshot()
+    c = srv.client
+    for r in (
+        c.post("/session/tool_start", json={"session_id": "ghost"}),
+        c.post("/session/tool_end", json={"session_id": "ghost", "epoch": 0}),
+        c.get("/session/kv_meta", params={"session_id": "ghost"}),
+        c.post("/session/close", json={"session_id": "ghost"}),
+    ):
+        assert (
+            r.status_code == 404 and r.json()["error"] == "unknown_session" and "ghost" in r.json()["message"]
+        )
+    assert srv.snapshot() == before
+
+
+def test_stale_epoch_and_wrong_state_are_409_and_change_nothing(srv: Server) -> None:
+    c = srv.client
+    before = srv.snapshot()
+    r = c.post("/session/tool_end", json={"session_id": "s1", "epoch": 0})
+    assert r.status_code == 409 and r.json()["error"] == "wrong_state"
+    assert srv.snapshot() == before
+    assert c.post("/session/tool_start", json={"session_id": "s1"}).status_code == 200
+    iteration(srv.h, srv.tk, writes=True)
+    before = srv.snapshot()
+    r = c.post("/session/tool_end", json={"session_id": "s1", "epoch": 7})
+    assert r.status_code == 409 and r.json() == {
+        "error": "stale_epoch",
+        "message": r.json()["message"],
+        "current_epoch": 1,
+    }
+    r = c.post("/session/tool_start", json={"session_id": "s1"})
+    assert r.status_code == 409 and r.json()["error"] == "wrong_state"
+    assert srv.snapshot() == before
+
+
+def test_host_budget_exhausted_is_507_and_changes_nothing() -> None:
+    with CacheHarness(HarnessConfig()) as h:
+        s = make_server(h, ToolKVConfig(host_budget_tokens=16))
+        assert finish_turn(h, "s1", PROMPT, [65])
+        before = s.snapshot()
+        r = s.client.post("/session/tool_start", json={"session_id": "s1"})
+        assert r.status_code == 507 and r.json()["error"] == "host_memory_full" and r.json()["message"]
+        assert s.snapshot() == before
+
+
+def test_device_memory_full_is_503_and_retry_works(srv: Server) -> None:
+    c, h = srv.client, srv.h
+    c.post("/session/tool_start", json={"session_id": "s1"})
+    iteration(h, srv.tk, writes=True)
+    hog = h.alloc(h.allocator.available_size())  # another request takes every free slot
+    assert hog is not None
+    before = srv.snapshot()
+    r = c.post("/session/tool_end", json={"session_id": "s1", "epoch": 1})
+    assert (
+        r.status_code == 503 and r.json()["error"] == "device_memory_full" and r.json()["need_tokens"] == 65
+    )
+    assert srv.snapshot() == before
+    h.allocator.free(hog)
+    assert c.post("/session/tool_end", json={"session_id": "s1", "epoch": 1}).status_code == 200
+
+
+def test_api_key_is_enforced_by_sglangs_middleware(srv: Server) -> None:
+    """sglang adds its API-key middleware to the app after the plugin added the routes; the
+    routes are NORMAL-level endpoints like /generate."""
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    app = build_app(LoopbackChannel(srv.tk))
+    add_api_key_middleware(app, api_key="sekrit", admin_api_key=None)
+    c = TestClient(app)
+    before = srv.snapshot()
+    assert c.post("/session/tool_start", json={"session_id": "s1"}).status_code == 401
+    assert c.get("/session/kv_meta", params={"session_id": "s1"}).status_code == 401
+    bad = {"Authorization": "Bearer wrong"}
+    assert c.get("/session/kv_meta", params={"session_id": "s1"}, headers=bad).status_code == 401
+    assert srv.snapshot() == before
+    ok = {"Authorization": "Bearer sekrit"}
+    assert c.get("/session/kv_meta", params={"session_id": "s1"}, headers=ok).status_code == 200
+
+
+class _Silent(ChannelTransport):
+    """A scheduler that never answers (hung, or busy beyond the timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout_s=0.05)
+        self.sent: list[ToolKVReqInput] = []
+
+    def _send(self, req: ToolKVReqInput) -> None:
+        self.sent.append(req)
+
+
+def test_timeout_is_504_and_a_late_reply_is_dropped() -> None:
+    t = _Silent()
+    c = TestClient(build_app(t))
+    r = c.post("/session/tool_start", json={"session_id": "s1"})
+    assert r.status_code == 504 and r.json()["error"] == "scheduler_timeout"
+    assert len(t.replies) == 0
+    t.replies.resolve(ToolKVReqOutput(rid=t.sent[0].rid, ok=True, body={}))
+    assert t.replies.dropped == 1
+
+
+def test_reply_registry_routes_by_rid() -> None:
+    async def run() -> list[str]:
+        reg = ReplyRegistry()
+        a, b = reg.expect("a"), reg.expect("b")
+        reg.resolve(ToolKVReqOutput(rid="b", ok=True, body={"who": "b"}))
+        reg.resolve(ToolKVReqOutput(rid="a", ok=True, body={"who": "a"}))
+        return [(await a).body["who"], (await b).body["who"]]
+
+    assert asyncio.run(run()) == ["a", "b"]
+
+
+class FakeTokenizerManager:
+    """TEST DOUBLE of sglang's TokenizerManager surface the transport uses: get_internal_state,
+    _result_dispatcher, auto_create_handle_loop, _dispatch_to_scheduler. Dispatch goes to the
+    plugin's real scheduler-side handler; the reply comes back through ``_result_dispatcher``."""
+
+    def __init__(self, tk: SchedulerToolKV | None) -> None:
+        from sglang.utils import TypeBasedDispatcher
+
+        self.tk = tk
+        self._result_dispatcher = TypeBasedDispatcher([(int, lambda x: None)])
+        self.dispatched: list[Any] = []
+
+    async def get_internal_state(self) -> list[dict[str, Any]]:
+        state: dict[str, Any] = {"page_size": 1}
+        if self.tk is not None:
+            state["toolkv"] = self.tk.status()  # what the get_internal_state AFTER hook adds
+        return [state]
+
+    def auto_create_handle_loop(self) -> None:
+        return None
+
+    def _dispatch_to_scheduler(self, obj: Any) -> None:
+        self.dispatched.append(obj)
+        assert self.tk is not None, "a scheduler without toolkv would crash on this type"
+        out = self.tk.ipc_handler(obj)
+        asyncio.get_running_loop().call_soon(self._result_dispatcher, out)
+
+
+def test_handshake_refuses_schedulers_without_toolkv() -> None:
+    tm = FakeTokenizerManager(None)
+    c = TestClient(build_app(TokenizerManagerTransport(lambda: tm)))
+    r = c.get("/session/kv_meta")
+    assert r.status_code == 503 and r.json()["error"] == "toolkv_unavailable"
+    assert tm.dispatched == [], "nothing may be sent to a scheduler that cannot decode it"
+    c2 = TestClient(build_app(TokenizerManagerTransport(lambda: None)))
+    assert c2.get("/session/kv_meta").status_code == 503
+
+
+def test_tokenizer_manager_transport_round_trip(srv: Server) -> None:
+    tm = FakeTokenizerManager(srv.tk)
+    c = TestClient(build_app(TokenizerManagerTransport(lambda: tm)))
+    r = c.post("/session/tool_start", json={"session_id": "s1"})
+    assert r.status_code == 200 and r.json()["epoch"] == 1
+    assert c.get("/session/kv_meta", params={"session_id": "s1"}).json()["state"] == "Offloading"
+    assert [type(x).__name__ for x in tm.dispatched] == ["ToolKVReqInput", "ToolKVReqInput"]
+
+
+def test_tool_calls_chunk_detection() -> None:
+    assert is_tool_calls_chunk('data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}\n\n')
+    assert is_tool_calls_chunk(b'data: {"finish_reason": "tool_calls"}\n\n')
+    assert not is_tool_calls_chunk('data: {"finish_reason":"stop"}\n\n')
+    assert not is_tool_calls_chunk("data: [DONE]\n\n")
+
+
+def test_openapi_document_is_current() -> None:
+    """docs/openapi.json is generated from the app; regenerate with TOOLKV_WRITE_OPENAPI=1."""
+    doc = openapi_document()
+    paths = doc["paths"]
+    assert set(paths) == {"/session/tool_start", "/session/tool_end", "/session/kv_meta", "/session/close"}
+    assert {"400", "404", "409", "503", "507"} <= set(paths["/session/tool_end"]["post"]["responses"])
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("TOOLKV_WRITE_OPENAPI") == "1":
+        OPENAPI.write_text(text)
+    assert OPENAPI.exists() and OPENAPI.read_text() == text, (
+        "run TOOLKV_WRITE_OPENAPI=1 pytest tests/test_http.py"
+    )
