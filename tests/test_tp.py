@@ -1,0 +1,185 @@
+"""Tensor-parallel lockstep on CPU: two gloo ranks, each with its own REAL HiRadixCache (CPU
+harness) and its own toolkv whose agreement is ``toolkv.tp`` over the 2-rank group — the same group
+sglang's ``writing_check``/``loading_check`` reduce over. The ranks get deliberately different
+timings (rank 1's copies finish later, its clock is skewed, its device memory runs out alone) and
+must still take identical decisions at every step, with identical per-rank accounting, and no hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+from toolkv.backends.base import LocalAgreement
+from toolkv.tp import AgreedClock, ProcessGroupAgreement
+
+WORLD = 2
+TTL = 5.0
+BASE = 1_000_000.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ScriptedClock:
+    """Per-rank wall clock: rank 1 runs 2.5 s behind rank 0 and jitters."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.t = BASE
+
+    def __call__(self) -> float:
+        return self.t - (2.5 if self.rank == 1 else 0.0) + (0.3 * (self.t % 2) if self.rank == 1 else 0.0)
+
+
+def _rank_main(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=30),
+    )
+    from _turns import finish_turn
+
+    from toolkv.config import ToolKVConfig
+    from toolkv.scheduler_side import SchedulerToolKV
+    from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+    trace: list[dict[str, Any]] = []
+    with CacheHarness(HarnessConfig(), seed=rank) as h:  # ensure_process_group returns the 2-rank WORLD
+        assert h.tree.tp_world_size == WORLD
+        initial = h.accounting()
+        agree = ProcessGroupAgreement(dist.group.WORLD)
+        clock = ScriptedClock(rank)
+        tk = SchedulerToolKV(
+            h.tree,
+            config=ToolKVConfig(ttl_s=TTL),
+            agree=agree,
+            tp_size=WORLD,
+            clock=AgreedClock(agree, every=1, source=clock),
+        )
+        h.tree._toolkv = tk
+
+        def record(step: str, reply: Any = None) -> None:
+            acc = h.accounting()
+            trace.append(
+                {
+                    "step": step,
+                    "reply": reply,
+                    "now": tk.manager.now,
+                    "sessions": {s: tk.manager.kv_meta(s) for s in sorted(tk.manager.sessions)},
+                    "acct": [
+                        acc.device_free,
+                        acc.host_free,
+                        acc.evictable,
+                        acc.protected,
+                        acc.pending_writes,
+                    ],
+                    "loads": acc.pending_loads,
+                    "collectives": agree.collectives,
+                }
+            )
+
+        def iteration(step: str, *, writes_on: tuple[int, ...] = (), loads_on: tuple[int, ...] = ()) -> None:
+            """One scheduler iteration: this rank's copy engine may finish, sglang's ack checks
+            (all-reduce MIN inside), then the tick (agreed clock inside)."""
+            clock.t += 1.0
+            if rank in writes_on:
+                h.complete("write")
+            if rank in loads_on:
+                h.complete("load")
+            h.check_events()
+            tk.tick()
+            record(step)
+
+        assert finish_turn(h, "a", list(range(1, 49)), [49, 50])
+        assert finish_turn(h, "b", list(range(100, 140)), [140], slot=1)
+        record("turns")
+        record("tool_start a", tk.handle("tool_start", {"session_id": "a"}))
+        iteration("rank0 writes done", writes_on=(0,))  # rank 1 lags: nobody may free yet
+        iteration("nothing")
+        iteration("rank1 writes done", writes_on=(1,))  # now both free, same iteration
+        record("tool_end a", tk.handle("tool_end", {"session_id": "a", "epoch": 1}))
+        iteration("rank0 loads done", loads_on=(0,))
+        iteration("rank1 loads done", loads_on=(1,))
+
+        record("tool_start b", tk.handle("tool_start", {"session_id": "b"}))
+        iteration("all writes done", writes_on=(0, 1))
+        hog = h.alloc(h.allocator.available_size()) if rank == 1 else None  # only rank 1 is full
+        status, body = tk.handle("tool_end", {"session_id": "b", "epoch": 1})
+        if hog is not None:
+            h.allocator.free(hog)
+        body.pop("device_free_tokens", None)  # a local diagnostic reading; the decision is agreed
+        record("tool_end b (rank 1 full)", (status, body))
+        for i in range(int(TTL) + 2):  # clocks are skewed: the agreed MAX decides expiry for both
+            iteration(f"idle {i}")
+        record("close a", tk.handle("close", {"session_id": "a"}))
+        record("close b", tk.handle("close", {"session_id": "b"}))
+        h.synchronize()
+        h.check_events()
+        h.evict_device(10**6)
+        h.check_events()
+        h.evict_host(10**6)
+        record("drained")
+        leak_free = h.accounting() == initial
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"trace": trace, "leak_free": leak_free}))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_take_identical_decisions(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    ctx = mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+    deadline = t0 + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("TP ranks hung (no lockstep)")
+    r0, r1 = (json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(WORLD))
+    t0s, t1s = r0["trace"], r1["trace"]
+    assert [s["step"] for s in t0s] == [s["step"] for s in t1s]
+    for a, b in zip(t0s, t1s, strict=True):
+        assert a == b, f"ranks diverged at {a['step']!r}:\n{a}\n{b}"
+    by = {s["step"]: s for s in t0s}
+    assert by["tool_start a"]["sessions"]["a"]["state"] == "Offloading"
+    assert by["rank0 writes done"]["sessions"]["a"]["state"] == "Offloading", "rank 0 must wait for rank 1"
+    assert by["rank1 writes done"]["sessions"]["a"]["state"] == "Offloaded"
+    assert by["tool_end a"]["reply"][1]["state"] == "Restoring"
+    assert by["rank0 loads done"]["sessions"]["a"]["state"] == "Restoring"
+    assert by["rank1 loads done"]["sessions"]["a"]["state"] == "Runnable"
+    refused = by["tool_end b (rank 1 full)"]
+    assert refused["reply"][0] == 503 and refused["sessions"]["b"]["state"] == "Offloaded"
+    states = [s["sessions"]["b"]["state"] for s in t0s if s["step"].startswith("idle")]
+    assert "Expired" in states and states[0] == "Offloaded", states
+    assert r0["leak_free"] and r1["leak_free"]
+
+
+def test_single_rank_agreement_issues_no_collective() -> None:
+    a = ProcessGroupAgreement(None)
+    assert a.all_true(True) and not a.all_true(False) and a.max_time(3.0) == 3.0
+    assert a.collectives == 0
+
+
+def test_agreed_clock_cadence_and_monotonicity() -> None:
+    readings = iter([10.0, 5.0, 12.0])
+    clock = AgreedClock(LocalAgreement(), every=2, source=lambda: next(readings))
+    got = [clock.tick() for _ in range(6)]
+    # read on ticks 0, 2 and 4 only; a reading that went backwards does not move it back
+    assert got == [10.0, 10.0, 10.0, 10.0, 12.0, 12.0]
+    with pytest.raises(ValueError):
+        AgreedClock(LocalAgreement(), every=0)
