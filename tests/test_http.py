@@ -286,3 +286,45 @@ def test_openapi_document_is_current() -> None:
     assert OPENAPI.exists() and OPENAPI.read_text() == text, (
         "run TOOLKV_WRITE_OPENAPI=1 pytest tests/test_http.py"
     )
+
+
+# ---- toolkv.client against the same app ---------------------------------------------------------------
+def test_sync_client_typed_results_and_errors(srv: Server) -> None:
+    from toolkv.client import ToolKVClient
+    from toolkv.errors import StaleEpoch, UnknownSession, WrongState
+
+    tc = TestClient(build_app(LoopbackChannel(srv.tk)))
+    with ToolKVClient("http://testserver", transport=tc._transport) as c:
+        m = c.tool_start("s1")
+        assert (m.state, m.epoch, m.tokens, m.backend) == ("Offloading", 1, 65, "hiradix")
+        with pytest.raises(WrongState):
+            c.tool_start("s1")
+        iteration(srv.h, srv.tk, writes=True)
+        with pytest.raises(StaleEpoch) as ei:
+            c.tool_end("s1", 0)
+        assert ei.value.http_status == 409 and ei.value.details["current_epoch"] == 1
+        with pytest.raises(UnknownSession):
+            c.kv_meta("ghost")
+        assert c.tool_end("s1", m.epoch).state == "Restoring"
+        assert c.server_meta().states == {"Restoring": 1}
+        assert c.close_session("s1").state == "Closed"
+
+
+def test_async_client_and_unauthorized(srv: Server) -> None:
+    import httpx
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    from toolkv.client import AsyncToolKVClient, Unauthorized
+
+    app = build_app(LoopbackChannel(srv.tk))
+    add_api_key_middleware(app, api_key="k", admin_api_key=None)
+
+    async def run() -> tuple[str, int]:
+        async with AsyncToolKVClient("http://t", transport=httpx.ASGITransport(app=app)) as anon:
+            with pytest.raises(Unauthorized):
+                await anon.kv_meta("s1")
+        async with AsyncToolKVClient("http://t", api_key="k", transport=httpx.ASGITransport(app=app)) as c:
+            m = await c.tool_start("s1")
+            return (await c.kv_meta("s1")).state, m.epoch
+
+    assert asyncio.run(run()) == ("Offloading", 1)

@@ -33,24 +33,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from toolkv.client import SchedulerTimeout, ToolKVUnavailable
 from toolkv.errors import BadRequest, ToolKVError
 from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
 
 log = logging.getLogger("toolkv")
-
-
-class ToolKVUnavailable(ToolKVError):
-    """The scheduler does not run toolkv (handshake failed) or the server is not up yet."""
-
-    http_status = 503
-    code = "toolkv_unavailable"
-
-
-class SchedulerTimeout(ToolKVError):
-    """No reply within the timeout. The operation may still take effect: check kv_meta."""
-
-    http_status = 504
-    code = "scheduler_timeout"
 
 
 # ---- schemas (validation and OpenAPI) ---------------------------------------------------------------
