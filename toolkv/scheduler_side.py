@@ -247,6 +247,10 @@ class SchedulerToolKV:
         alloc = getattr(tree, "token_to_kv_pool_allocator", None)
         if alloc is not None:
             out["device_free_tokens"] = int(alloc.available_size())
+            # sglang's own idle invariant: free + evictable + locked == pool size; "locked" must
+            # fall back to zero once no request runs and toolkv holds nothing (pin backend).
+            out["device_evictable_tokens"] = int(tree.evictable_size())
+            out["device_locked_tokens"] = int(tree.protected_size())
         host = getattr(tree, "token_to_kv_pool_host", None)
         if host is not None:
             out["host_free_tokens"] = int(host.available_size())
