@@ -145,6 +145,14 @@ FreeSetNoAck(L, d) ==
         Fix(F, k) == IF k = 0 THEN F ELSE Fix(Step(F), k - 1)
     IN Fix({}, Cardinality(Nodes))
 
+\* Capacity decisions, named so that trace validation (TraceCheck.tla) can replace them with the
+\* decisions the implementation actually took against its token-granular pools (cfg `<-`).
+HostFits(W) == Cardinality(W) <= hostFree     \* ToolStart: the unbacked path fits on host
+DevFits(C) == Cardinality(C) <= devFree       \* ToolEnd: the evicted path fits on device
+InsertFits == devFree >= 1                    \* a turn's new leaf fits on device
+WriteFits == hostFree >= 1                    \* a write-through fits on host
+SplitFits(n) == (dev[n] => devFree >= 1) /\ (host[n] => hostFree >= 1)
+
 Rec(a, t) == IF Hist THEN act' = a /\ tgt' = t ELSE UNCHANGED <<act, tgt>>
 
 Min(a, b) == IF a < b THEN a ELSE b
@@ -189,7 +197,7 @@ ToolStart(s) ==
             /\ Rec(<<"ToolStart", s>>, {})
        ELSE
          LET W == {m \in Path(n) : ~host[m]} IN
-         IF Cardinality(W) > hostFree
+         IF ~HostFits(W)
          THEN \* host pool full at write: the offload is refused, nothing changes
               /\ UNCHANGED core
               /\ Rec(<<"ToolStart", s>>, {})
@@ -247,7 +255,7 @@ ToolEnd(s, e) ==
     /\ phase[s] \in {"Offloading", "Offloaded", "Restoring", "Expired", "Lost"}
     /\ e \in 0..MaxEpoch
     /\ IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
-       THEN IF Cardinality(C) > devFree
+       THEN IF ~DevFits(C)
             THEN \* load-back failure (no device memory)
                  /\ IF BUG = "HostLockLeak"
                     THEN \* the session is given up but its host_ref is never released
@@ -386,7 +394,7 @@ HostEvict(n) ==
 WriteThrough(n) ==
     /\ EnvWrites /\ n \in InTree /\ dev[n] /\ ~host[n] /\ loadKey[n] = NoNode
     /\ IF parent[n] = Root THEN TRUE ELSE host[parent[n]]
-    /\ hostFree >= 1
+    /\ WriteFits
     /\ host' = [host EXCEPT ![n] = TRUE]
     /\ hostFree' = hostFree - 1
     /\ writeKey' = [writeKey EXCEPT ![n] = n]
@@ -400,8 +408,7 @@ WriteThrough(n) ==
 \* needs a free slot wherever n has a copy.
 Split(n, m) ==
     /\ n \in InTree /\ status[m] = "Unborn"
-    /\ dev[n] => devFree >= 1
-    /\ host[n] => hostFree >= 1
+    /\ SplitFits(n)
     /\ status' = [status EXCEPT ![m] = "InTree"]
     /\ parent' = [parent EXCEPT ![m] = parent[n], ![n] = m]
     /\ dev' = [dev EXCEPT ![m] = dev[n]]
@@ -421,7 +428,7 @@ Insert(s, p, n) ==
     /\ phase[s] \in {"New", "Running", "Runnable", "Expired", "Lost"}
     /\ status[n] = "Unborn"
     /\ PathValid(p)
-    /\ devFree >= 1
+    /\ InsertFits
     /\ status' = [status EXCEPT ![n] = "InTree"]
     /\ parent' = [parent EXCEPT ![n] = p]
     /\ dev' = [dev EXCEPT ![n] = TRUE]

@@ -63,6 +63,11 @@ class StepResult:
     error: str | None  # the typed error the manager answered with, if any
     violations: list[str]
 
+    @property
+    def fits(self) -> bool:
+        """The capacity decision the implementation took (for trace validation)."""
+        return self.error not in ("host_memory_full", "device_memory_full")
+
 
 class Replayer:
     """One real cache stack driven by spec actions. Create a fresh one per path."""
@@ -75,35 +80,57 @@ class Replayer:
         env_bugs: frozenset[str] = frozenset(),
         page_size: int = 1,
         seed: int = 0,
+        capacity: str = "spec",
+        device_tokens: int | None = None,
+        host_ratio: float = 1.0,
+        device: str = "cpu",
+        io_backend: str = "direct",
+        ttl: float | None = None,
     ) -> None:
+        """``capacity="spec"`` maps the spec's node-granular slots onto the token pools with ballast
+        (conformance replay); ``capacity="real"`` leaves the pools alone: refusals happen when the
+        real pools are full, and the step result reports the decision (fuzzing, trace validation)."""
         self.b = bounds
+        self.capacity = capacity
         # Environment defects: what a misconfigured sglang does. "OrphanHost": a backed-up leaf is
         # deleted with its host copy still allocated (SessionRadixCache's release path + HiCache,
         # which the plugin refuses to run with).
         self.env_bugs = env_bugs
         self.ps = page_size
         self.unit = 4 * max(16, page_size)  # tokens per spec node: halves of splits stay >= 10 (load_back)
-        cap = (len(bounds.nodes) + bounds.dev_slots + 4) * self.unit
+        cap = device_tokens or (len(bounds.nodes) + bounds.dev_slots + 4) * self.unit
         self.h = CacheHarness(
-            HarnessConfig(page_size=page_size, device_tokens=cap, host_ratio=1.0, write_policy="write_through"),
+            HarnessConfig(
+                page_size=page_size,
+                device_tokens=cap,
+                host_ratio=host_ratio,
+                write_policy="write_through",
+                device=device,
+                io_backend=io_backend,
+            ),
             seed=seed,
         )
         # HiCache's own write-through is the spec's explicit WriteThrough action here.
         self.h.tree.write_through_threshold = 10**9
-        self.mgr = ToolKVManager(self.h.tree, config=ManagerConfig(ttl_s=float(bounds.ttl)), caveats=caveats)
+        self.mgr = ToolKVManager(
+            self.h.tree, config=ManagerConfig(ttl_s=float(ttl if ttl is not None else bounds.ttl)), caveats=caveats
+        )
         self.nodes = NodeMap()
         self.ext: set[str] = set()
         self.resets = 0
         self._fresh = 1
         self._ballast_dev: torch.Tensor | None = None
         self._ballast_host: torch.Tensor | None = None
+        self.env_host_slots: set[int] = set()  # host slots held by other requests (fuzz memory pressure)
 
     def close(self) -> None:
         self.h.close()
 
     # ---- state ----------------------------------------------------------------------------------------
     def abstract(self) -> dict[str, Any]:
-        st = abstract_state(self.mgr, self.nodes, self.b, ext_locks=self.ext, resets=self.resets)
+        st = abstract_state(
+            self.mgr, self.nodes, self.b, ext_locks=self.ext, resets=self.resets, env_host_slots=self.env_host_slots
+        )
         st["extLock"] = {n: n in self.ext for n in self.b.nodes}
         return st
 
@@ -126,12 +153,16 @@ class Replayer:
             self._ballast_host = None
 
     def _device_free_exactly(self, tokens: int) -> None:
+        if self.capacity != "spec":
+            return
         extra = self.h.allocator.available_size() - max(tokens, 0)
         if extra > 0:
             self._ballast_dev = self.h.allocator.alloc(extra)
             assert self._ballast_dev is not None
 
     def _host_free_exactly(self, tokens: int) -> None:
+        if self.capacity != "spec":
+            return
         extra = self.h.host_pool.available_size() - max(tokens, 0)
         if extra > 0:
             self._ballast_host = self.h.host_pool.alloc(extra)
@@ -218,11 +249,17 @@ class Replayer:
                     raise Unrealizable(f"sglang would not host-evict {args[0]}")
             elif name == "WriteThrough":
                 o = self._obj(args[0])
-                assert tree.write_backup(o) == len(o.key)
+                if tree.write_backup(o) != len(o.key):
+                    raise Unrealizable("host pool full: sglang skips the write-through")
             elif name == "Split":
                 self._split(args[0], args[1])
             elif name == "TreeReset":
-                self.h.synchronize()  # flush_cache only runs when idle: copies have finished
+                # flush_cache only runs when the scheduler is fully idle, which counts sglang's in-flight
+                # writes and loads as busy: they have finished and been retired (reset() itself does not
+                # clear ongoing_write_through / ongoing_load_back).
+                self.h.synchronize()
+                tree.writing_check()
+                tree.loading_check()
                 tree.reset()
                 self.h.allocator.clear()
                 self.resets += 1
@@ -251,8 +288,12 @@ class Replayer:
         fresh = list(range(self._fresh, self._fresh + self.unit))
         self._fresh += self.unit
         tokens = prefix_tokens + fresh
-        new = self.h.alloc(self.unit)
-        assert new is not None, "the replayer sized the device pool too small"
+        new = self.h.allocator.alloc(self.unit)
+        if new is None:
+            if self.capacity == "spec":
+                raise AssertionError("the replayer sized the device pool too small")
+            raise Unrealizable("no device memory for the turn")
+        self.h.fill_kv(new, fresh)
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         res = tree.insert(InsertParams(key=rkey(tokens), value=torch.cat([prefix_idx, new])))

@@ -13,7 +13,7 @@ correspondence in a :class:`NodeMap`. Everything else is read off the real objec
 | ``host[n]`` | in the tree and ``node.host_value is not None``; for a detached node of the current generation: its host slots are still allocated (an orphaned host buffer, caveat 3) |
 | ``lockRef[n]``, ``hostRef[n]`` | ``node.lock_ref``, ``node.host_ref_counter`` (0 once the node's tree was reset) |
 | ``writeKey[n]`` | name of the node whose id is ``node.write_through_pending_id`` |
-| ``loadKey[n]`` | the manager's own loads: ``backend._loads`` |
+| ``loadKey[n]`` | the manager's own loads: ``backend.loading_chains()`` |
 | ``loadAcks[k]`` | acks in the controller's ``ack_load_queue`` carrying ``k``'s id |
 | ``phase[s]``, ``ref[s]``, ``epoch[s]``, ``prot[s]``, ``deadline[s]`` | the ``SessionRecord`` (``state``, ``node``, ``epoch``, ``protected``, ``min(deadline, MaxTime)``) |
 | ``devFree``, ``hostFree`` | ``DevSlots``/``HostSlots`` minus the nodes holding a copy (slots are node-granular in the spec; token capacity is an environment choice, see ``conformance.py``) |
@@ -81,8 +81,19 @@ class NodeMap:
         return NO_NODE
 
 
-def abstract_state(mgr: Any, nodes: NodeMap, bounds: Bounds, *, ext_locks: set[str], resets: int) -> dict[str, Any]:
-    """The implementation's state in the spec's variables (``core`` of ``ToolKV.tla``)."""
+def abstract_state(
+    mgr: Any,
+    nodes: NodeMap,
+    bounds: Bounds,
+    *,
+    ext_locks: set[str],
+    resets: int,
+    env_host_slots: set[int] | None = None,
+) -> dict[str, Any]:
+    """The implementation's state in the spec's variables (``core`` of ``ToolKV.tla``).
+
+    ``env_host_slots``: host slots other requests hold (so a detached node's stale ``host_value``
+    pointing at reallocated slots is not mistaken for an orphan)."""
     tree = mgr.tree
     by_id = {id(o): n for n, o in nodes.obj.items()}
     gen = mgr.tree_gen
@@ -99,7 +110,7 @@ def abstract_state(mgr: Any, nodes: NodeMap, bounds: Bounds, *, ext_locks: set[s
             status[n] = "Gone"
 
     in_tree = [n for n in bounds.nodes if status[n] == "InTree"]
-    owned_host: set[int] = set()
+    owned_host: set[int] = set(env_host_slots or ())
     for n in in_tree:
         hv = nodes.obj[n].host_value
         if hv is not None:
@@ -125,9 +136,9 @@ def abstract_state(mgr: Any, nodes: NodeMap, bounds: Bounds, *, ext_locks: set[s
         return False
 
     real_id_to_name = {o.id: n for n, o in nodes.obj.items() if nodes.gen[n] == gen and status[n] == "InTree"}
-    loads: dict[int, tuple[TreeNode, list[TreeNode]]] = getattr(mgr.backend, "_loads", {})
+    chains = mgr.backend.loading_chains() if hasattr(mgr.backend, "loading_chains") else []
     load_key: dict[str, str] = {}
-    for leaf, filled in loads.values():
+    for leaf, filled in chains:
         for m in filled:
             if id(m) in by_id:
                 load_key[by_id[id(m)]] = by_id.get(id(leaf), NO_NODE)

@@ -48,9 +48,11 @@ class HiRadixBackend:
         self.host_budget_tokens = host_budget_tokens
         self.schedule_stream = schedule_stream
         self.caveats = caveats
-        # loads this manager issued: id(leaf) -> (leaf, nodes being filled)
-        self._loads: dict[int, tuple[TreeNode, list[TreeNode]]] = {}
-        self._loading_nodes: dict[int, int] = {}  # id(node) -> number of our loads filling it
+        # Loads this manager issued: id(leaf) -> (leaf, boundary). The load fills the chain from the
+        # leaf up to, not including, the boundary (the deepest ancestor already on device at
+        # load_back time). Kept as a chain, not a node list: a split while the load is in flight
+        # inserts a new node into the chain, and that node is loading too.
+        self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
         self.protected_tokens = 0
 
     # ---- ToolStart ------------------------------------------------------------------------------------
@@ -82,9 +84,21 @@ class HiRadixBackend:
         assert rec.node is not None
         return any(m.write_through_pending_id is not None for m in path_to(self.tree, rec.node))
 
+    def _chain(self, leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
+        out, node = [], leaf
+        while node is not None and node is not boundary and node is not self.tree.root_node:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def loading_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
+        """Each in-flight load of this manager: (its key node, the nodes it is filling)."""
+        return [(leaf, self._chain(leaf, boundary)) for leaf, boundary in self._loads.values()]
+
     def _node_loading(self, m: TreeNode) -> bool:
-        if self._loading_nodes.get(id(m), 0) > 0:
-            return True
+        for leaf, boundary in self._loads.values():
+            if m in self._chain(leaf, boundary):
+                return True
         # Loads issued by sglang itself (a request's init_load_back) are keyed by their deepest node;
         # conservatively treat every node on such a path as loading.
         # sglang's reset() does not clear ongoing_load_back: skip entries of an old tree.
@@ -155,15 +169,14 @@ class HiRadixBackend:
                 device_free_tokens=int(tree.token_to_kv_pool_allocator.available_size()),
             )
         if missing:
+            boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
             dev = tree.load_back(leaf)
             assert dev is not None and len(dev) == need, "load_back refused after the capacity check"
             tree.ready_to_load_host_cache()
             if self.schedule_stream is not None:
                 # Forwards run after the schedule stream: order them after this load.
                 self.schedule_stream.wait_event(tree.cache_controller.ack_load_queue[-1].finish_event)
-            self._loads[id(leaf)] = (leaf, missing)
-            for m in missing:
-                self._loading_nodes[id(m)] = self._loading_nodes.get(id(m), 0) + 1
+            self._loads[id(leaf)] = (leaf, boundary)
             rec.restored_tokens = need
         runnable = not any(self._node_loading(m) for m in path)
         if runnable or "EarlyRunnable" in self.caveats:
@@ -177,15 +190,9 @@ class HiRadixBackend:
         return bool(self._loads)
 
     def poll_loads(self) -> None:
-        for key, (leaf, nodes) in list(self._loads.items()):
+        for key, (leaf, _) in list(self._loads.items()):
             if not is_loading(self.tree, leaf):
                 del self._loads[key]
-                for m in nodes:
-                    c = self._loading_nodes[id(m)] - 1
-                    if c:
-                        self._loading_nodes[id(m)] = c
-                    else:
-                        del self._loading_nodes[id(m)]
 
     def restore_pending(self, rec: SessionRecord) -> bool:
         assert rec.node is not None
@@ -213,7 +220,6 @@ class HiRadixBackend:
 
     def reset(self) -> None:
         self._loads.clear()
-        self._loading_nodes.clear()
 
     def describe(self, rec: SessionRecord) -> dict[str, object]:
         node = rec.node

@@ -275,6 +275,28 @@ class CacheHarness:
                 )
         return idx
 
+    def expected_kv(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Deterministic KV of ``tokens`` in the ``device_kv`` layout ``[2, layers, n, heads, dim]``.
+
+        A model computes the same KV for the same prefix; the harness stands in for the model with
+        a function of the token id (tokens are unique per prefix position in the fuzz workloads), so
+        a recomputation writes identical bytes and any byte that differs was lost or read early."""
+        c = self.cfg
+        t = torch.tensor(list(tokens), dtype=torch.int64).view(1, 1, -1, 1, 1)
+        kv = torch.arange(2).view(2, 1, 1, 1, 1)
+        layer = torch.arange(c.layers).view(1, -1, 1, 1, 1)
+        h = torch.arange(c.heads).view(1, 1, 1, -1, 1)
+        d = torch.arange(c.head_dim).view(1, 1, 1, 1, -1)
+        code = (t * 1_000_003 + kv * 104_729 + layer * 7_919 + h * 131 + d) % 65_521
+        return (code.to(torch.float32) / 65_521.0).to(c.dtype).float()
+
+    def fill_kv(self, indices: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Write the deterministic KV of ``tokens`` into device slots ``indices`` (a "forward pass")."""
+        exp = self.expected_kv(tokens).to(self.kv_pool.k_buffer[0].device)
+        for layer in range(self.cfg.layers):
+            self.kv_pool.k_buffer[layer][indices] = exp[0, layer].to(self.cfg.dtype)
+            self.kv_pool.v_buffer[layer][indices] = exp[1, layer].to(self.cfg.dtype)
+
     def scribble_unreferenced(self, value: float = -7.0) -> int:
         """Overwrite every device slot no tree node references, as other requests reusing freed
         memory would. Without this a freed-and-reallocated slot may still hold the old bytes by

@@ -1,0 +1,408 @@
+"""Hypothesis stateful testing of ToolKVManager on the REAL sglang HiRadixCache.
+
+Every rule is one spec action (``spec/ToolKV.tla``) executed through
+:class:`toolkv.conformance.Replayer` in *real-capacity* mode: the pools are sized small and filled
+by other requests, so "host full at write" and "no device memory at restore" happen when sglang's
+real pools say so. Rules cover sessions and turns with shared prefixes, other requests locking and
+unlocking prefixes, tool_start, tool_end with current and stale epochs, write and load acks (in the
+order sglang retires them), GPU and host eviction, memory pressure, the clock and the TTL sweep,
+node splits, tree resets and close.
+
+After every step:
+
+* the spec's invariants and step properties on the refinement mapping (``refinement.py``);
+* sglang's own accounting: allocator + evictable == capacity when nothing is locked, host pool
+  slots == host copies in the tree (no orphan), ``host_ref_counter`` == protections held;
+* KV integrity: every device copy that is not loading and every host copy whose write is
+  acknowledged holds exactly the bytes computed for its tokens (``harness.expected_kv``), with
+  every unreferenced device slot scribbled over first, so a premature read or an early free shows.
+
+At teardown every session is closed and all memory drained: every counter returns to its initial
+value. Each step can be written to an action-level JSONL trace for ``toolkv trace-check``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from toolkv.conformance import Replayer, StepResult, Unrealizable
+from toolkv.refinement import NO_NODE, ROOT, Bounds
+from toolkv.treeops import attached
+
+SESSIONS = ("s1", "s2", "s3")
+
+
+class FuzzFailure(AssertionError):
+    """An invariant, accounting or integrity check failed (the message says which)."""
+
+
+@dataclasses.dataclass
+class FuzzStats:
+    examples: int = 0
+    steps: int = 0
+    actions: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_checked: int = 0
+    last_example_steps: int = 0
+
+
+class ToolKVMachine(RuleBasedStateMachine):
+    """Configured by subclassing (``machine_class``): caveats, environment defects, device, trace."""
+
+    caveats: ClassVar[frozenset[str]] = frozenset()
+    env_bugs: ClassVar[frozenset[str]] = frozenset()
+    device: ClassVar[str] = "cpu"
+    io_backend: ClassVar[str] = "direct"
+    page_size: ClassVar[int] = 1
+    trace_dir: ClassVar[Path | None] = None
+    stats: ClassVar[FuzzStats] = FuzzStats()
+    ttl: ClassVar[int] = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats.examples += 1
+        self.stats.last_example_steps = 0
+        self.bounds = Bounds(nodes=(), sessions=SESSIONS, dev_slots=10**6, host_slots=10**6, max_time=10**6,
+                             ttl=self.ttl)
+        unit = 4 * max(16, self.page_size)
+        self.r = Replayer(
+            self.bounds,
+            caveats=self.caveats,
+            env_bugs=self.env_bugs,
+            page_size=self.page_size,
+            capacity="real",
+            device_tokens=14 * unit,
+            host_ratio=1.0,
+            device=self.device,
+            io_backend=self.io_backend,
+            ttl=self.ttl,
+            seed=self.stats.examples,
+        )
+        self.initial = self.r.h.accounting()
+        self.names = 0
+        self.ballast_dev: list[torch.Tensor] = []
+        self.ballast_host: list[torch.Tensor] = []
+        self.state = self.r.abstract()
+        self.trace: list[dict[str, Any]] = []
+        if self.trace_dir is not None:
+            self.trace.append({"act": ["Init"], "fits": True, "state": self.state})
+
+    # ---- executing one spec action --------------------------------------------------------------
+    def _do(self, act: list[Any]) -> StepResult | None:
+        pre = self.state
+        try:
+            res = self.r.apply(act, pre)
+        except Unrealizable:  # sglang's world refused the step (e.g. no memory for the turn)
+            self.state = self.r.abstract()
+            return None
+        self.state = self.r.abstract()
+        self.stats.steps += 1
+        self.stats.last_example_steps += 1
+        key = str(act[0]) + (f"!{res.error}" if res.error else "")
+        self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
+        if res.violations:
+            raise FuzzFailure(f"{act}: spec properties violated on the refinement mapping: {res.violations}")
+        if self.trace_dir is not None:
+            self.trace.append({"act": act, "fits": res.fits, "state": self.state, "error": res.error})
+        return res
+
+    def _fresh_node(self) -> str:
+        self.names += 1
+        name = f"n{self.names}"
+        self.bounds = dataclasses.replace(self.bounds, nodes=(*self.bounds.nodes, name))
+        self.r.b = self.bounds
+        return name
+
+    def _in_tree(self) -> list[str]:
+        return [n for n in self.bounds.nodes if self.state["status"][n] == "InTree"]
+
+    def _path_valid(self, n: str) -> bool:
+        s = self.state
+        while n != ROOT:
+            if s["status"][n] != "InTree" or not s["dev"][n] or s["loadKey"][n] != NO_NODE:
+                return False
+            n = s["parent"][n]
+        return True
+
+    def _biased(self, phases: tuple[str, ...]) -> list[str]:
+        """Sessions in ``phases`` three times over, then every session once: calls that can make
+        progress are likely, calls that must be refused still happen."""
+        hot = [x for x in SESSIONS if self.state["phase"][x] in phases]
+        return hot * 3 + list(SESSIONS)
+
+    def _kids(self, n: str) -> list[str]:
+        return [c for c in self._in_tree() if self.state["parent"][c] == n]
+
+    # ---- the one rule: draw a spec action by weight, then its parameters ----------------------------
+    WEIGHTS: ClassVar[dict[str, int]] = {
+        "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 3, "close": 1,
+        "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
+        "memory_pressure": 2, "tree_reset": 1,
+    }  # fmt: skip
+    _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One environment or manager step, drawn by weight (swarm-style: weights keep deep
+        sequences likely — offload, ack, restore, ack — while every action stays reachable)."""
+        action = data.draw(st.sampled_from(self._CHOICES), label="action")
+        getattr(self, action)(data)
+
+    # ---- actions: sessions and the manager ----------------------------------------------------------
+    def insert(self, data: st.DataObject) -> None:
+        """A turn of session s finishes; its new leaf lands under a readable node (shared prefix)."""
+        s = data.draw(st.sampled_from(SESSIONS), label="session")
+        if self.state["phase"][s] not in ("New", "Running", "Runnable", "Expired", "Lost"):
+            return
+        parents = [ROOT] + [n for n in self._in_tree() if self._path_valid(n)]
+        p = data.draw(st.sampled_from(parents), label="parent")
+        n = self._fresh_node()
+        self._do(["Insert", s, p, n])
+
+    def tool_start(self, data: st.DataObject) -> None:
+        """tool_start, mostly on a Running session (on others it must be refused)."""
+        s = data.draw(st.sampled_from(self._biased(("Running",))), label="session")
+        self._do(["ToolStart", s])
+
+    def tool_end(self, data: st.DataObject) -> None:
+        """tool_end with the current epoch, or a stale one; mostly on offloaded sessions."""
+        s = data.draw(st.sampled_from(self._biased(("Offloaded", "Offloading", "Restoring"))), label="session")
+        delta = data.draw(st.sampled_from((0, 0, 0, -1, 1)), label="epoch delta")
+        self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
+
+    def close(self, data: st.DataObject) -> None:
+        self._do(["Close", data.draw(st.sampled_from(SESSIONS), label="session")])
+
+    def write_ack(self, data: st.DataObject) -> None:
+        """The copy engine finishes the oldest write; sglang retires it; the manager reacts."""
+        self._ack("write")
+
+    def load_ack(self, data: st.DataObject) -> None:
+        self._ack("load")
+
+    def _ack(self, which: str) -> None:
+        ctrl = self.r.h.tree.cache_controller
+        q = ctrl.ack_write_queue if which == "write" else ctrl.ack_load_queue
+        if not q:
+            return
+        by_real = {self.r.nodes.obj[n].id: n for n in self._in_tree()}
+        name = by_real.get(q[0].node_ids[0])
+        if name is None:
+            return
+        self._do(["WriteAck" if which == "write" else "LoadAck", name])
+
+    def tick(self, data: st.DataObject) -> None:
+        """One scheduler iteration's clock advance, then the sweep (as ``tick(now)`` does)."""
+        self._do(["Tick"])
+        self._do(["TtlSweep"])
+
+    # ---- rules: the rest of sglang ------------------------------------------------------------------
+    def lock(self, data: st.DataObject) -> None:
+        """Another request matches a prefix and holds it while it runs."""
+        c = [n for n in self._in_tree() if not self.state["extLock"][n] and self._path_valid(n)]
+        if c:
+            self._do(["Lock", data.draw(st.sampled_from(c), label="node")])
+
+    def unlock(self, data: st.DataObject) -> None:
+        c = [n for n in self.bounds.nodes if self.state["extLock"][n]]
+        if c:
+            self._do(["Unlock", data.draw(st.sampled_from(c), label="node")])
+
+    def gpu_evict(self, data: st.DataObject) -> None:
+        s = self.state
+        c = [
+            n for n in self._in_tree()
+            if s["dev"][n] and s["lockRef"][n] == 0 and s["writeKey"][n] == NO_NODE and s["loadKey"][n] == NO_NODE
+            and not any(s["dev"][k] for k in self._kids(n))
+        ]  # fmt: skip
+        if c:
+            self._do(["GpuEvict", data.draw(st.sampled_from(c), label="node")])
+
+    def host_evict(self, data: st.DataObject) -> None:
+        s = self.state
+        c = [
+            n for n in self._in_tree()
+            if s["host"][n] and not s["dev"][n] and not self._kids(n) and s["lockRef"][n] == 0
+            and (s["hostRef"][n] == 0 or "EvictProtected" in self.caveats)
+        ]  # fmt: skip
+        if c:
+            self._do(["HostEvict", data.draw(st.sampled_from(c), label="node")])
+
+    def write_through(self, data: st.DataObject) -> None:
+        s = self.state
+        c = [
+            n for n in self._in_tree()
+            if s["dev"][n] and not s["host"][n] and s["loadKey"][n] == NO_NODE
+            and (s["parent"][n] == ROOT or s["host"][s["parent"][n]])
+        ]  # fmt: skip
+        if c:
+            self._do(["WriteThrough", data.draw(st.sampled_from(c), label="node")])
+
+    def split(self, data: st.DataObject) -> None:
+        """A request diverges inside a node: sglang splits it (the suffix keeps its identity)."""
+        ps = self.page_size
+        c = [n for n in self._in_tree() if len(self.r.nodes.obj[n].key) >= 2 * ps]
+        if c:
+            n = data.draw(st.sampled_from(c), label="node")
+            self._do(["Split", n, self._fresh_node()])
+
+    def tree_reset(self, data: st.DataObject) -> None:
+        """flush_cache: only when no request runs (no locks, no memory held by others)."""
+        if any(self.state["extLock"].values()) or self.ballast_dev or self.ballast_host:
+            return
+        self._do(["TreeReset"])
+
+    def memory_pressure(self, data: st.DataObject) -> None:
+        """Other requests take (or give back) device or host memory: not a spec variable, but it
+        decides whether a ToolStart finds the host full or a ToolEnd finds no device memory."""
+        which = data.draw(st.sampled_from(("device", "host")), label="pool")
+        take = data.draw(st.booleans(), label="take")
+        frac = data.draw(st.sampled_from((0.5, 1.0)), label="fraction")
+        pool: Any = self.r.h.allocator if which == "device" else self.r.h.host_pool
+        held = self.ballast_dev if which == "device" else self.ballast_host
+        if take:
+            ps = self.page_size
+            n = int(pool.available_size() * frac) // ps * ps
+            if n:
+                idx = pool.alloc(n)
+                if idx is not None:
+                    held.append(idx)
+                    if which == "host":
+                        self.r.env_host_slots.update(int(x) for x in idx.tolist())
+        elif held:
+            idx = held.pop()
+            pool.free(idx)
+            if which == "host":
+                self.r.env_host_slots.difference_update(int(x) for x in idx.tolist())
+        self.state = self.r.abstract()
+
+    # ---- checks after every step -------------------------------------------------------------------
+    @invariant()
+    def sglang_accounting(self) -> None:
+        h = self.r.h
+        tree = h.tree
+        dev_tokens = host_tokens = 0
+        for node in h.iter_nodes():
+            if node is tree.root_node:
+                continue
+            dev_tokens += len(node.value) if node.value is not None else 0
+            host_tokens += len(node.host_value) if node.host_value is not None else 0
+        held_dev = sum(len(x) for x in self.ballast_dev)
+        held_host = sum(len(x) for x in self.ballast_host)
+        if self.r._ballast_dev is not None or self.r._ballast_host is not None:
+            raise FuzzFailure("replayer ballast left behind")
+        cap = h.cfg.device_tokens
+        if h.allocator.available_size() + dev_tokens + held_dev != cap:
+            raise FuzzFailure(
+                f"device slots not conserved: free {h.allocator.available_size()} + tree {dev_tokens} + other "
+                f"{held_dev} != {cap}"
+            )
+        if h.host_pool.available_size() + host_tokens + held_host != h.host_pool.size:
+            raise FuzzFailure(
+                f"host slots not conserved (orphaned host buffer?): free {h.host_pool.available_size()} + tree "
+                f"{host_tokens} + other {held_host} != {h.host_pool.size}"
+            )
+        idle = all(n.lock_ref == 0 for n in h.iter_nodes() if n is not tree.root_node)
+        if idle and tree.protected_size() != 0:
+            raise FuzzFailure(f"protected_size {tree.protected_size()} with nothing locked")
+
+    @invariant()
+    def kv_integrity(self) -> None:
+        h = self.r.h
+        tree = h.tree
+        h.scribble_unreferenced()
+        backend = self.r.mgr.backend
+        chains = backend.loading_chains() if hasattr(backend, "loading_chains") else []
+        loading = {id(m) for _, nodes in chains for m in nodes}
+        for node in h.iter_nodes():
+            if node is tree.root_node:
+                continue
+            tokens = list(node.key.token_ids)
+            exp = None
+            if node.value is not None and id(node) not in loading and node.id not in tree.ongoing_load_back:
+                exp = h.expected_kv(tokens)
+                got = h.device_kv(node.value).float()
+                if not torch.equal(got, exp):
+                    raise FuzzFailure(f"device KV of a readable node differs from its computed bytes ({tokens[:3]}…)")
+                self.stats.bytes_checked += got.numel() * 4
+            if node.host_value is not None and node.write_through_pending_id is None:
+                exp = exp if exp is not None else h.expected_kv(tokens)
+                if not torch.equal(h.host_kv(node.host_value).float(), exp):
+                    raise FuzzFailure(f"host KV differs from the offloaded bytes ({tokens[:3]}…)")
+
+    def teardown(self) -> None:
+        try:
+            self._drain_and_check_leaks()
+        finally:
+            self.r.close()
+            if self.trace_dir is not None and self.trace:
+                self.write_trace(self.trace_dir / f"trace-{self.stats.examples:05d}.jsonl")
+
+    def _drain_and_check_leaks(self) -> None:
+        h, mgr = self.r.h, self.r.mgr
+        for x in self.ballast_dev:
+            h.allocator.free(x)
+        for x in self.ballast_host:
+            h.host_pool.free(x)
+        self.ballast_dev, self.ballast_host = [], []
+        for n in list(self.bounds.nodes):
+            if self.state["extLock"].get(n):
+                h.tree.dec_lock_ref(self.r.nodes.obj[n])
+                self.r.ext.discard(n)
+        for sid in list(mgr.sessions):
+            mgr.close(sid)
+        h.synchronize()
+        h.check_events()
+        mgr.tick(mgr.now + 1)
+        h.evict_device(10**9)
+        h.check_events()
+        h.evict_host(10**9)
+        final = h.accounting()
+        if final != self.initial:
+            raise FuzzFailure(f"leak after closing every session and draining: {self.initial} -> {final}")
+
+    def write_trace(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = {
+            "nodes": list(self.bounds.nodes),
+            "sessions": list(SESSIONS),
+            "ttl": self.ttl,
+            "caveats": sorted(self.caveats),
+        }
+        with path.open("w") as f:
+            f.write(json.dumps({"header": header}) + "\n")
+            for step in self.trace:
+                f.write(json.dumps(step) + "\n")
+
+
+def machine_class(
+    *,
+    caveats: frozenset[str] = frozenset(),
+    env_bugs: frozenset[str] = frozenset(),
+    device: str = "cpu",
+    page_size: int = 1,
+    trace_dir: Path | None = None,
+) -> type[ToolKVMachine]:
+    """A configured subclass (Hypothesis instantiates the class itself, once per example)."""
+    return type(
+        "ToolKVMachine_" + ("_".join(sorted(caveats | env_bugs)) or "correct"),
+        (ToolKVMachine,),
+        {
+            "caveats": caveats,
+            "env_bugs": env_bugs,
+            "device": device,
+            "io_backend": "kernel" if device.startswith("cuda") else "direct",
+            "page_size": page_size,
+            "trace_dir": trace_dir,
+            "stats": FuzzStats(),
+        },
+    )
+
+
+__all__ = ["SESSIONS", "FuzzFailure", "FuzzStats", "ToolKVMachine", "attached", "machine_class"]
