@@ -44,7 +44,10 @@ def test_every_edge_of_the_state_graph_replays_on_the_real_cache(tmp_path: Path)
 
     def progress(r: Any) -> None:
         if r.paths % 2000 == 0:
-            print(f"  conformance: {r.covered}/{r.edges} edges, {r.steps} steps, {r.paths} paths", file=sys.stderr)
+            print(
+                f"  conformance: {r.covered}/{r.edges} edges, {r.steps} steps, {r.paths} paths",
+                file=sys.stderr,
+            )
 
     rep = cover(graph, bounds, budget_s=budget, progress=progress)
     summary = {

@@ -59,7 +59,9 @@ def _toolchain() -> Toolchain:
 
 
 @pytest.fixture(scope="module")
-def dumped(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
+def dumped(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
     tools = _toolchain()
     out = tmp_path_factory.mktemp("dump") / "graph.dot"
     res = run_tlc(tools, SPEC / "ToolKV.tla", SPEC / "MC_dump.cfg", dump_dot=out)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec-check": ("toolkv.spec_check", "run SANY and TLC over every spec config and mutant"),
     "demo": ("toolkv.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
+    "fuzz": ("toolkv.fuzz_cli", "Hypothesis stateful campaign against the real HiRadixCache (and --mutants)"),
+    "trace-check": ("toolkv.tracecheck", "validate JSON-lines traces against the spec's next-state relation"),
     "diagram": ("toolkv.diagram", "Mermaid state diagrams generated from the lifecycle tables"),
     "bench": ("toolkv.bench", "benchmarks (overhead: control-path cost per call and per idle tick)"),
 }

@@ -21,6 +21,7 @@ pretending, and :func:`cover` looks for another path to the same edge.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -113,7 +114,9 @@ class Replayer:
         # HiCache's own write-through is the spec's explicit WriteThrough action here.
         self.h.tree.write_through_threshold = 10**9
         self.mgr = ToolKVManager(
-            self.h.tree, config=ManagerConfig(ttl_s=float(ttl if ttl is not None else bounds.ttl)), caveats=caveats
+            self.h.tree,
+            config=ManagerConfig(ttl_s=float(ttl if ttl is not None else bounds.ttl)),
+            caveats=caveats,
         )
         self.nodes = NodeMap()
         self.ext: set[str] = set()
@@ -129,7 +132,12 @@ class Replayer:
     # ---- state ----------------------------------------------------------------------------------------
     def abstract(self) -> dict[str, Any]:
         st = abstract_state(
-            self.mgr, self.nodes, self.b, ext_locks=self.ext, resets=self.resets, env_host_slots=self.env_host_slots
+            self.mgr,
+            self.nodes,
+            self.b,
+            ext_locks=self.ext,
+            resets=self.resets,
+            env_host_slots=self.env_host_slots,
         )
         st["extLock"] = {n: n in self.ext for n in self.b.nodes}
         return st
@@ -185,7 +193,7 @@ class Replayer:
         """Execute spec action ``act`` (e.g. ``("ToolStart", "s1")``). ``pre`` is the abstract state
         before it (computed if not given): the environment's memory choices depend on it."""
         pre = pre if pre is not None else self.abstract()
-        name, args = str(act[0]), [str(a) if not isinstance(a, int) else a for a in act[1:]]
+        name, args = str(act[0]), [str(a) for a in act[1:]]
         self._release_ballast()
         error: str | None = None
         tree, mgr = self.h.tree, self.mgr
@@ -220,7 +228,11 @@ class Replayer:
                 if pre["now"] >= self.b.max_time:
                     # the spec's clock saturates at MaxTime ("MaxTime or later") and clamps deadlines to
                     # it: every armed deadline is due there. Real time simply moves on that far.
-                    due = [r.deadline for r in mgr.sessions.values() if r.state in ("Offloading", "Offloaded", "Restoring")]
+                    due = [
+                        r.deadline
+                        for r in mgr.sessions.values()
+                        if r.state in ("Offloading", "Offloaded", "Restoring")
+                    ]
                     mgr.set_clock(max([mgr.now, *due]))
                 mgr.ttl_sweep()
             elif name == "Close":
@@ -231,7 +243,11 @@ class Replayer:
             elif name == "Unlock":
                 tree.dec_lock_ref(self._obj(args[0]))
                 self.ext.discard(args[0])
-            elif name == "GpuEvict" and "OrphanHost" in self.env_bugs and self._obj(args[0]).host_value is not None:
+            elif (
+                name == "GpuEvict"
+                and "OrphanHost" in self.env_bugs
+                and self._obj(args[0]).host_value is not None
+            ):
                 o = self._obj(args[0])
                 tree.cache_controller.mem_pool_device_allocator.free(o.value)
                 tree._delete_leaf(o)
@@ -384,7 +400,7 @@ def cover(
     rep = CoverReport(states=len(graph.states), edges=len(all_edges))
     for _, _, label in graph.edges:
         rep.by_action.setdefault(label, [0, 0])
-    for src, dst in all_edges:
+    for _, dst in all_edges:
         rep.by_action[_label(graph, dst)][0] += 1
     uncovered = set(all_edges)
     failed_attempts: dict[tuple[int, int], int] = {}
@@ -423,7 +439,9 @@ def cover(
         try:
             impl0 = r.abstract()
             if diff(core(start), impl0):
-                rep.mismatches.append({"edge": None, "state": start, "diff": _jsonable(diff(core(start), impl0))})
+                rep.mismatches.append(
+                    {"edge": None, "state": start, "diff": _jsonable(diff(core(start), impl0))}
+                )
                 break
             cur, steps, pre = start, 0, impl0
             while steps < max_path:
@@ -431,12 +449,14 @@ def cover(
                 if travel is None:
                     break
                 # walk to the state that has an uncovered edge (replaying covered edges on the way)
-                for a, b in zip(travel, travel[1:], strict=False):
-                    pre = _replay_edge(r, graph, a, b, pre, rep, uncovered, core)
-                    if pre is None:
+                moved: dict[str, Any] | None = pre
+                for a, b in itertools.pairwise(travel):
+                    moved = _replay_edge(r, graph, a, b, pre, rep, uncovered, core)
+                    if moved is None:
                         break
+                    pre = moved
                     steps += 1
-                if pre is None:
+                if moved is None:
                     break
                 u = travel[-1]
                 choices = [d for d, _ in out_edges[u] if (u, d) in uncovered]

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from toolkv.conformance import Replayer, StepResult, Unrealizable
 from toolkv.refinement import NO_NODE, ROOT, Bounds
@@ -68,8 +68,9 @@ class ToolKVMachine(RuleBasedStateMachine):
         super().__init__()
         self.stats.examples += 1
         self.stats.last_example_steps = 0
-        self.bounds = Bounds(nodes=(), sessions=SESSIONS, dev_slots=10**6, host_slots=10**6, max_time=10**6,
-                             ttl=self.ttl)
+        self.bounds = Bounds(
+            nodes=(), sessions=SESSIONS, dev_slots=10**6, host_slots=10**6, max_time=10**6, ttl=self.ttl
+        )
         unit = 4 * max(16, self.page_size)
         self.r = Replayer(
             self.bounds,
@@ -172,7 +173,9 @@ class ToolKVMachine(RuleBasedStateMachine):
 
     def tool_end(self, data: st.DataObject) -> None:
         """tool_end with the current epoch, or a stale one; mostly on offloaded sessions."""
-        s = data.draw(st.sampled_from(self._biased(("Offloaded", "Offloading", "Restoring"))), label="session")
+        s = data.draw(
+            st.sampled_from(self._biased(("Offloaded", "Offloading", "Restoring"))), label="session"
+        )
         delta = data.draw(st.sampled_from((0, 0, 0, -1, 1)), label="epoch delta")
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
 
@@ -329,7 +332,9 @@ class ToolKVMachine(RuleBasedStateMachine):
                 exp = h.expected_kv(tokens)
                 got = h.device_kv(node.value).float()
                 if not torch.equal(got, exp):
-                    raise FuzzFailure(f"device KV of a readable node differs from its computed bytes ({tokens[:3]}…)")
+                    raise FuzzFailure(
+                        f"device KV of a readable node differs from its computed bytes ({tokens[:3]}…)"
+                    )
                 self.stats.bytes_checked += got.numel() * 4
             if node.host_value is not None and node.write_through_pending_id is None:
                 exp = exp if exp is not None else h.expected_kv(tokens)

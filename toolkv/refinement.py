@@ -179,7 +179,8 @@ def abstract_state(
         },
         "loadKey": {n: load_key.get(n, NO_NODE) if status[n] == "InTree" else NO_NODE for n in bounds.nodes},
         "loadAcks": {
-            n: sum(1 for i in pending_ids if status[n] == "InTree" and i == nodes.obj[n].id) for n in bounds.nodes
+            n: sum(1 for i in pending_ids if status[n] == "InTree" and i == nodes.obj[n].id)
+            for n in bounds.nodes
         },
         "devFree": bounds.dev_slots - sum(dev.values()),
         "hostFree": bounds.host_slots - sum(hst.values()),
@@ -234,7 +235,9 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
         expect += sum(
             1
             for s in sess
-            if st["phase"][s] == "Restoring" and st["ref"][s] != NO_NODE and n in paths.get(st["ref"][s], set())
+            if st["phase"][s] == "Restoring"
+            and st["ref"][s] != NO_NODE
+            and n in paths.get(st["ref"][s], set())
         )
         if st["lockRef"][n] != expect:
             bad.append("LockAccounting")
@@ -253,7 +256,9 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
             bad.append("LoadAckSane")
             break
         lk = st["loadKey"][n]
-        if lk != NO_NODE and not (st["status"][n] == "InTree" and st["dev"][n] and st["loadAcks"].get(lk, 0) == 1):
+        if lk != NO_NODE and not (
+            st["status"][n] == "InTree" and st["dev"][n] and st["loadAcks"].get(lk, 0) == 1
+        ):
             bad.append("LoadAckSane")
             break
     for n in nodes:
@@ -266,7 +271,9 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
             bad.append("ProtectedHasHost")
             break
     for n in nodes:
-        if st["writeKey"][n] != NO_NODE and not (st["dev"][n] and st["host"][n] and st["status"][n] == "InTree"):
+        if st["writeKey"][n] != NO_NODE and not (
+            st["dev"][n] and st["host"][n] and st["status"][n] == "InTree"
+        ):
             bad.append("NoFreeWhilePending")
             break
     return bad
@@ -284,15 +291,16 @@ def check_step(
     """The spec's action properties over one step: ``RunnableOnlyWhenLoaded``, ``EpochMonotone``,
     and (given the action) ``StaleEpochNoop``."""
     bad: list[str] = []
-    if act is not None and act[0] == "ToolEnd" and int(act[2]) != pre["epoch"][str(act[1])]:
-        if any(pre[k] != post[k] for k in CORE if k in pre and k in post):
-            bad.append("StaleEpochNoop")
+    stale_end = act is not None and act[0] == "ToolEnd" and int(act[2]) != pre["epoch"][str(act[1])]
+    if stale_end and any(pre[k] != post[k] for k in CORE if k in pre and k in post):
+        bad.append("StaleEpochNoop")
     for s in b.sessions:
         if post["phase"][s] == "Runnable" and pre["phase"][s] != "Runnable":
             r = post["ref"][s]
             path = _path(post, r, len(b.nodes)) if r != NO_NODE else []
             if r == NO_NODE or not all(
-                post["status"][m] == "InTree" and post["dev"][m] and post["loadKey"][m] == NO_NODE for m in path
+                post["status"][m] == "InTree" and post["dev"][m] and post["loadKey"][m] == NO_NODE
+                for m in path
             ):
                 bad.append("RunnableOnlyWhenLoaded")
                 break

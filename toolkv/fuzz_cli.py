@@ -1,0 +1,185 @@
+"""``toolkv fuzz``: the stateful campaign against the real HiRadixCache, and the mutant kill table.
+
+    toolkv fuzz --examples 500 --steps 80            # correct implementation: must find nothing
+    toolkv fuzz --mutants --examples 300             # every caveat switch must be killed
+    toolkv fuzz --trace-dir traces/ --examples 20    # also write JSONL traces for trace-check
+    toolkv fuzz --device cuda --examples 400         # on the GPU machine: real CUDA pools
+
+Prints a progress line every ``--every`` examples and a final summary; ``--json FILE`` saves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# implementation switch (or environment defect) -> the caveat it seeds
+MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
+    "HostLockLeak": (frozenset({"HostLockLeak"}), frozenset(), "1 host-lock leak on failed restore"),
+    "DoubleLoad": (frozenset({"DoubleLoad"}), frozenset(), "2 load_back races"),
+    "OrphanHost": (frozenset(), frozenset({"OrphanHost"}), "3 host buffers orphaned by eviction"),
+    "EvictProtected": (frozenset({"EvictProtected"}), frozenset(), "4 protected nodes host-evicted"),
+    "StaleNode": (frozenset({"StaleNode"}), frozenset(), "5 stale session->node reference"),
+    "NoTtl": (frozenset({"NoTtl"}), frozenset(), "6 TTL never run"),
+    "FreeBeforeAck": (frozenset({"FreeBeforeAck"}), frozenset(), "7 GPU freed before the write ack"),
+    "EarlyRunnable": (frozenset({"EarlyRunnable"}), frozenset(), "7 runnable before the load ack"),
+    "NoEpochCheck": (frozenset({"NoEpochCheck"}), frozenset(), "stale epoch accepted"),
+    "EpochReuse": (frozenset({"EpochReuse"}), frozenset(), "epoch restarted on expiry"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", type=int, default=200, help="Hypothesis examples per campaign")
+    p.add_argument("--steps", type=int, default=80, help="max steps per example")
+    p.add_argument("--mutants", action="store_true", help="run the kill table over every caveat switch")
+    p.add_argument("--only", action="append", default=[], help="with --mutants: only these mutants")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--page-size", type=int, default=1, choices=(1, 16))
+    p.add_argument("--trace-dir", type=Path, help="write one JSONL trace per example here")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--every", type=int, default=25, help="progress line every N examples")
+    p.add_argument("--json", type=Path, help="write the summary as JSON to this file")
+
+
+def campaign(
+    *,
+    examples: int,
+    steps: int,
+    caveats: frozenset[str] = frozenset(),
+    env_bugs: frozenset[str] = frozenset(),
+    device: str = "cpu",
+    page_size: int = 1,
+    trace_dir: Path | None = None,
+    seed: int | None = None,
+    every: int = 0,
+    label: str = "correct",
+) -> dict[str, Any]:
+    """Run one campaign; returns a summary (``failure`` is None when nothing was found)."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from toolkv.fuzzing import machine_class
+
+    cls = machine_class(
+        caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir
+    )
+    stats = cls.stats
+    t0 = time.monotonic()
+    first_failure_at: list[int] = []
+    orig_init = cls.__init__
+
+    def init(self: Any) -> None:
+        orig_init(self)
+        if every and stats.examples % every == 0:
+            print(
+                f"  [{label}] {stats.examples} examples, {stats.steps} steps, {time.monotonic() - t0:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    cls.__init__ = init  # type: ignore[method-assign]
+    failure: str | None = None
+    shrunk_len: int | None = None
+    s = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=seed is not None,
+        print_blob=False,
+    )
+    try:
+        if seed is not None:
+            from hypothesis import seed as hseed
+
+            def run() -> None:
+                run_state_machine_as_test(cls, settings=s)
+
+            hseed(seed)(run)()
+        else:
+            run_state_machine_as_test(cls, settings=s)
+    except BaseException as exc:  # a found failure: the campaign's result, not a crash of the tool
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        failure = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1][:300]
+        shrunk_len = stats.last_example_steps
+        text = str(exc)
+        m = re.findall(r"^state\.step\(", text, re.M)
+        if m:
+            shrunk_len = len(m)
+    del first_failure_at
+    return {
+        "label": label,
+        "examples": stats.examples,
+        "steps": stats.steps,
+        "seconds": round(time.monotonic() - t0, 1),
+        "failure": failure,
+        "shrunk_steps": shrunk_len,
+        "actions": dict(sorted(stats.actions.items())),
+        "kv_bytes_checked": stats.bytes_checked,
+        "device": device,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import logging
+
+    logging.getLogger("toolkv").setLevel(logging.ERROR)
+    results: list[dict[str, Any]] = []
+    rc = 0
+    if args.mutants:
+        names = args.only or list(MUTANTS)
+        for i, name in enumerate(names, 1):
+            cav, env, caveat = MUTANTS[name]
+            print(f"[{i}/{len(names)}] mutant {name} (caveat {caveat}) ...", file=sys.stderr, flush=True)
+            r = campaign(
+                examples=args.examples,
+                steps=args.steps,
+                caveats=cav,
+                env_bugs=env,
+                device=args.device,
+                page_size=args.page_size,
+                seed=args.seed,
+                every=args.every,
+                label=name,
+            )
+            r["caveat"] = caveat
+            r["killed"] = r["failure"] is not None
+            rc |= not r["killed"]
+            results.append(r)
+        print(f"\n{'mutant':<16} {'caveat':<38} {'killed':<7} {'examples':>8} {'shrunk':>7}  by")
+        for r in results:
+            print(
+                f"{r['label']:<16} {r['caveat']:<38} {'yes' if r['killed'] else 'NO':<7} {r['examples']:>8} "
+                f"{r['shrunk_steps'] if r['killed'] else '-':>7}  {(r['failure'] or '')[:70]}"
+            )
+    else:
+        r = campaign(
+            examples=args.examples,
+            steps=args.steps,
+            device=args.device,
+            page_size=args.page_size,
+            trace_dir=args.trace_dir,
+            seed=args.seed,
+            every=args.every,
+        )
+        results.append(r)
+        rc = 1 if r["failure"] else 0
+        print(
+            f"fuzz: {r['examples']} examples, {r['steps']} steps, {r['seconds']}s on {r['device']}, "
+            f"{r['kv_bytes_checked']:,} KV bytes checked, failures: {r['failure'] or 0}"
+        )
+        print("actions: " + ", ".join(f"{k} {v}" for k, v in r["actions"].items()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return rc
