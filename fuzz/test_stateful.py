@@ -1,0 +1,84 @@
+"""The stateful campaign (CI quick run) and the mutant kill table.
+
+The correct implementation must survive; every caveat switch must be killed within the example
+budget; traces of the campaign must be legal spec behaviours, and a broken one must be caught.
+Budgets come from the environment so that ``tox -e fuzz`` can run the long campaign:
+TOOLKV_FUZZ_EXAMPLES (default 60), TOOLKV_FUZZ_STEPS (60), TOOLKV_KILL_EXAMPLES (400).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from toolkv.conformance import Replayer
+from toolkv.fuzz_cli import MUTANTS, campaign
+from toolkv.refinement import Bounds
+from toolkv.tracecheck import check_trace
+
+EXAMPLES = int(os.environ.get("TOOLKV_FUZZ_EXAMPLES", "60"))
+STEPS = int(os.environ.get("TOOLKV_FUZZ_STEPS", "60"))
+KILL_EXAMPLES = int(os.environ.get("TOOLKV_KILL_EXAMPLES", "400"))
+
+
+def test_correct_implementation_survives_the_campaign() -> None:
+    r = campaign(examples=EXAMPLES, steps=STEPS, seed=1234, every=20)
+    print("fuzz:", json.dumps({k: r[k] for k in ("examples", "steps", "seconds", "kv_bytes_checked")}))
+    assert r["failure"] is None, r["failure"]
+    for action in ("Insert", "ToolStart", "WriteAck", "ToolEnd", "LoadAck", "GpuEvict", "Split", "TtlSweep"):
+        assert r["actions"].get(action, 0) > 0, f"the campaign never performed {action}: {r['actions']}"
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_every_mutant_is_killed(mutant: str) -> None:
+    caveats, env_bugs, caveat = MUTANTS[mutant]
+    r = campaign(examples=KILL_EXAMPLES, steps=STEPS, caveats=caveats, env_bugs=env_bugs, seed=7, label=mutant)
+    print(f"kill {mutant}: {json.dumps({k: r[k] for k in ('examples', 'shrunk_steps', 'failure')})}")
+    assert r["failure"] is not None, f"mutant {mutant} (caveat {caveat}) survived {r['examples']} examples"
+
+
+def test_campaign_traces_are_spec_behaviours(tmp_path: Path) -> None:
+    r = campaign(examples=4, steps=40, seed=99, trace_dir=tmp_path)
+    assert r["failure"] is None
+    traces = sorted(tmp_path.glob("*.jsonl"))
+    assert traces
+    for t in traces:
+        res = check_trace(t)
+        assert res.ok, res.message
+
+
+def _write(path: Path, r: Replayer, steps: list[dict[str, object]]) -> None:
+    header = {"nodes": list(r.b.nodes), "sessions": list(r.b.sessions), "ttl": r.b.ttl,
+              "dev_slots": r.b.dev_slots, "host_slots": r.b.host_slots, "max_time": r.b.max_time,
+              "max_epoch": r.b.max_epoch}
+    path.write_text("\n".join(json.dumps(x) for x in [{"header": header}, *steps]) + "\n")
+
+
+@pytest.mark.parametrize("caveats", [frozenset(), frozenset({"EarlyRunnable"})], ids=["correct", "EarlyRunnable"])
+def test_trace_check_finds_the_first_illegal_step(tmp_path: Path, caveats: frozenset[str]) -> None:
+    """The same scenario traced on the correct and on a broken implementation: only the broken
+    trace is refused, at the tool_end that made the session runnable before its load ack."""
+    b = Bounds(nodes=("n1",), sessions=("s1",), dev_slots=10**6, host_slots=10**6, max_time=10**6, ttl=5,
+               max_epoch=10**6)
+    r = Replayer(b, caveats=caveats, capacity="real", device_tokens=1024)
+    try:
+        steps: list[dict[str, object]] = [{"act": ["Init"], "fits": True, "state": r.abstract()}]
+        for act in (["Insert", "s1", "Root", "n1"], ["ToolStart", "s1"], ["WriteAck", "n1"], ["ToolEnd", "s1", 1],
+                    ["LoadAck", "n1"]):
+            try:
+                res = r.apply(act)
+            except Exception:
+                break
+            steps.append({"act": act, "fits": res.fits, "state": r.abstract()})
+    finally:
+        r.close()
+    f = tmp_path / "t.jsonl"
+    _write(f, r, steps)
+    res = check_trace(f)
+    if caveats:
+        assert not res.ok and res.first_illegal == 4 and res.action == ["ToolEnd", "s1", 1], res
+    else:
+        assert res.ok, res.message
