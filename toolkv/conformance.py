@@ -87,6 +87,8 @@ class Replayer:
         device: str = "cpu",
         io_backend: str = "direct",
         ttl: float | None = None,
+        kv_shape: tuple[int, int, int] = (2, 2, 4),
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         """``capacity="spec"`` maps the spec's node-granular slots onto the token pools with ballast
         (conformance replay); ``capacity="real"`` leaves the pools alone: refusals happen when the
@@ -108,6 +110,10 @@ class Replayer:
                 write_policy="write_through",
                 device=device,
                 io_backend=io_backend,
+                layers=kv_shape[0],
+                heads=kv_shape[1],
+                head_dim=kv_shape[2],
+                dtype=dtype,
             ),
             seed=seed,
         )

@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--every", type=int, default=25, help="progress line every N examples")
     p.add_argument("--json", type=Path, help="write the summary as JSON to this file")
+    p.add_argument("--no-shrink", action="store_true", help="stop at the first failure (kill detection only)")
 
 
 def campaign(
@@ -60,6 +61,7 @@ def campaign(
     seed: int | None = None,
     every: int = 0,
     label: str = "correct",
+    shrink: bool = True,
 ) -> dict[str, Any]:
     """Run one campaign; returns a summary (``failure`` is None when nothing was found)."""
     from hypothesis import HealthCheck, settings
@@ -122,7 +124,8 @@ def campaign(
         "steps": stats.steps,
         "seconds": round(time.monotonic() - t0, 1),
         "failure": failure,
-        "shrunk_steps": shrunk_len,
+        "examples_to_kill": stats.first_failure_example,
+        "shrunk_steps": shrunk_len if shrink else None,
         "actions": dict(sorted(stats.actions.items())),
         "kv_bytes_checked": stats.bytes_checked,
         "device": device,

@@ -50,6 +50,7 @@ class FuzzStats:
     actions: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_checked: int = 0
     last_example_steps: int = 0
+    first_failure_example: int | None = None  # the generated example that first failed (examples to kill)
 
 
 class ToolKVMachine(RuleBasedStateMachine):
@@ -84,6 +85,9 @@ class ToolKVMachine(RuleBasedStateMachine):
             io_backend=self.io_backend,
             ttl=self.ttl,
             seed=self.stats.examples,
+            # on a GPU: a shape sgl-kernel's transfer kernels accept, in bf16 as served models are
+            kv_shape=(2, 2, 4) if self.device == "cpu" else (2, 2, 64),
+            dtype=torch.float32 if self.device == "cpu" else torch.bfloat16,
         )
         self.initial = self.r.h.accounting()
         self.names = 0
@@ -153,7 +157,15 @@ class ToolKVMachine(RuleBasedStateMachine):
         """One environment or manager step, drawn by weight (swarm-style: weights keep deep
         sequences likely — offload, ack, restore, ack — while every action stays reachable)."""
         action = data.draw(st.sampled_from(self._CHOICES), label="action")
-        getattr(self, action)(data)
+        try:
+            getattr(self, action)(data)
+        except Exception:
+            self._note_failure()
+            raise
+
+    def _note_failure(self) -> None:
+        if self.stats.first_failure_example is None:
+            self.stats.first_failure_example = self.stats.examples
 
     # ---- actions: sessions and the manager ----------------------------------------------------------
     def insert(self, data: st.DataObject) -> None:
@@ -288,6 +300,13 @@ class ToolKVMachine(RuleBasedStateMachine):
     # ---- checks after every step -------------------------------------------------------------------
     @invariant()
     def sglang_accounting(self) -> None:
+        try:
+            self._sglang_accounting()
+        except Exception:
+            self._note_failure()
+            raise
+
+    def _sglang_accounting(self) -> None:
         h = self.r.h
         tree = h.tree
         dev_tokens = host_tokens = 0
@@ -317,6 +336,13 @@ class ToolKVMachine(RuleBasedStateMachine):
 
     @invariant()
     def kv_integrity(self) -> None:
+        try:
+            self._kv_integrity()
+        except Exception:
+            self._note_failure()
+            raise
+
+    def _kv_integrity(self) -> None:
         h = self.r.h
         tree = h.tree
         h.scribble_unreferenced()
@@ -344,6 +370,9 @@ class ToolKVMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             self._drain_and_check_leaks()
+        except Exception:
+            self._note_failure()
+            raise
         finally:
             self.r.close()
             if self.trace_dir is not None and self.trace:

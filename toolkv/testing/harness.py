@@ -244,6 +244,10 @@ class CacheHarness:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
+        # sglang never unregisters its pinned host buffer; a second host pool in the same process
+        # then fails with cudaHostRegister rc=712. Unregister ours (idempotent).
+        if self.cfg.device.startswith("cuda") and getattr(self, "host_pool", None) is not None:
+            self.host_pool.destroy()
         if self._doubles is not None:
             self._doubles.close()
             self._doubles = None
