@@ -16,8 +16,11 @@ if [ "$ACTION" = stage ]; then
   # pure-Python test dependencies, pinned as in requirements/lock-cpu.txt (the GPU machine is offline)
   rm -rf "$BUNDLE/test_wheels" && mkdir -p "$BUNDLE/test_wheels"
   "$ROOT/.venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$BUNDLE/test_wheels" \
-    hypothesis==6.170.17 attrs==26.1.0 sortedcontainers==2.4.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
+    attrs==26.1.0 sortedcontainers==2.4.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
     transitions==0.9.3 six==1.17.0
+  # hypothesis ships compiled wheels: take the one for the GPU machine's CPython 3.12
+  "$ROOT/.venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$BUNDLE/test_wheels" hypothesis==6.170.17
   ls "$BUNDLE/test_wheels"; du -sh "$BUNDLE"
   exit 0
 fi

@@ -302,11 +302,6 @@ class Replayer:
     def _insert(self, s: str, p: str, n: str) -> None:
         tree = self.h.tree
         prefix_tokens: list[int] = [] if p == ROOT else self._tokens_of(self._obj(p))
-        prefix_idx = (
-            torch.cat([m.value for m in path_to(tree, self._obj(p))])
-            if p != ROOT
-            else torch.empty(0, dtype=torch.int64)
-        )
         fresh = list(range(self._fresh, self._fresh + self.unit))
         self._fresh += self.unit
         tokens = prefix_tokens + fresh
@@ -316,6 +311,11 @@ class Replayer:
                 raise AssertionError("the replayer sized the device pool too small")
             raise Unrealizable("no device memory for the turn")
         self.h.fill_kv(new, fresh)
+        prefix_idx = (
+            torch.cat([m.value for m in path_to(tree, self._obj(p))]).to(new.device)
+            if p != ROOT
+            else new[:0]
+        )
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         res = tree.insert(InsertParams(key=rkey(tokens), value=torch.cat([prefix_idx, new])))

@@ -88,6 +88,7 @@ def campaign(
 
     cls.__init__ = init  # type: ignore[method-assign]
     failure: str | None = None
+    detail: str | None = None
     shrunk_len: int | None = None
     s = settings(
         max_examples=examples,
@@ -111,9 +112,11 @@ def campaign(
     except BaseException as exc:  # a found failure: the campaign's result, not a crash of the tool
         if isinstance(exc, KeyboardInterrupt):
             raise
-        failure = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1][:300]
-        shrunk_len = stats.last_example_steps
         text = str(exc)
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        failure = f"{type(exc).__name__}: {first}"[:300]
+        detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:]
+        shrunk_len = stats.last_example_steps
         m = re.findall(r"^state\.step\(", text, re.M)
         if m:
             shrunk_len = len(m)
@@ -124,6 +127,7 @@ def campaign(
         "steps": stats.steps,
         "seconds": round(time.monotonic() - t0, 1),
         "failure": failure,
+        "detail": detail,
         "examples_to_kill": stats.first_failure_example,
         "shrunk_steps": shrunk_len if shrink else None,
         "actions": dict(sorted(stats.actions.items())),
