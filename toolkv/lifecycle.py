@@ -17,7 +17,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 from transitions import Machine, MachineError
+
+# transitions logs every state entry/exit at INFO; sglang runs with INFO on, so that would be one log
+# line per session transition on every rank. toolkv logs its own decisions.
+logging.getLogger("transitions").setLevel(logging.WARNING)
 
 Row = tuple[str, str | tuple[str, ...], str | tuple[str, ...]]  # (trigger, source(s), dest(s))
 
