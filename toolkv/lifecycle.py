@@ -13,11 +13,10 @@ memory for nothing; ``machine.events[trigger].trigger(model)`` runs the same tra
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import logging
 
 from transitions import Machine, MachineError
 
