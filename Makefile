@@ -8,7 +8,7 @@ STAMP := $(VENV)/.toolkv-installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test test-quick model fuzz lint type lock clean
+.PHONY: venv demo test model lint type lock clean
 
 venv: $(STAMP)
 
@@ -26,9 +26,13 @@ $(STAMP): requirements/lock-cpu.txt requirements/sglang.txt requirements/tla.txt
 demo: $(STAMP)
 	$(VENV)/bin/toolkv demo
 
-# Everything CI runs: all CPU tests, the spec check, the quick fuzz campaign.
+# Everything CI runs: the TLA+ model check (SANY + TLC over every config and mutant, with a progress
+# line per config), then every CPU test: harness, manager, plugin/HTTP/TP, lifecycle tables vs TLC,
+# conformance replay of TLC's state graph on the real HiRadixCache, mutant traces, the quick fuzz
+# campaign and the mutant kill table. GPU tests skip without CUDA.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not gpu and not slow"
+	$(VENV)/bin/toolkv spec-check
+	$(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
 
 model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check

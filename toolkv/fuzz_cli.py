@@ -74,7 +74,6 @@ def campaign(
     )
     stats = cls.stats
     t0 = time.monotonic()
-    first_failure_at: list[int] = []
     orig_init = cls.__init__
 
     def init(self: Any) -> None:
@@ -90,6 +89,11 @@ def campaign(
     failure: str | None = None
     detail: str | None = None
     shrunk_len: int | None = None
+    from hypothesis import Phase
+
+    # Without shrinking the campaign stops at the first failure (kill detection); with it, Hypothesis
+    # minimises the failing sequence (up to its own time limit). One bug per campaign either way.
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
     s = settings(
         max_examples=examples,
         stateful_step_count=steps,
@@ -98,6 +102,8 @@ def campaign(
         suppress_health_check=list(HealthCheck),
         derandomize=seed is not None,
         print_blob=False,
+        phases=phases,
+        report_multiple_bugs=False,
     )
     try:
         if seed is not None:
@@ -120,7 +126,6 @@ def campaign(
         m = re.findall(r"^state\.step\(", text, re.M)
         if m:
             shrunk_len = len(m)
-    del first_failure_at
     return {
         "label": label,
         "examples": stats.examples,
