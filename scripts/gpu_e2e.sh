@@ -22,8 +22,9 @@ if [ "$ACTION" = stage ]; then
   du -sh "$BUNDLE"
   exit 0
 fi
-[ "$ACTION" = run ] || { echo "usage: gpu_e2e.sh stage | run [real|stub] [1b|8b]" >&2; exit 2; }
+[ "$ACTION" = run ] || { echo "usage: gpu_e2e.sh stage | run [real|stub] [1b|8b] [server flags...]" >&2; exit 2; }
 MODE=${2:-stub} SIZE=${3:-1b}
+EXTRA=("${@:4}")  # extra server flags, e.g. --tp 2 on a two-GPU machine
 OUT=${OUT:-/tmp/toolkv_e2e_out}
 mkdir -p "$OUT"
 
@@ -58,7 +59,7 @@ fi
 setsid "$PY" -m sglang.launch_server --model-path "$MODEL" --load-format dummy --skip-tokenizer-init \
   --attention-backend triton --sampling-backend pytorch --grammar-backend none \
   --enable-hierarchical-cache --hicache-size 16 --mem-fraction-static 0.3 --disable-cuda-graph \
-  --context-length 8192 --host 127.0.0.1 --port "$PORT" > "$LOG" 2>&1 &
+  --context-length 8192 --host 127.0.0.1 --port "$PORT" "${EXTRA[@]}" > "$LOG" 2>&1 &
 SERVER=$!
 stop_server() {
   kill -TERM -- -"$SERVER" 2>/dev/null || return 0

@@ -33,16 +33,6 @@ def _leaf(h: CacheHarness, tokens: list[int]) -> object:
     return node
 
 
-def _drain_everything(h: CacheHarness) -> None:
-    """Give every copy time to finish, process the acks, then evict all device and host copies."""
-    h.synchronize()
-    h.check_events()
-    h.evict_device(10**6)
-    if h.is_hi:
-        h.check_events()
-        h.evict_host(10**6)
-
-
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
 def test_round_trip_is_byte_exact_and_leak_free(
@@ -78,7 +68,7 @@ def test_round_trip_is_byte_exact_and_leak_free(
     h.tree.loading_check()
     assert torch.equal(h.device_kv(node.value), original), "restored KV differs from what was offloaded"
 
-    _drain_everything(h)
+    h.drain()
     assert h.accounting() == initial
 
 

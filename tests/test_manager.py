@@ -42,15 +42,6 @@ def step(h: CacheHarness, m: ToolKVManager, now: float, *, writes: bool = False,
     m.tick(now)
 
 
-def drain(h: CacheHarness) -> None:
-    h.synchronize()
-    h.check_events()
-    h.evict_device(10**6)
-    if h.is_hi:
-        h.check_events()
-        h.evict_host(10**6)
-
-
 @pytest.fixture(params=[1, 16], ids=["page1", "page16"])
 def hh(request: pytest.FixtureRequest) -> Iterator[CacheHarness]:
     h = CacheHarness(HarnessConfig(page_size=request.param))
@@ -92,7 +83,7 @@ def test_full_cycle_restores_identical_bytes_and_returns_everything(hh: CacheHar
 
     m.close("a")
     m.close("b")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 
@@ -166,7 +157,7 @@ def test_restore_without_device_memory_stays_offloaded_and_protected(hh: CacheHa
     step(h, m, 2, loads=True)
     assert m.kv_meta("a")["state"] == "Runnable"
     m.close("a")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 
@@ -186,7 +177,7 @@ def test_ttl_releases_an_abandoned_protection(hh: CacheHarness) -> None:
     with pytest.raises(WrongState):
         m.tool_end("a", 1)
     m.close("a")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 
@@ -206,7 +197,7 @@ def test_close_releases_in_every_protecting_state(hh: CacheHarness, when: str) -
     assert m.kv_meta("a")["state"] == "Closed"
     with pytest.raises(WrongState):
         m.close("a")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 
@@ -241,7 +232,7 @@ def test_split_keeps_the_protected_leaf(hh: CacheHarness) -> None:
     assert m.kv_meta("a")["state"] == "Runnable"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
     m.close("a")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 

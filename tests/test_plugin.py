@@ -41,15 +41,6 @@ def hh() -> Iterator[CacheHarness]:
     h.close()
 
 
-def drain(h: CacheHarness) -> None:
-    h.synchronize()
-    h.check_events()
-    h.evict_device(10**6)
-    if h.is_hi:
-        h.check_events()
-        h.evict_host(10**6)
-
-
 def fake_scheduler(h: CacheHarness, **args: Any) -> Any:
     from sglang.utils import TypeBasedDispatcher
 
@@ -247,7 +238,7 @@ def test_full_cycle_through_the_hooks_returns_every_resource(hh: CacheHarness) -
     assert call(sched, "kv_meta", session_id="s1").body["tokens"] == 47
 
     assert call(sched, "close", session_id="s1").ok
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 
@@ -291,7 +282,7 @@ def test_plain_radix_cache_uses_the_configured_fallback(
         assert r.ok and r.body["state"] == "Offloaded"
         assert call(sched, "tool_end", session_id="s1", epoch=1).body["state"] == "Runnable"
         call(sched, "close", session_id="s1")
-        drain(h)
+        h.drain()
         assert h.accounting() == initial
 
 
@@ -328,7 +319,7 @@ def test_zero_change_offloads_on_tool_calls_and_next_request_restores(hh: CacheH
     # untracked sessions and a disabled server are skipped, never errors
     assert tk.handle("auto_offload", {"session_id": "ghost"}) == (200, {"skipped": "skip:untracked"})
     tk.manager.close("agent")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 
@@ -348,7 +339,7 @@ def test_turn_finishing_while_offloaded_settles_and_keeps_the_epoch(hh: CacheHar
     assert meta["state"] == "Running" and meta["epoch"] == 1 and meta["protected"] is False
     assert tk.handle("tool_end", {"session_id": "s", "epoch": 1})[0] == 409
     tk.manager.close("s")
-    drain(h)
+    h.drain()
     assert h.accounting() == initial
 
 

@@ -312,9 +312,7 @@ class Replayer:
             raise Unrealizable("no device memory for the turn")
         self.h.fill_kv(new, fresh)
         prefix_idx = (
-            torch.cat([m.value for m in path_to(tree, self._obj(p))]).to(new.device)
-            if p != ROOT
-            else new[:0]
+            torch.cat([m.value for m in path_to(tree, self._obj(p))]).to(new.device) if p != ROOT else new[:0]
         )
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 

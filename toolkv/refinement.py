@@ -309,8 +309,10 @@ def check_step(
     # Caveat 6, made checkable on a finite run: right after a sweep no protection is past its
     # deadline (the spec's TtlSweep releases every due one; liveness ProtectionReleased follows
     # under fair sweeps).
-    if act is not None and act[0] == "TtlSweep" and any(
-        post["phase"][s] in PROTECTING and post["deadline"][s] <= post["now"] for s in b.sessions
+    if (
+        act is not None
+        and act[0] == "TtlSweep"
+        and any(post["phase"][s] in PROTECTING and post["deadline"][s] <= post["now"] for s in b.sessions)
     ):
         bad.append("ProtectionReleased")
     return bad

@@ -260,11 +260,7 @@ class Simulation:
         """Close everything, let every copy finish, evict all: every counter must be back."""
         for sid in list(self.mgr.sessions):
             self.mgr.close(sid)
-        self.h.synchronize()
-        self.h.check_events()
-        self.h.evict_device(10**9)
-        self.h.check_events()
-        self.h.evict_host(10**9)
+        self.h.drain()
         final = self.h.accounting()
         diffs = {
             k: (getattr(initial, k), getattr(final, k))

@@ -427,6 +427,16 @@ class CacheHarness:
             moved += 1
         return moved
 
+    def drain(self) -> None:
+        """Let every copy finish, process the acks, then evict every device and host copy: with no
+        session holding anything, every ``Accounting`` counter must be back at its initial value."""
+        self.synchronize()
+        self.check_events()
+        self.evict_device(10**9)
+        if self.is_hi:
+            self.check_events()
+            self.evict_host(10**9)
+
     def synchronize(self) -> None:
         """Wait for every transfer (real GPU) or finish them all (CPU double)."""
         if self.engine is not None:
