@@ -168,11 +168,20 @@ def run(args: argparse.Namespace) -> int:
             r["killed"] = r["failure"] is not None
             rc |= not r["killed"]
             results.append(r)
-        print(f"\n{'mutant':<16} {'caveat':<38} {'killed':<7} {'examples':>8} {'shrunk':>7}  by")
+            if args.json:  # written after every mutant, so a cut-off run still leaves its rows
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=2))
+            print(
+                f"    -> {'killed' if r['killed'] else 'SURVIVED'} after {r['examples_to_kill'] or r['examples']} "
+                f"examples: {(r['failure'] or '')[:100]}",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(f"\n{'mutant':<16} {'caveat':<38} {'killed':<7} {'to kill':>8} {'steps':>6}  by")
         for r in results:
             print(
-                f"{r['label']:<16} {r['caveat']:<38} {'yes' if r['killed'] else 'NO':<7} {r['examples']:>8} "
-                f"{r['shrunk_steps'] if r['killed'] else '-':>7}  {(r['failure'] or '')[:70]}"
+                f"{r['label']:<16} {r['caveat']:<38} {'yes' if r['killed'] else 'NO':<7} "
+                f"{r['examples_to_kill'] or '-':>8} {r['shrunk_steps'] or '-':>6}  {(r['failure'] or '')[:70]}"
             )
     else:
         r = campaign(
