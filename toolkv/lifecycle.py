@@ -70,15 +70,20 @@ TIER_STATES: tuple[str, ...] = (
 # relation (model_tests/test_tables.py extracts it from TLC's state graph and checks equality).
 TIER_TRANSITIONS: tuple[Row, ...] = (
     ("insert", "Unborn", "GPU"),  # a turn's new leaf lands on the GPU
+    # a diverging request splits a node: the new prefix node copies the copies and in-flight marks of
+    # the node it splits, but not its host_ref_counter (so never CpuProtected)
+    ("split", "Unborn", ("GPU", "BackingUp", "Loading", "CpuUnprotected")),
     ("write_through", "GPU", "BackingUp"),  # HiCache's own write-through starts
     ("tool_start", "GPU", "BackingUp"),  # toolkv backs up the path
     ("tool_start", "GPU", "CpuProtected"),  # nothing in flight: freed at once
+    ("tool_start", "GPU", "CpuUnprotected"),  # ... and so is an exclusive ancestor (not protected itself)
     ("tool_start", "CpuUnprotected", "CpuProtected"),  # already host-only: just protected
     ("write_ack", "BackingUp", "GPU"),  # ack of a write nobody offloads
-    ("write_ack", "BackingUp", "CpuProtected"),  # ack, then toolkv frees the GPU copy
+    ("write_ack", "BackingUp", ("CpuProtected", "CpuUnprotected")),  # ack, then toolkv frees the GPU copy
+    ("write_ack", "GPU", ("CpuProtected", "CpuUnprotected")),  # the path's last ack frees acked nodes too
     ("gpu_evict", "GPU", ("CpuProtected", "CpuUnprotected", "Evicted")),  # sglang's device eviction
     ("host_evict", "CpuUnprotected", "Evicted"),  # sglang's host eviction (never a protected node)
-    ("tool_end", "CpuProtected", "Loading"),  # load_back starts
+    ("tool_end", ("CpuProtected", "CpuUnprotected"), "Loading"),  # load_back starts (leaf and ancestors)
     ("load_ack", "Loading", "GPU"),  # the load is acknowledged: readable
     ("ttl_sweep", "CpuProtected", "CpuUnprotected"),  # TTL released the protection
     ("close", "CpuProtected", "CpuUnprotected"),  # close released the protection
