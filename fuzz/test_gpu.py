@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from toolkv.fuzz_cli import campaign
-from toolkv.manager import ToolKVManager
+from toolkv.core.manager import ToolKVManager
 from toolkv.testing.harness import CacheHarness, HarnessConfig
+from toolkv.tools.fuzz_cli import campaign
 
 pytestmark = pytest.mark.gpu
 

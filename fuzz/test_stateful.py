@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.conformance import Replayer
-from toolkv.fuzz_cli import MUTANTS, campaign
-from toolkv.refinement import Bounds
-from toolkv.tracecheck import check_trace
+from toolkv.tools.fuzz_cli import MUTANTS, campaign
+from toolkv.verify.conformance import Replayer
+from toolkv.verify.refinement import Bounds
+from toolkv.verify.tracecheck import check_trace
 
 EXAMPLES = int(os.environ.get("TOOLKV_FUZZ_EXAMPLES", "60"))
 STEPS = int(os.environ.get("TOOLKV_FUZZ_STEPS", "60"))

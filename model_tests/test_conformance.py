@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from toolkv.conformance import Replayer, cfg_constants, cover, replay_trace
-from toolkv.refinement import Bounds
-from toolkv.tla import Toolchain, read_dot, run_tlc
+from toolkv.verify.conformance import Replayer, cfg_constants, cover, replay_trace
+from toolkv.verify.refinement import Bounds
+from toolkv.verify.tla import Toolchain, read_dot, run_tlc
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 pytestmark = pytest.mark.tlc

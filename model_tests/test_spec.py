@@ -1,4 +1,4 @@
-"""Tests of the TLA+ plumbing (toolkv.tla), the spec-check runner, and the spec itself.
+"""Tests of the TLA+ plumbing (toolkv.verify.tla), the spec-check runner, and the spec itself.
 
 The parsers are exercised twice: on small literals that pin down each syntactic form, and on
 real TLC output generated here, because the conformance checker will feed them exactly that.
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from toolkv import spec_check, tla
-from toolkv.tla import FrozenDict, ModelValue, parse_value
+from toolkv.verify import spec_check, tla
+from toolkv.verify.tla import FrozenDict, ModelValue, parse_value
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "spec"
 MV = ModelValue

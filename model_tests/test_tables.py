@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from toolkv import lifecycle
-from toolkv.tla import Toolchain, read_dot, run_tlc, to_plain
+from toolkv.core import lifecycle
+from toolkv.verify.tla import Toolchain, read_dot, run_tlc, to_plain
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 

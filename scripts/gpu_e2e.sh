@@ -40,14 +40,14 @@ MODEL=$STAGE_ROOT/models/$CFG PORT=${PORT:-30000}
 EP=$STAGE_ROOT/toolkv_ep
 rm -rf "$EP" && mkdir -p "$EP/toolkv-0.1.0.dist-info"
 printf 'Metadata-Version: 2.1\nName: toolkv\nVersion: 0.1.0\n' > "$EP/toolkv-0.1.0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\ntoolkv = toolkv.sglang_plugin:register\n' > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
+printf '[sglang.srt.plugins]\ntoolkv = toolkv.sglang.plugin:register\n' > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
 export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH
 export TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
 "$PY" - <<'PY' || exit 1
 import importlib.metadata as md
 eps = [e.value for e in md.entry_points(group="sglang.srt.plugins") if e.name == "toolkv"]
-assert eps == ["toolkv.sglang_plugin:register"], eps
-import toolkv.sglang_plugin, transitions  # noqa: F401
+assert eps == ["toolkv.sglang.plugin:register"], eps
+import toolkv.sglang.plugin, transitions  # noqa: F401
 print("toolkv entry point visible:", eps)
 PY
 

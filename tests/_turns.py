@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from toolkv.sglang_plugin import around_cache_finished_req
+from toolkv.sglang.plugin import around_cache_finished_req
 from toolkv.testing.harness import CacheHarness
 
 
@@ -85,7 +85,7 @@ class LoopbackChannel:
         import asyncio
         import pickle
 
-        from toolkv.http_api import ChannelTransport
+        from toolkv.sglang.http_api import ChannelTransport
 
         class _Loopback(ChannelTransport):
             sent: list[Any]

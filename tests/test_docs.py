@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from toolkv.diagram import session_diagram, tier_diagram
+from toolkv.tools.diagram import session_diagram, tier_diagram
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -15,8 +15,8 @@ import pytest
 from _turns import LoopbackChannel, finish_turn, iteration
 from fastapi.testclient import TestClient
 
-from toolkv.config import ToolKVConfig
-from toolkv.http_api import (
+from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.http_api import (
     ChannelTransport,
     ReplyRegistry,
     TokenizerManagerTransport,
@@ -24,8 +24,8 @@ from toolkv.http_api import (
     is_tool_calls_chunk,
     openapi_document,
 )
-from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
-from toolkv.scheduler_side import SchedulerToolKV
+from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.testing.harness import CacheHarness, HarnessConfig
 
 PROMPT = list(range(1, 65))

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.errors import (
     BadRequest,
     DeviceMemoryFull,
@@ -17,7 +18,6 @@ from toolkv.errors import (
     UnknownSession,
     WrongState,
 )
-from toolkv.manager import ManagerConfig, ToolKVManager
 from toolkv.testing.harness import CacheHarness, HarnessConfig
 
 SHARED = list(range(1, 33))
@@ -269,7 +269,7 @@ def test_pin_backend_on_plain_radix_cache(page_size: int) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_shadow_backend_frees_gpu_and_reinserts_identical_bytes(page_size: int) -> None:
-    from toolkv.backends.shadow import ShadowBackend
+    from toolkv.core.backends.shadow import ShadowBackend
 
     with CacheHarness(HarnessConfig(kind="radix", page_size=page_size)) as h:
         initial = h.accounting()

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from _turns import LoopbackChannel, finish_turn, iteration
 
-from toolkv.config import ToolKVConfig
 from toolkv.errors import Unsupported
-from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
-from toolkv.scheduler_side import (
+from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.sglang.plugin import after_scheduler_init, after_tree_reset, around_chat_non_streaming, hooks
+from toolkv.sglang.scheduler_side import (
     SchedulerToolKV,
     check_server_args,
     check_tree,
@@ -27,7 +28,6 @@ from toolkv.scheduler_side import (
     decide_on_tool_calls,
     unsupported_reasons,
 )
-from toolkv.sglang_plugin import after_scheduler_init, after_tree_reset, around_chat_non_streaming, hooks
 from toolkv.testing.harness import CacheHarness, HarnessConfig, ensure_process_group, make_server_args
 
 SGLANG = Path(__import__("sglang").__file__).parent
@@ -101,7 +101,7 @@ def test_config_errors_name_the_variable(env: dict[str, str]) -> None:
 def test_register_is_inert_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import toolkv.sglang_plugin as plugin
+    import toolkv.sglang.plugin as plugin
 
     monkeypatch.delenv("TOOLKV_ENABLE", raising=False)
     before = {k: list(v) for k, v in HookRegistry._hooks.items()}
@@ -140,7 +140,7 @@ def test_entry_point_loads_through_sglangs_plugin_loader() -> None:
     import json
 
     res = json.loads(line[0][len("RESULT") :])
-    assert res.pop("eps") == ["toolkv.sglang_plugin:register"]
+    assert res.pop("eps") == ["toolkv.sglang.plugin:register"]
     assert all(res.values()), res
 
 
@@ -344,7 +344,7 @@ def test_turn_finishing_while_offloaded_settles_and_keeps_the_epoch(hh: CacheHar
 
 
 def test_http_side_zero_change_hook_sends_auto_offload(hh: CacheHarness) -> None:
-    import toolkv.sglang_plugin as plugin
+    import toolkv.sglang.plugin as plugin
 
     tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True))
     hh.tree._toolkv = tk

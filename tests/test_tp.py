@@ -1,5 +1,5 @@
 """Tensor-parallel lockstep on CPU: two gloo ranks, each with its own REAL HiRadixCache (CPU
-harness) and its own toolkv whose agreement is ``toolkv.tp`` over the 2-rank group — the same group
+harness) and its own toolkv whose agreement is ``toolkv.sglang.tp`` over the 2-rank group — the same group
 sglang's ``writing_check``/``loading_check`` reduce over. The ranks get deliberately different
 timings (rank 1's copies finish later, its clock is skewed, its device memory runs out alone) and
 must still take identical decisions at every step, with identical per-rank accounting, and no hang.
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
-from toolkv.backends.base import LocalAgreement
-from toolkv.tp import AgreedClock, ProcessGroupAgreement
+from toolkv.core.backends.base import LocalAgreement
+from toolkv.sglang.tp import AgreedClock, ProcessGroupAgreement
 
 WORLD = 2
 TTL = 5.0
@@ -56,8 +56,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     )
     from _turns import finish_turn
 
-    from toolkv.config import ToolKVConfig
-    from toolkv.scheduler_side import SchedulerToolKV
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.scheduler_side import SchedulerToolKV
     from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     trace: list[dict[str, Any]] = []

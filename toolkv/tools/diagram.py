@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from toolkv import lifecycle
+from toolkv.core import lifecycle
 
 
 def mermaid(table: tuple[lifecycle.Row, ...], initial: str) -> str:

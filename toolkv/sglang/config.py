@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from toolkv.manager import ManagerConfig
+from toolkv.core.manager import ManagerConfig
 
 Fallback = Literal["pin", "shadow"]
 

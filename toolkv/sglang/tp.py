@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkv.backends.base import Agreement
+from toolkv.core.backends.base import Agreement
 
 
 class ProcessGroupAgreement:
-    """:class:`toolkv.backends.base.Agreement` over a gloo (CPU) process group.
+    """:class:`toolkv.core.backends.base.Agreement` over a gloo (CPU) process group.
 
     Use the scheduler's ``tp_cpu_group``: a CPU group keeps these tiny reductions off the GPU
     streams, exactly like sglang's own ``writing_check``/``loading_check``.

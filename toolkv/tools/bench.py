@@ -91,7 +91,7 @@ class PrimitiveClock:
 
 
 def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
-    from toolkv.manager import ManagerConfig, ToolKVManager
+    from toolkv.core.manager import ManagerConfig, ToolKVManager
     from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     tok = 16  # tokens per session; tiny KV shape: the bench measures control flow, not bytes
@@ -209,7 +209,7 @@ def transfer(args: argparse.Namespace) -> int:
     measured in the same run. Meaningful on a GPU; on CPU the copy engine is the test double."""
     import torch
 
-    from toolkv.manager import ManagerConfig, ToolKVManager
+    from toolkv.core.manager import ManagerConfig, ToolKVManager
     from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     dev = args.device
@@ -289,7 +289,7 @@ def transfer(args: argparse.Namespace) -> int:
             node_idx = torch.cat(
                 [
                     x.value
-                    for x in __import__("toolkv.treeops", fromlist=["path_to"]).path_to(
+                    for x in __import__("toolkv.core.treeops", fromlist=["path_to"]).path_to(
                         h.tree, m.sessions[sid].node
                     )
                 ]

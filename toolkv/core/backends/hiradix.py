@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from toolkv.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
-from toolkv.session import SessionRecord
-from toolkv.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 
 
 def _ntok(nodes: Sequence[TreeNode]) -> int:

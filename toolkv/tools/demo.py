@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("toolkv").setLevel(logging.ERROR)  # the timeline already says it
     print("toolkv demo: building a real sglang HiRadixCache on CPU ...", file=sys.stderr)
-    from toolkv.sim import DemoConfig, Simulation
+    from toolkv.tools.sim import DemoConfig, Simulation
 
     cfg = DemoConfig(
         sessions=args.sessions,
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(r: object, timeline: int) -> None:
-    from toolkv.sim import DemoReport
+    from toolkv.tools.sim import DemoReport
 
     assert isinstance(r, DemoReport)
     if timeline:
@@ -116,7 +116,7 @@ def plot(r: object, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkv.sim import DemoReport, Sample
+    from toolkv.tools.sim import DemoReport, Sample
 
     assert isinstance(r, DemoReport)
     names = [f.name for f in fields(Sample)]

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from toolkv.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.core.lifecycle import PROTECTING, fire
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tree, attached, walk
 from toolkv.errors import (
     BadRequest,
     DeviceMemoryFull,
@@ -33,9 +36,6 @@ from toolkv.errors import (
     UnknownSession,
     WrongState,
 )
-from toolkv.lifecycle import PROTECTING, fire
-from toolkv.session import SessionRecord
-from toolkv.treeops import Tree, attached, walk
 
 log = logging.getLogger("toolkv")
 
@@ -364,15 +364,15 @@ def make_backend(
 ) -> Backend:
     """HiRadixCache → host offload; plain RadixCache → GPU pin (default) or shadow copy."""
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
-        from toolkv.backends.hiradix import HiRadixBackend
+        from toolkv.core.backends.hiradix import HiRadixBackend
 
         return HiRadixBackend(
             tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats
         )
     if fallback == "shadow":
-        from toolkv.backends.shadow import ShadowBackend
+        from toolkv.core.backends.shadow import ShadowBackend
 
         return ShadowBackend(tree, agree=agree, budget_tokens=config.host_budget_tokens)
-    from toolkv.backends.pin import PinBackend
+    from toolkv.core.backends.pin import PinBackend
 
     return PinBackend(tree, agree=agree, budget_tokens=config.host_budget_tokens)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from toolkv.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import HostMemoryFull
-from toolkv.session import SessionRecord
-from toolkv.treeops import Tier, Tree, TreeNode, attached, path_to
 
 
 class PinBackend:

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolkv.client import SchedulerTimeout, ToolKVUnavailable
 from toolkv.errors import BadRequest, ToolKVError
-from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 
 log = logging.getLogger("toolkv")
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from toolkv import tla
+from toolkv.verify import tla
 
 KINDS = ("safe", "live", "mutant", "witness")
 
@@ -57,11 +57,11 @@ def default_spec_dir() -> Path:
     env = os.environ.get("TOOLKV_SPEC_DIR")
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "spec", here / "spec_files"):
+    pkg = Path(__file__).resolve().parents[1]  # the toolkv package
+    for cand in (pkg.parent / "spec", pkg / "spec_files"):
         if (cand / "configs.toml").is_file():
             return cand
-    return here.parent / "spec"
+    return pkg.parent / "spec"
 
 
 def load_manifest(spec_dir: Path) -> tuple[list[str], list[ConfigSpec]]:

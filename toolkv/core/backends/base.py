@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from toolkv.session import SessionRecord
-from toolkv.treeops import Tree, TreeNode
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tree, TreeNode
 
 
 class Agreement(Protocol):

@@ -67,7 +67,7 @@ def campaign(
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from toolkv.fuzzing import machine_class
+    from toolkv.verify.fuzzing import machine_class
 
     cls = machine_class(
         caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SPEC_DIR = Path(__file__).resolve().parents[1] / "spec"
+SPEC_DIR = Path(__file__).resolve().parents[2] / "spec"
 NODE_FIELDS = ("parent", "writeKey", "loadKey", "ref", "prot")
 FUNC_FIELDS = (
     "status", "parent", "dev", "host", "lockRef", "hostRef", "writeKey", "loadKey", "loadAcks", "extLock",
@@ -180,7 +180,7 @@ def read_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def check_trace(path: Path, timeout: float = 600.0) -> TraceCheckResult:
-    from toolkv.tla import Toolchain, run_tlc
+    from toolkv.verify.tla import Toolchain, run_tlc
 
     header, steps = read_trace(path)
     if not steps or steps[0]["act"] != ["Init"]:

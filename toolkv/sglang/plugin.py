@@ -27,7 +27,7 @@ import multiprocessing
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from toolkv.config import ToolKVConfig
+from toolkv.sglang.config import ToolKVConfig
 
 log = logging.getLogger("toolkv")
 
@@ -49,7 +49,7 @@ def register() -> None:
     _registered = True
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from toolkv.ipc import register_wire_types
+    from toolkv.sglang.ipc import register_wire_types
 
     register_wire_types()
     for target, hook, kind in hooks(main_process=multiprocessing.parent_process() is None, config=cfg):
@@ -85,9 +85,9 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
     with that message) for configurations toolkv cannot serve correctly."""
     from sglang.utils import TypeBasedDispatcher
 
-    from toolkv.ipc import ToolKVReqInput
-    from toolkv.scheduler_side import SchedulerToolKV, check_server_args, check_tree
-    from toolkv.tp import ProcessGroupAgreement
+    from toolkv.sglang.ipc import ToolKVReqInput
+    from toolkv.sglang.scheduler_side import SchedulerToolKV, check_server_args, check_tree
+    from toolkv.sglang.tp import ProcessGroupAgreement
 
     cfg = ToolKVConfig.from_env()
     check_server_args(sched.server_args)
@@ -139,7 +139,7 @@ def finished_turn(tree: Any, req: Any, is_insert: bool, kv_len: int | None) -> t
     Mirrors ``cache_finished_req``'s own key (radix_cache.py:455-462)."""
     if not is_insert or getattr(tree, "disable", False) or getattr(tree, "disable_finished_insert", False):
         return None
-    from toolkv.scheduler_side import session_label
+    from toolkv.sglang.scheduler_side import session_label
 
     sid = session_label(req)
     if sid is None:
@@ -181,8 +181,8 @@ def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
     global _transport
     from sglang.srt.entrypoints import http_server
 
-    from toolkv.http_api import TokenizerManagerTransport, install_routes
-    from toolkv.scheduler_side import check_server_args
+    from toolkv.sglang.http_api import TokenizerManagerTransport, install_routes
+    from toolkv.sglang.scheduler_side import check_server_args
 
     check_server_args(server_args)
     cfg = ToolKVConfig.from_env()
@@ -221,7 +221,7 @@ async def around_chat_stream(
     original: Callable[..., Any], serving: Any, *args: Any, **kwargs: Any
 ) -> AsyncIterator[Any]:
     """Streaming twin: the finish chunk carries ``"finish_reason":"tool_calls"`` (serving_chat.py:1329-1341)."""
-    from toolkv.http_api import is_tool_calls_chunk
+    from toolkv.sglang.http_api import is_tool_calls_chunk
 
     request = args[1] if len(args) > 1 else kwargs.get("request")
     sent = False

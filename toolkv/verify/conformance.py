@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 
+from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.treeops import TreeNode, attached, path_to, walk
 from toolkv.errors import ToolKVError
-from toolkv.manager import ManagerConfig, ToolKVManager
-from toolkv.refinement import (
+from toolkv.testing.harness import CacheHarness, HarnessConfig, rkey
+from toolkv.verify.refinement import (
     CORE,
     NO_NODE,
     ROOT,
@@ -43,9 +45,7 @@ from toolkv.refinement import (
     check_invariants,
     check_step,
 )
-from toolkv.testing.harness import CacheHarness, HarnessConfig, rkey
-from toolkv.tla import StateGraph, to_plain
-from toolkv.treeops import TreeNode, attached, path_to, walk
+from toolkv.verify.tla import StateGraph, to_plain
 
 CORE_VARS = CORE
 
@@ -575,7 +575,7 @@ def cfg_constants(cfg_text: str) -> dict[str, Any]:
     """``NAME = value`` assignments of a TLC config, values parsed as TLA+ (model values stay names)."""
     import re
 
-    from toolkv.tla import parse_value
+    from toolkv.verify.tla import parse_value
 
     out: dict[str, Any] = {}
     for line in re.sub(r"\\\*.*", "", cfg_text).splitlines():

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkv.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to, walk
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
-from toolkv.session import SessionRecord
-from toolkv.treeops import Tier, Tree, TreeNode, attached, path_to, walk
 
 
 @dataclass

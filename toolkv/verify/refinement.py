@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkv.treeops import TreeNode, attached, path_to
+from toolkv.core.treeops import TreeNode, attached, path_to
 
 NO_NODE = "NoNode"
 ROOT = "Root"

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.treeops import path_to, walk
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, ToolKVError
-from toolkv.manager import ManagerConfig, ToolKVManager
 from toolkv.testing.harness import CacheHarness, HarnessConfig
-from toolkv.treeops import path_to, walk
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,18 @@ from collections.abc import Sequence
 
 # name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "spec-check": ("toolkv.spec_check", "run SANY and TLC over every spec config and mutant"),
-    "demo": ("toolkv.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
-    "fuzz": ("toolkv.fuzz_cli", "Hypothesis stateful campaign against the real HiRadixCache (and --mutants)"),
-    "trace-check": ("toolkv.tracecheck", "validate JSON-lines traces against the spec's next-state relation"),
-    "diagram": ("toolkv.diagram", "Mermaid state diagrams generated from the lifecycle tables"),
-    "bench": ("toolkv.bench", "benchmarks (overhead: control-path cost per call and per idle tick)"),
+    "spec-check": ("toolkv.verify.spec_check", "run SANY and TLC over every spec config and mutant"),
+    "demo": ("toolkv.tools.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
+    "fuzz": (
+        "toolkv.tools.fuzz_cli",
+        "Hypothesis stateful campaign against the real HiRadixCache (and --mutants)",
+    ),
+    "trace-check": (
+        "toolkv.verify.tracecheck",
+        "validate JSON-lines traces against the spec's next-state relation",
+    ),
+    "diagram": ("toolkv.tools.diagram", "Mermaid state diagrams generated from the lifecycle tables"),
+    "bench": ("toolkv.tools.bench", "benchmarks (overhead: control-path cost per call and per idle tick)"),
 }
 
 

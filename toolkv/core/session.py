@@ -7,7 +7,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkv.treeops import TreeNode
+from toolkv.core.treeops import TreeNode
 
 
 @dataclass(slots=True, eq=False)

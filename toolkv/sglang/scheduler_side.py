@@ -14,14 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from toolkv import __version__
-from toolkv.backends.base import Agreement, Backend, LocalAgreement
-from toolkv.config import ToolKVConfig
+from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.core.lifecycle import PROTECTING
+from toolkv.core.manager import ToolKVManager, make_backend
+from toolkv.core.treeops import Tree
 from toolkv.errors import BadRequest, DeviceMemoryFull, ToolKVError, Unsupported
-from toolkv.ipc import ToolKVReqInput, ToolKVReqOutput
-from toolkv.lifecycle import PROTECTING
-from toolkv.manager import ToolKVManager, make_backend
-from toolkv.tp import AgreedClock
-from toolkv.treeops import Tree
+from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.sglang.tp import AgreedClock
 
 log = logging.getLogger("toolkv")
 
