@@ -15,7 +15,7 @@
 (* state graph can be replayed on the Python implementation.  A constant   *)
 (* BUG switches on one seeded defect at a time (see docs/caveats.md).      *)
 (***************************************************************************)
-EXTENDS Integers, FiniteSets, TLC
+EXTENDS Integers, FiniteSets, Sequences, TLC
 
 CONSTANTS
     Nodes,      \* identities of TreeNode objects; never reused (Python object identity)
@@ -31,16 +31,19 @@ CONSTANTS
     EnvLocks,   \* BOOLEAN: model other requests locking shared prefixes
     EnvWrites,  \* BOOLEAN: model HiCache's own write-through backups
     Hist,       \* BOOLEAN: maintain the history variables act and tgt
+    Ring,       \* producer slots of sglang's layer-done counter (3 in 0.5.16); 0 = not modelled
+    SysLoads,   \* BOOLEAN: sglang starts host->GPU loads of its own (prefill batches with host hits)
     BUG         \* "none" or the name of one seeded defect
 
 Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "StaleNode", "NoTtl", "FreeBeforeAck", "EarlyRunnable",
-         "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse"}
+         "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
        /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ MaxResets \in Nat
        /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
+       /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0)
        /\ BUG \in Bugs
 
 VARIABLES
@@ -55,6 +58,9 @@ VARIABLES
     loadKey,   \* [Nodes -> Nodes \cup {NoNode}]; ack id of the H2D load that fills this device copy
     loadAcks,  \* [Nodes -> Nat]; in-flight load acks keyed by node id (ongoing_load_back)
     extLock,   \* [Nodes -> BOOLEAN]; some other request holds a path lock ending here
+    queued,    \* SUBSET Nodes: load keys enqueued by load_back whose DMA has not started (load_queue)
+    ring,      \* Seq([who, keys]): started loads still in flight, oldest first; each holds one
+               \* producer slot of the layer-done counter (start_loading merges the whole queue)
     devFree,   \* free device slots
     hostFree,  \* free host slots
     \* ---- toolkv manager, per session ----
@@ -71,7 +77,7 @@ VARIABLES
     tgt        \* the session-referenced nodes the last manager step acted upon
 
 treeVars == <<status, parent, dev, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock,
-              devFree, hostFree>>
+              devFree, hostFree, queued, ring>>
 sessVars == <<phase, ref, epoch, prot, deadline>>
 envVars  == <<now, resets>>
 core     == <<treeVars, sessVars, envVars>>
@@ -153,6 +159,15 @@ InsertFits == devFree >= 1                    \* a turn's new leaf fits on devic
 WriteFits == hostFree >= 1                    \* a write-through fits on host
 SplitFits(n) == (dev[n] => devFree >= 1) /\ (host[n] => hostFree >= 1)
 
+\* The load-slot ring.  start_loading (cache_controller.py:782-835) merges the whole load queue into
+\* one transfer and takes the next producer slot; update_producer (cache_controller.py:97-104)
+\* asserts that slot's last-layer event has fired.  The load stream runs in order, so the slots
+\* in flight are always the most recent ones: the next slot is busy exactly when all Ring are.
+InFlight(k) == k \in queued \/ \E i \in 1..Len(ring) : k \in ring[i].keys
+SysInFlight == Cardinality({i \in 1..Len(ring) : ring[i].who = "sys"})
+StartLoad(who) == /\ ring' = Append(ring, [who |-> who, keys |-> queued])
+                  /\ queued' = {}
+
 Rec(a, t) == IF Hist THEN act' = a /\ tgt' = t ELSE UNCHANGED <<act, tgt>>
 
 Min(a, b) == IF a < b THEN a ELSE b
@@ -169,6 +184,8 @@ Init ==
     /\ loadKey = [n \in Nodes |-> NoNode]
     /\ loadAcks = [n \in Nodes |-> 0]
     /\ extLock = [n \in Nodes |-> FALSE]
+    /\ queued = {}
+    /\ ring = <<>>
     /\ devFree = DevSlots
     /\ hostFree = HostSlots
     /\ phase = [s \in Sessions |-> "New"]
@@ -220,7 +237,7 @@ ToolStart(s) ==
            /\ deadline' = [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)]
            /\ phase' = [phase EXCEPT ![s] = IF clean \/ BUG = "FreeBeforeAck" THEN "Offloaded"
                                                 ELSE "Offloading"]
-           /\ UNCHANGED <<status, parent, loadKey, loadAcks, extLock, ref, envVars>>
+           /\ UNCHANGED <<status, parent, loadKey, loadAcks, extLock, queued, ring, ref, envVars>>
            /\ Rec(<<"ToolStart", s>>, {n})
 
 \* writing_check acknowledged the D2H write with id k: clear its pending marks, drop its path
@@ -239,7 +256,7 @@ WriteAck(k) ==
        /\ devFree' = devFree + Cardinality(F)
        /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Offloaded" ELSE phase[s]]
        /\ UNCHANGED <<status, parent, host, hostRef, loadKey, loadAcks, extLock, hostFree,
-                      ref, epoch, prot, deadline, envVars>>
+                      queued, ring, ref, epoch, prot, deadline, envVars>>
        /\ Rec(<<"WriteAck", k>>, {ref[s] : s \in Done})
 
 \* tool_end with epoch e.  A stale epoch, or a session that is not offloading/offloaded,
@@ -255,7 +272,7 @@ ToolEnd(s, e) ==
     /\ phase[s] \in {"Offloading", "Offloaded", "Restoring", "Expired", "Lost"}
     /\ e \in 0..MaxEpoch
     /\ IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
-       THEN IF ~DevFits(C)
+       THEN IF ~DevFits(C) \/ (BUG = "RingOverrun" /\ C # {} /\ Len(ring) >= Ring)
             THEN \* load-back failure (no device memory)
                  /\ IF BUG = "HostLockLeak"
                     THEN \* the session is given up but its host_ref is never released
@@ -278,6 +295,15 @@ ToolEnd(s, e) ==
               /\ phase' = [phase EXCEPT ![s] = IF runnable THEN "Runnable" ELSE "Restoring"]
               /\ prot' = [prot EXCEPT ![s] = IF runnable THEN NoNode ELSE n]
               /\ hostRef' = [hostRef EXCEPT ![n] = IF runnable THEN @ - 1 ELSE @]
+              \* load_back only enqueues; the DMA starts when a producer slot is taken (StartLoads,
+              \* SysStart).  The RingOverrun mutant is the old code: start at once, in the request
+              \* handler, checking only that the next slot is free.
+              /\ IF Ring = 0 \/ C = {} THEN UNCHANGED <<queued, ring>>
+                 ELSE IF BUG = "RingOverrun"
+                      THEN /\ ring' = Append(ring, [who |-> "tkv", keys |-> queued \cup {n}])
+                           /\ queued' = {}
+                      ELSE /\ queued' = queued \cup {n}
+                           /\ UNCHANGED ring
               /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, deadline,
                              envVars>>
               /\ Rec(<<"ToolEnd", s, e>>, {n})
@@ -286,7 +312,7 @@ ToolEnd(s, e) ==
             /\ loadAcks' = [loadAcks EXCEPT ![n] = @ + 1]
             /\ lockRef' = Locked(lockRef, {n}, 1)
             /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, extLock, devFree,
-                           hostFree, sessVars, envVars>>
+                           hostFree, queued, ring, sessVars, envVars>>
             /\ Rec(<<"ToolEnd", s, e>>, {n})
        ELSE /\ UNCHANGED core
             /\ Rec(<<"ToolEnd", s, e>>, {})
@@ -296,6 +322,7 @@ ToolEnd(s, e) ==
 \* now readable becomes Runnable, dropping its pin and its protection.
 LoadAck(k) ==
     /\ loadAcks[k] > 0
+    /\ ~InFlight(k)
     /\ LET la2 == [loadAcks EXCEPT ![k] = @ - 1]
            lk2 == IF la2[k] = 0 THEN [m \in Nodes |-> IF loadKey[m] = k THEN NoNode ELSE loadKey[m]]
                   ELSE loadKey
@@ -310,8 +337,20 @@ LoadAck(k) ==
        /\ prot' = [s \in Sessions |-> IF s \in Done THEN NoNode ELSE prot[s]]
        /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in Done : prot[s] = m})]
        /\ UNCHANGED <<status, parent, dev, host, writeKey, extLock, devFree, hostFree,
-                      ref, epoch, deadline, envVars>>
+                      queued, ring, ref, epoch, deadline, envVars>>
        /\ Rec(<<"LoadAck", k>>, {ref[s] : s \in Done})
+
+\* The manager's tick starts the queued loads, only when no load at all is in flight: then the
+\* ring has Ring - 1 free slots after this start, and sglang's own cadence (SysStart) can never
+\* come round to a busy slot.  The RingTwoFree mutant starts when the next two slots are free,
+\* the tempting "account for the ring" rule that TLC shows is not enough.
+StartLoads ==
+    /\ Ring > 0 /\ queued # {}
+    /\ IF BUG = "RingTwoFree" THEN Len(ring) <= Ring - 2 ELSE ring = <<>>
+    /\ StartLoad("tkv")
+    /\ UNCHANGED <<status, parent, dev, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock,
+                   devFree, hostFree, sessVars, envVars>>
+    /\ Rec(<<"StartLoads">>, {})
 
 \* Release everything session s holds: its protection and, if restoring, its pin.
 Released(S) ==
@@ -331,7 +370,7 @@ TtlSweep ==
     /\ epoch' = IF BUG = "EpochReuse" THEN [s \in Sessions |-> IF s \in Due THEN 0 ELSE epoch[s]]
                 ELSE epoch
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
-                   ref, deadline, envVars>>
+                   queued, ring, ref, deadline, envVars>>
     /\ Rec(<<"TtlSweep">>, {prot[s] : s \in Due})
 
 \* The client closes the session (or it is dropped): release whatever it holds.
@@ -340,7 +379,7 @@ Close(s) ==
     /\ Released({s})
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
-                   ref, epoch, deadline, envVars>>
+                   queued, ring, ref, epoch, deadline, envVars>>
     /\ Rec(<<"Close", s>>, {prot[s]} \ {NoNode})
 
 -----------------------------------------------------------------------------
@@ -351,7 +390,7 @@ Lock(n) ==
     /\ EnvLocks /\ n \in InTree /\ ~extLock[n] /\ PathValid(n)
     /\ extLock' = [extLock EXCEPT ![n] = TRUE]
     /\ lockRef' = Locked(lockRef, {n}, 1)
-    /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
+    /\ UNCHANGED <<queued, ring, status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
                    sessVars, envVars>>
     /\ Rec(<<"Lock", n>>, {})
 
@@ -359,7 +398,7 @@ Unlock(n) ==
     /\ extLock[n]
     /\ extLock' = [extLock EXCEPT ![n] = FALSE]
     /\ lockRef' = Locked(lockRef, {n}, -1)
-    /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
+    /\ UNCHANGED <<queued, ring, status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
                    sessVars, envVars>>
     /\ Rec(<<"Unlock", n>>, {})
 
@@ -374,7 +413,7 @@ GpuEvict(n) ==
     /\ IF ~host[n] \/ (BUG = "OrphanHost" /\ Kids(n) = {})
        THEN status' = [status EXCEPT ![n] = "Gone"]   \* OrphanHost: the host copy leaks
        ELSE UNCHANGED status
-    /\ UNCHANGED <<parent, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, hostFree,
+    /\ UNCHANGED <<queued, ring, parent, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, hostFree,
                    sessVars, envVars>>
     /\ Rec(<<"GpuEvict", n>>, {})
 
@@ -386,7 +425,7 @@ HostEvict(n) ==
     /\ status' = [status EXCEPT ![n] = "Gone"]
     /\ host' = [host EXCEPT ![n] = FALSE]
     /\ hostFree' = hostFree + 1
-    /\ UNCHANGED <<parent, dev, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
+    /\ UNCHANGED <<queued, ring, parent, dev, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
                    sessVars, envVars>>
     /\ Rec(<<"HostEvict", n>>, {})
 
@@ -399,7 +438,7 @@ WriteThrough(n) ==
     /\ hostFree' = hostFree - 1
     /\ writeKey' = [writeKey EXCEPT ![n] = n]
     /\ lockRef' = Locked(lockRef, {n}, 1)
-    /\ UNCHANGED <<status, parent, dev, hostRef, loadKey, loadAcks, extLock, devFree, sessVars, envVars>>
+    /\ UNCHANGED <<queued, ring, status, parent, dev, hostRef, loadKey, loadAcks, extLock, devFree, sessVars, envVars>>
     /\ Rec(<<"WriteThrough", n>>, {})
 
 \* A diverging insert splits n: the fresh node m becomes n's prefix, between n and its parent.
@@ -419,7 +458,7 @@ Split(n, m) ==
     /\ loadKey' = [loadKey EXCEPT ![m] = loadKey[n]]
     /\ devFree' = devFree - (IF dev[n] THEN 1 ELSE 0)
     /\ hostFree' = hostFree - (IF host[n] THEN 1 ELSE 0)
-    /\ UNCHANGED <<loadAcks, extLock, sessVars, envVars>>
+    /\ UNCHANGED <<queued, ring, loadAcks, extLock, sessVars, envVars>>
     /\ Rec(<<"Split", n, m>>, {})
 
 \* Session s's turn finishes (cache_finished_req): its new leaf n lands under p, on device. A
@@ -435,7 +474,7 @@ Insert(s, p, n) ==
     /\ devFree' = devFree - 1
     /\ ref' = [ref EXCEPT ![s] = n]
     /\ phase' = [phase EXCEPT ![s] = "Running"]
-    /\ UNCHANGED <<host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, hostFree,
+    /\ UNCHANGED <<queued, ring, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, hostFree,
                    epoch, prot, deadline, envVars>>
     /\ Rec(<<"Insert", s, p, n>>, {})
 
@@ -446,6 +485,8 @@ Insert(s, p, n) ==
 TreeReset ==
     /\ resets < MaxResets
     /\ \A n \in Nodes : ~extLock[n]
+    /\ ring = <<>>                 \* flush_cache waits for idle: no DMA in flight (is_fully_idle)
+    /\ queued' = {}                \* controller.reset clears the load queue
     /\ status' = [n \in Nodes |-> IF status[n] = "InTree" THEN "Gone" ELSE status[n]]
     /\ dev' = [n \in Nodes |-> FALSE]
     /\ host' = [n \in Nodes |-> FALSE]
@@ -459,8 +500,28 @@ TreeReset ==
     /\ phase' = [s \in Sessions |-> IF phase[s] \in Protecting THEN "Lost" ELSE phase[s]]
     /\ prot' = [s \in Sessions |-> NoNode]
     /\ resets' = resets + 1
-    /\ UNCHANGED <<parent, extLock, ref, epoch, deadline, now>>
+    /\ UNCHANGED <<parent, extLock, ring, ref, epoch, deadline, now>>
     /\ Rec(<<"TreeReset">>, {})
+
+\* sglang builds a prefill batch with host hits of its own and calls ready_to_load_host_cache
+\* (scheduler.py:3064-3068): the whole queue, toolkv's loads included, is started in one slot.
+\* sglang never checks the ring; its cadence keeps it safe on its own: the batch that consumed
+\* the load before last has finished (overlap scheduling keeps one batch in flight), so at most
+\* one of its own loads is still running.  That cadence is the guard here, not a check.
+SysStart ==
+    /\ SysLoads /\ SysInFlight <= 1
+    /\ StartLoad("sys")
+    /\ UNCHANGED <<status, parent, dev, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock,
+                   devFree, hostFree, sessVars, envVars>>
+    /\ Rec(<<"SysStart">>, {})
+
+\* The oldest started load finishes its last layer: its producer slot is free again.
+RingDone ==
+    /\ ring # <<>>
+    /\ ring' = Tail(ring)
+    /\ UNCHANGED <<status, parent, dev, host, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock,
+                   queued, devFree, hostFree, sessVars, envVars>>
+    /\ Rec(<<"RingDone">>, {})
 
 Tick ==
     /\ now < MaxTime
@@ -474,12 +535,14 @@ ManagerNext ==
     \/ \E s \in Sessions, e \in 0..MaxEpoch : ToolEnd(s, e)
     \/ \E k \in Nodes : WriteAck(k) \/ LoadAck(k)
     \/ TtlSweep
+    \/ StartLoads
 
 EnvNext ==
     \/ \E n \in Nodes : Lock(n) \/ Unlock(n) \/ GpuEvict(n) \/ HostEvict(n) \/ WriteThrough(n)
     \/ \E n, m \in Nodes : Split(n, m)
     \/ \E s \in Sessions, p \in Nodes \cup {Root}, n \in Nodes : Insert(s, p, n)
     \/ TreeReset
+    \/ SysStart \/ RingDone
     \/ Tick
 
 Next == ManagerNext \/ EnvNext
@@ -489,6 +552,7 @@ Fairness ==
     /\ \A k \in Nodes : WF_vars(WriteAck(k)) /\ WF_vars(LoadAck(k))
     /\ WF_vars(Tick)
     /\ WF_vars(TtlSweep)
+    /\ WF_vars(StartLoads) /\ WF_vars(RingDone)
 
 Spec == Init /\ [][Next]_vars
 LiveSpec == Spec /\ Fairness
@@ -507,6 +571,8 @@ TypeOK ==
     /\ loadKey \in [Nodes -> Nodes \cup {NoNode}]
     /\ loadAcks \in [Nodes -> Nat]
     /\ extLock \in [Nodes -> BOOLEAN]
+    /\ queued \subseteq Nodes
+    /\ ring \in Seq([who : {"tkv", "sys"}, keys : SUBSET Nodes])
     /\ devFree \in 0..DevSlots
     /\ hostFree \in 0..HostSlots
     /\ phase \in [Sessions -> Phases]
@@ -566,6 +632,13 @@ NoStaleTarget == \A n \in tgt : status[n] = "InTree"
 
 \* Caveat 7 (write side): no GPU copy is freed while its write ack is pending.
 NoFreeWhilePending == \A n \in Nodes : writeKey[n] # NoNode => dev[n] /\ host[n] /\ status[n] = "InTree"
+
+\* The load-slot ring: no start ever takes a producer slot whose load is still in flight (the
+\* assertion in update_producer that took the server down), and only pending loads are queued.
+RingBounded ==
+    /\ Len(ring) <= Ring
+    /\ \A k \in queued : loadAcks[k] = 1
+    /\ \A i \in 1..Len(ring) : \A k \in ring[i].keys : loadAcks[k] = 1
 
 -----------------------------------------------------------------------------
 (* Properties of steps *)

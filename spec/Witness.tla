@@ -34,6 +34,10 @@ NeverRestoreCompletes ==
 \* A tree reset loses an offloaded session.
 NeverLostOnReset == \A s \in Sessions : phase[s] # "Lost"
 
+\* A toolkv restore's load and two of sglang's own loads are in flight together (a full ring).
+NeverBunchedLoads ==
+    ~(Len(ring) = Ring /\ \E i \in 1..Len(ring) : ring[i].who = "tkv")
+
 \* Both sessions hold protections at the same time.
 NeverTwoProtected == Cardinality({s \in Sessions : prot[s] # NoNode}) < 2
 =============================================================================
