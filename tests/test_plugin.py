@@ -41,7 +41,11 @@ def hh() -> Iterator[CacheHarness]:
     h.close()
 
 
-def fake_scheduler(h: CacheHarness, **args: Any) -> Any:
+def fake_scheduler(h: CacheHarness, *, tp_rank: int = 0, tp_size: int = 1, **args: Any) -> Any:
+    """The attributes of sglang's Scheduler the init hook reads, with sglang's own types: a real
+    ServerArgs, the real tree, a gloo group, and rank/size in a real ``ParallelState`` at
+    ``Scheduler.ps`` (scheduler.py:379) -- the Scheduler has no ``tp_rank``/``tp_size`` of its own."""
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
     from sglang.utils import TypeBasedDispatcher
 
     sa = make_server_args(h.cfg)
@@ -51,8 +55,7 @@ def fake_scheduler(h: CacheHarness, **args: Any) -> Any:
         server_args=sa,
         tree_cache=h.tree,
         tp_cpu_group=ensure_process_group(),
-        tp_size=1,
-        tp_rank=0,
+        ps=ParallelState.trivial(tp_rank=tp_rank, tp_size=tp_size),
         _request_dispatcher=TypeBasedDispatcher([(int, lambda x: x)]),
     )
 
@@ -368,3 +371,177 @@ def test_http_side_zero_change_hook_sends_auto_offload(hh: CacheHarness) -> None
         plugin._transport = saved
     assert [r.op for r in channel.sent] == ["auto_offload"]
     assert tk.manager.kv_meta("agent")["state"] == "Offloading"
+
+
+# ---- fail-closed start-up, through sglang's real loader -------------------------------------------
+_SCENARIOS = r"""
+import json, os, sys
+import sglang.srt.plugins as plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+def attempt(name, env, prepare=None):
+    for k in [k for k in os.environ if k.startswith("TOOLKV_")]:
+        del os.environ[k]
+    os.environ.update(env)
+    plugins._plugins_loaded = False  # load_plugins() runs once per process; each scenario is a launch
+    if "toolkv.sglang.plugin" in sys.modules:
+        sys.modules["toolkv.sglang.plugin"]._registered = False
+    if prepare:
+        prepare()
+    before = sum(len(v) for v in HookRegistry._hooks.values())
+    try:
+        plugins.load_plugins()  # sglang's loader: entry point -> register() -> apply_hooks()
+        out = {"exit": None, "message": ""}
+    except SystemExit as e:  # what ends the launching process
+        out = {"exit": type(e).__name__, "message": str(e.code)}
+    out["hooks"] = sum(len(v) for v in HookRegistry._hooks.values()) - before
+    print("SCENARIO " + json.dumps({"name": name, **out}), flush=True)
+
+def no_transitions():
+    sys.modules["transitions"] = None  # not installed (a --no-deps install)
+
+def restore_transitions():
+    del sys.modules["transitions"]
+
+def other_sglang():
+    import sglang.version
+    sglang.version.__version__ = "0.5.99"
+
+def this_sglang():
+    import sglang.version
+    sglang.version.__version__ = "0.5.16"
+
+attempt("disabled, bad value", {"TOOLKV_TTL_S": "ten"})
+attempt("missing dependency", {"TOOLKV_ENABLE": "1"}, no_transitions)
+restore_transitions()
+attempt("bad value", {"TOOLKV_ENABLE": "1", "TOOLKV_TTL_S": "ten"})
+attempt("bad switch", {"TOOLKV_ENABLE": "maybe"})
+attempt("unsupported sglang", {"TOOLKV_ENABLE": "1"}, other_sglang)
+this_sglang()
+
+# a target sglang cannot patch: the registry logs it and goes on; toolkv's first hook refuses
+from sglang.srt.managers.scheduler import Scheduler
+saved = Scheduler.__dict__["get_internal_state"]
+del Scheduler.get_internal_state
+attempt("hook not applied", {"TOOLKV_ENABLE": "1"})
+Scheduler.get_internal_state = saved
+from toolkv.sglang import plugin
+try:
+    plugin._check_hooks_applied(main_process=False)
+    print("SCENARIO " + json.dumps({"name": "hook check", "exit": None, "message": ""}))
+except Exception as e:
+    print("SCENARIO " + json.dumps({"name": "hook check", "exit": type(e).__name__, "message": str(e)}))
+"""
+
+
+def _scenarios(script: str, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    import json
+
+    full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    full.pop("TOOLKV_ENABLE", None)
+    p = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=full, timeout=300, check=False
+    )
+    found = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("SCENARIO "):
+            d = json.loads(line[len("SCENARIO ") :])
+            found[d.pop("name")] = d
+    assert found, p.stdout[-2000:] + p.stderr[-4000:]
+    return found
+
+
+def test_startup_is_fail_closed_through_sglangs_plugin_loader() -> None:
+    """sglang's loader catches every Exception of a plugin and serves on without it; toolkv,
+    once enabled, stops the launch instead and names the cause. Disabled, it stays inert."""
+    r = _scenarios(_SCENARIOS)
+    assert r["disabled, bad value"] == {"exit": None, "message": "", "hooks": 0}
+    for name, words in [
+        ("missing dependency", "transitions>=0.9"),
+        ("bad value", "TOOLKV_TTL_S='ten'"),
+        ("bad switch", "TOOLKV_ENABLE='maybe'"),
+        ("unsupported sglang", "sglang 0.5.99 is not a release toolkv supports (supported: 0.5.16)"),
+    ]:
+        assert r[name]["exit"] == "StartupRefused", (name, r[name])
+        assert words in r[name]["message"] and "refusing to start" in r[name]["message"], r[name]
+        assert r[name]["hooks"] == 0, "nothing may be hooked before the guards pass"
+    assert r["hook not applied"]["exit"] is None and r["hook not applied"]["hooks"] > 0
+    assert r["hook check"]["exit"] == "Unsupported"
+    assert "Scheduler.get_internal_state" in r["hook check"]["message"]
+
+
+def test_bad_config_stops_sglang_launch_server() -> None:
+    """The launch an operator runs: ``python -m sglang.launch_server`` loads plugins before it
+    parses its arguments, so a typo in TOOLKV_* ends the process with the message, before any
+    model is touched (the model path here does not exist)."""
+    env = dict(os.environ, TOOLKV_ENABLE="1", TOOLKV_TTL_S="ten", OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", "/nonexistent/model"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
+    assert "toolkv: refusing to start: TOOLKV_TTL_S='ten': expected a number" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_unsupported_version_table_is_one_place() -> None:
+    from toolkv.errors import StartupRefused
+    from toolkv.sglang.startup import SUPPORTED, check_sglang_version
+
+    assert set(SUPPORTED) == {"0.5.16"}
+    check_sglang_version("0.5.16")
+    with pytest.raises(StartupRefused, match="0.5.15"):
+        check_sglang_version("0.5.15")
+
+
+# ---- TP rank/size, start-up lines, host sizing --------------------------------------------------------
+def test_tp_rank_and_size_come_from_sglangs_parallel_state(
+    hh: CacheHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    sched = fake_scheduler(hh, tp_rank=1, tp_size=2)
+    assert not hasattr(sched, "tp_size") and not hasattr(sched, "tp_rank")
+    with caplog.at_level("INFO", logger="toolkv"):
+        after_scheduler_init(None, sched)
+    tk: SchedulerToolKV = sched._toolkv
+    assert (tk.status()["tp_rank"], tk.status()["tp_size"]) == (1, 2)
+    assert (tk.metrics()["tp_rank"], tk.metrics()["tp_size"]) == (1, 2)
+    assert "toolkv enabled on scheduler tp_rank=1 tp_size=2: backend=hiradix" in caplog.text
+
+
+def test_startup_line_has_the_effective_config(hh: CacheHarness, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="toolkv"):
+        after_scheduler_init(None, fake_scheduler(hh))
+    line = next(r.getMessage() for r in caplog.records if "toolkv enabled on scheduler" in r.getMessage())
+    assert r"ttl_s=600.0 host_budget_tokens=None fallback=pin zero_change=False" in line
+    # 2 layers x 2 KV heads x 4 dim x fp32 x (K, V) = 128 bytes; host pool = 2x device + 1 page
+    assert "device_pool_tokens=256 host_pool_tokens=513 kv_bytes_per_token=128" in line
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_small_host_pool_warns_once_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
+    with CacheHarness(HarnessConfig(host_ratio=0.5)) as h, caplog.at_level("INFO", logger="toolkv"):
+        after_scheduler_init(None, fake_scheduler(h))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "toolkv"]
+    assert len(warnings) == 1
+    assert "host pool holds 129 tokens" in warnings[0] and "device pool's 256 tokens" in warnings[0]
+    assert "128 bytes/token" in warnings[0] and "--hicache-size 1" in warnings[0]
+
+
+def test_host_sizing_for_the_8b_example() -> None:
+    """The worked example of docs/operations.md: Llama-3.1-8B shape, bf16, one GPU."""
+    from toolkv.sglang.sizing import PoolSizes, host_pool_warning
+
+    bpt = 32 * 8 * 128 * 2 * 2
+    assert bpt == 128 * 1024
+    host_tokens = int(16 * 1e9 // bpt)  # --hicache-size 16, as sglang computes it
+    assert host_tokens == 122_070
+    s = PoolSizes(device_tokens=120_000, host_tokens=host_tokens, bytes_per_token=bpt)
+    assert s.suggested_hicache_size() == 32
+    w = host_pool_warning(s)
+    assert w is None  # 122,070 > 120,000: larger, just
+    w = host_pool_warning(PoolSizes(device_tokens=122_880, host_tokens=host_tokens, bytes_per_token=bpt))
+    assert w is not None and "122,070 tokens (16.0 GB at 131,072 bytes/token)" in w and "--hicache-size 33" in w

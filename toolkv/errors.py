@@ -24,6 +24,15 @@ class BadRequest(ToolKVError):
     code = "bad_request"
 
 
+class UnsupportedMediaType(BadRequest):
+    """The body is not declared ``application/json``. Refused before it is read: a ``text/plain``
+    form post is the one body a browser sends cross-site without asking first, so accepting it
+    would let any web page drive tool_start/close on a server without ``--api-key``."""
+
+    http_status = 415
+    code = "unsupported_media_type"
+
+
 class UnknownSession(ToolKVError):
     http_status = 404
     code = "unknown_session"
@@ -70,3 +79,17 @@ class DeviceMemoryFull(ToolKVError):
 
     http_status = 503
     code = "device_memory_full"
+
+
+class StartupRefused(SystemExit):
+    """toolkv is enabled but cannot run: a bad ``TOOLKV_*`` value, a missing dependency, or an
+    sglang release toolkv was not verified against. Stops the launch with ``message``.
+
+    A ``SystemExit`` on purpose: sglang's plugin loader catches every ``Exception`` from a plugin,
+    logs it and serves on without the plugin (plugins/__init__.py:83-84, 135-136). An operator who
+    set ``TOOLKV_ENABLE=1`` must get toolkv or no server, never a server that silently lacks it.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"toolkv: refusing to start: {message}")
+        self.message = message

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-from toolkv.core.manager import ManagerConfig
+if TYPE_CHECKING:  # imported lazily: the plugin entry point must load without toolkv's dependencies,
+    # so that it can name the missing one instead of sglang's loader swallowing an ImportError
+    from toolkv.core.manager import ManagerConfig
 
 Fallback = Literal["pin", "shadow"]
 
@@ -73,6 +75,12 @@ class ToolKVConfig:
     reply_timeout_s: float = 30.0  # TOOLKV_REPLY_TIMEOUT_S: HTTP side wait for the scheduler
     closed_history: int = 10_000  # TOOLKV_CLOSED_HISTORY: closed sessions kept for kv_meta
 
+    @staticmethod
+    def enabled_in(env: Mapping[str, str] | None = None) -> bool:
+        """TOOLKV_ENABLE alone: the other variables are only read (and can only fail the launch)
+        once toolkv is enabled, so an installed but disabled plugin stays inert."""
+        return _bool(os.environ if env is None else env, "TOOLKV_ENABLE", False)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ToolKVConfig:
         """Parse and validate; a bad value raises ``ValueError`` naming the variable, so a typo
@@ -96,7 +104,13 @@ class ToolKVConfig:
             closed_history=closed,
         )
 
+    def describe(self) -> dict[str, Any]:
+        """The effective configuration, for the start-up log line and ``kv_meta``."""
+        return asdict(self)
+
     def manager_config(self) -> ManagerConfig:
+        from toolkv.core.manager import ManagerConfig
+
         return ManagerConfig(
             ttl_s=self.ttl_s,
             host_budget_tokens=self.host_budget_tokens,

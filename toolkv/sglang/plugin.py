@@ -27,7 +27,14 @@ import multiprocessing
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from toolkv.errors import StartupRefused, Unsupported
 from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.startup import (
+    check_dependencies,
+    check_sglang_version,
+    installed_sglang_version,
+    unapplied,
+)
 
 log = logging.getLogger("toolkv")
 
@@ -41,12 +48,24 @@ _transport: Any = None  # the HTTP process's TokenizerManagerTransport, once rou
 
 
 def register() -> None:
-    """The entry point. Idempotent; a no-op unless TOOLKV_ENABLE=1."""
+    """The entry point. Idempotent; a no-op unless TOOLKV_ENABLE=1.
+
+    Fail-closed once enabled: a bad ``TOOLKV_*`` value, a missing dependency or an sglang release
+    toolkv does not support raises :class:`~toolkv.errors.StartupRefused`, which sglang's loader
+    does not catch, so the launch stops with the cause instead of serving without toolkv. Nothing
+    here imports toolkv's runtime (or ``prometheus_client``, see :mod:`toolkv.sglang.startup`)."""
     global _registered
-    cfg = ToolKVConfig.from_env()
-    if not cfg.enable or _registered:
+    if _registered:
         return
-    _registered = True
+    try:
+        if not ToolKVConfig.enabled_in():
+            return
+        cfg = ToolKVConfig.from_env()
+    except ValueError as e:
+        raise StartupRefused(f"{e} (unset TOOLKV_ENABLE to serve without toolkv)") from None
+    check_dependencies()
+    version = installed_sglang_version()
+    check_sglang_version(version)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from toolkv.sglang.ipc import register_wire_types
@@ -54,9 +73,38 @@ def register() -> None:
     register_wire_types()
     for target, hook, kind in hooks(main_process=multiprocessing.parent_process() is None, config=cfg):
         HookRegistry.register(target, hook, getattr(HookType, kind))
-    log.warning(
-        "toolkv enabled (ttl=%ss, fallback=%s, zero_change=%s)", cfg.ttl_s, cfg.fallback, cfg.zero_change
-    )
+    _registered = True
+    log.info("toolkv enabled (sglang %s): %s", version, _config_line(cfg))
+
+
+def _config_line(cfg: ToolKVConfig) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.describe().items() if k != "enable")
+
+
+def _check_hooks_applied(main_process: bool) -> None:
+    """sglang's registry logs a target it could not patch and goes on; a half-installed toolkv
+    must not serve. Runs in the first hook of each process, after ``apply_hooks``; checks the
+    hooks this process's :func:`register` handed to the registry (none when a hook is called
+    directly, as unit tests do)."""
+    if not _registered:
+        return
+    targets = [t for t, _, _ in hooks(main_process=main_process, config=ToolKVConfig.from_env())]
+    missing = unapplied(targets)
+    if missing:
+        raise Unsupported(
+            f"sglang did not apply toolkv's hooks to {missing} (see the 'Failed to apply hooks' error above); "
+            "unset TOOLKV_ENABLE to serve without toolkv",
+            targets=missing,
+        )
+
+
+def tp_rank_size(sched: Any) -> tuple[int, int]:
+    """(tp_rank, tp_size) of a scheduler. sglang 0.5.16 keeps them in ``Scheduler.ps``, a
+    ``ParallelState`` (scheduler.py:379-397); the Scheduler itself has no ``tp_rank``/``tp_size``."""
+    ps = getattr(sched, "ps", None)
+    if ps is None:
+        raise Unsupported("this sglang Scheduler has no ParallelState (Scheduler.ps)")
+    return int(ps.tp_rank), int(ps.tp_size)
 
 
 def hooks(*, main_process: bool, config: ToolKVConfig) -> list[tuple[str, Callable[..., Any], str]]:
@@ -81,27 +129,70 @@ def hooks(*, main_process: bool, config: ToolKVConfig) -> list[tuple[str, Callab
 
 # ---- scheduler process ------------------------------------------------------------------------------
 def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -> None:
-    """Build this rank's toolkv. Raises ``Unsupported`` (the scheduler, hence the launch, fails
-    with that message) for configurations toolkv cannot serve correctly."""
+    """Build this rank's toolkv. Raises ``Unsupported`` for configurations toolkv cannot serve
+    correctly: inside ``Scheduler.__init__`` the exception makes sglang's
+    ``run_scheduler_process`` log it and SIGQUIT the launcher (scheduler.py:4636-4640), so the
+    server does not start."""
     from sglang.utils import TypeBasedDispatcher
 
     from toolkv.sglang.ipc import ToolKVReqInput
     from toolkv.sglang.scheduler_side import SchedulerToolKV, check_server_args, check_tree
+    from toolkv.sglang.sizing import host_pool_warning, pool_sizes
     from toolkv.sglang.tp import ProcessGroupAgreement
 
+    _check_hooks_applied(main_process=False)
     cfg = ToolKVConfig.from_env()
-    check_server_args(sched.server_args)
+    sa = sched.server_args
+    check_server_args(sa)
     tree = sched.tree_cache
     check_tree(tree)
+    rank, size = tp_rank_size(sched)
     group = getattr(sched, "tp_cpu_group", None)
     tk = SchedulerToolKV(
-        tree, config=cfg, agree=ProcessGroupAgreement(group), tp_size=int(getattr(sched, "tp_size", 1))
+        tree,
+        config=cfg,
+        agree=ProcessGroupAgreement(group),
+        tp_size=size,
+        tp_rank=rank,
+        metrics=make_metrics(sa, sched),
     )
     sched._toolkv = tk
     tree._toolkv = tk
     sched._request_dispatcher += TypeBasedDispatcher([(ToolKVReqInput, tk.ipc_handler)])
-    log.warning(
-        "toolkv: scheduler rank %s uses the %s backend", getattr(sched, "tp_rank", 0), tk.manager.backend.name
+    sizes = pool_sizes(tree)
+    log.info(
+        "toolkv enabled on scheduler tp_rank=%d tp_size=%d: backend=%s metrics=%s %s%s",
+        rank,
+        size,
+        tk.manager.backend.name,
+        "on" if tk.decisions.metrics is not None else "off",
+        _config_line(cfg),
+        ""
+        if sizes is None
+        else f" device_pool_tokens={sizes.device_tokens} host_pool_tokens={sizes.host_tokens}"
+        f" kv_bytes_per_token={sizes.bytes_per_token}",
+    )
+    warning = host_pool_warning(sizes)
+    if warning is not None and rank == 0:
+        log.warning(warning)
+
+
+def make_metrics(server_args: Any, sched: Any) -> Any:
+    """Collectors when sglang serves metrics (``--enable-metrics``) and this rank is one sglang
+    reports from (attention-TP rank 0, or every rank with ``--enable-metrics-for-all-schedulers``),
+    else None."""
+    if not getattr(server_args, "enable_metrics", False):
+        return None
+    ps = getattr(sched, "ps", None)
+    if getattr(ps, "attn_tp_rank", 0) != 0 and not getattr(
+        server_args, "enable_metrics_for_all_schedulers", False
+    ):
+        return None
+    from toolkv.sglang.metrics import ToolKVMetrics
+
+    rank, _ = tp_rank_size(sched)
+    return ToolKVMetrics(
+        {"model_name": str(getattr(server_args, "served_model_name", "")), "tp_rank": str(rank)}
     )
 
 
@@ -184,6 +275,7 @@ def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
     from toolkv.sglang.http_api import TokenizerManagerTransport, install_routes
     from toolkv.sglang.scheduler_side import check_server_args
 
+    _check_hooks_applied(main_process=True)
     check_server_args(server_args)
     cfg = ToolKVConfig.from_env()
     if _transport is None:

@@ -21,6 +21,9 @@ from toolkv.core.treeops import Tree
 from toolkv.errors import BadRequest, DeviceMemoryFull, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.sglang.metrics import ToolKVMetrics
+from toolkv.sglang.observe import DecisionLog
+from toolkv.sglang.sizing import kv_bytes_per_token
 from toolkv.sglang.tp import AgreedClock
 
 log = logging.getLogger("toolkv")
@@ -129,6 +132,10 @@ def decide_on_request(state: str | None, *, restore_on_request: bool) -> str:
     return "none"
 
 
+# operations that can change something: each is one decision line and one decisions_total sample
+_DECISIONS = frozenset({"tool_start", "tool_end", "close", "auto_offload"})
+
+
 def _need_str(body: Mapping[str, Any], key: str) -> str:
     v = body.get(key)
     if not isinstance(v, str) or not v:
@@ -147,7 +154,9 @@ class SchedulerToolKV:
         agree: Agreement | None = None,
         backend: Backend | None = None,
         tp_size: int = 1,
+        tp_rank: int = 0,
         clock: AgreedClock | None = None,
+        metrics: ToolKVMetrics | None = None,
     ) -> None:
         self.config = config or ToolKVConfig()
         self.agree = agree or LocalAgreement()
@@ -157,7 +166,11 @@ class SchedulerToolKV:
         self.manager = ToolKVManager(tree, backend, config=mcfg, agree=self.agree)
         self.clock = clock or AgreedClock(self.agree, every=self.config.sweep_every)
         self.tp_size = tp_size
+        self.tp_rank = tp_rank
         self.skipped: dict[str, int] = {}
+        self.decisions = DecisionLog(
+            self.manager, tp_rank=tp_rank, metrics=metrics, bytes_per_token=kv_bytes_per_token(tree)
+        )
         # Agree on the clock before the first handler can arm a deadline: the manager starts at
         # t=0, and a deadline armed then would expire on the first real reading. Every rank
         # builds its instance in Scheduler.__init__, so this first reduction is unconditional.
@@ -179,18 +192,34 @@ class SchedulerToolKV:
         unconditional (every ``sweep_every`` ticks on every rank), so ranks never disagree on
         whether a collective happens."""
         self.manager.tick(self.clock.tick())
+        self.decisions.after_tick()
 
     # ---- IPC ----------------------------------------------------------------------------------------
     def handle(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         """Run one control operation. Returns (http status, JSON body). Typed errors become their
-        status; anything else is a 500 whose message names the exception (and is logged)."""
+        status; anything else is a 500 whose message names the exception (and is logged). Every
+        call that can change something is one decision line (see :mod:`toolkv.sglang.observe`)."""
+        sid = body.get("session_id")
+        sid = sid if isinstance(sid, str) else None
+        logged = op in _DECISIONS
         try:
-            return 200, self._dispatch(op, body)
+            out = self._dispatch(op, body)
         except ToolKVError as e:
+            if logged:
+                self.decisions.decided(op, sid, None, "refused", e.code)
             return e.http_status, _jsonable(e.to_dict())
         except Exception as e:  # never take the scheduler loop down for a control call
             log.exception("toolkv op %s failed", op)
+            if logged:
+                self.decisions.decided(op, sid, None, "refused", "internal")
             return 500, {"error": "internal", "message": f"{type(e).__name__}: {e}"}
+        if logged:
+            skipped = out.get("skipped")
+            if isinstance(skipped, str):
+                self.decisions.decided(op, sid, None, "skipped", skipped)
+            else:
+                self.decisions.decided(op, sid, out, "ok")
+        return 200, out
 
     def _dispatch(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         m = self.manager
@@ -224,6 +253,7 @@ class SchedulerToolKV:
             "version": __version__,
             "backend": self.manager.backend.name,
             "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
             "zero_change": self.config.zero_change,
         }
 
@@ -234,6 +264,7 @@ class SchedulerToolKV:
         out.update(
             version=__version__,
             tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
             ttl_s=self.config.ttl_s,
             host_budget_tokens=self.config.host_budget_tokens,
             zero_change=self.config.zero_change,
@@ -290,11 +321,14 @@ class SchedulerToolKV:
             return
         assert rec is not None
         try:
-            self.manager.tool_end(sid, rec.epoch)
+            meta = self.manager.tool_end(sid, rec.epoch)
         except DeviceMemoryFull:
             # Stays offloaded and protected; sglang's prefill reloads the path itself
             # (init_load_back) if it can, and on_finished settles the record afterwards.
             self.skipped["restore_deferred"] = self.skipped.get("restore_deferred", 0) + 1
+            self.decisions.decided("restore_on_request", sid, None, "refused", DeviceMemoryFull.code)
+            return
+        self.decisions.decided("restore_on_request", sid, _jsonable(meta), "ok")
 
     def on_finished(self, sid: str, tokens: Sequence[int], extra_key: str | None) -> None:
         """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
@@ -319,6 +353,7 @@ class SchedulerToolKV:
                 m.record_turn(sid, tokens, extra_key)
                 m.sessions[sid].epoch = epoch
                 self.skipped["reopened"] = self.skipped.get("reopened", 0) + 1
+                self.decisions.decided("turn_while_protected", sid, None, "ok", "reopened")
                 return
         m.record_turn(sid, tokens, extra_key)
 
