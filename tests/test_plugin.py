@@ -494,7 +494,7 @@ def test_unsupported_version_table_is_one_place() -> None:
 
     assert set(SUPPORTED) == {"0.5.16"}
     check_sglang_version("0.5.16")
-    with pytest.raises(StartupRefused, match="0.5.15"):
+    with pytest.raises(StartupRefused, match=r"0\.5\.15"):
         check_sglang_version("0.5.15")
 
 
@@ -544,4 +544,143 @@ def test_host_sizing_for_the_8b_example() -> None:
     w = host_pool_warning(s)
     assert w is None  # 122,070 > 120,000: larger, just
     w = host_pool_warning(PoolSizes(device_tokens=122_880, host_tokens=host_tokens, bytes_per_token=bpt))
-    assert w is not None and "122,070 tokens (16.0 GB at 131,072 bytes/token)" in w and "--hicache-size 33" in w
+    assert (
+        w is not None and "122,070 tokens (16.0 GB at 131,072 bytes/token)" in w and "--hicache-size 33" in w
+    )
+
+
+# ---- structured decision log ----------------------------------------------------------------------
+def _decisions(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("toolkv decision ")]
+
+
+def test_every_decision_is_one_structured_line(hh: CacheHarness, caplog: pytest.LogCaptureFixture) -> None:
+    h = hh
+    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=5.0, sweep_every=1), clock=None)
+    h.tree._toolkv = tk
+    assert finish_turn(h, "s1", PROMPT, [41, 42])
+    assert finish_turn(h, 'we"ird id', [*range(500, 520)], [521], slot=1)
+    with caplog.at_level("INFO", logger="toolkv"):
+        tk.handle("tool_start", {"session_id": "s1"})
+        tk.handle("tool_end", {"session_id": "s1", "epoch": 9})
+        tk.handle("kv_meta", {"session_id": "s1"})  # a read: no decision line
+        tk.handle("tool_start", {"session_id": "ghost"})
+        tk.handle("auto_offload", {"session_id": "ghost"})
+        tk.handle("tool_start", {"session_id": 'we"ird id'})
+        iteration(h, tk, writes=True)
+        tk.clock.source = lambda: 1e12  # far past every deadline: the TTL sweep ends both protections
+        iteration(h, tk)
+    lines = _decisions(caplog)
+    assert lines[:5] == [
+        "toolkv decision op=tool_start session=s1 epoch=1 state=Offloading tokens=41 outcome=ok reason=- rank=0",
+        "toolkv decision op=tool_end session=s1 epoch=1 state=Offloading tokens=41 outcome=refused reason=stale_epoch rank=0",
+        "toolkv decision op=tool_start session=ghost epoch=- state=- tokens=- outcome=refused reason=unknown_session rank=0",
+        "toolkv decision op=auto_offload session=ghost epoch=- state=- tokens=- outcome=skipped reason=skip:disabled rank=0",
+        'toolkv decision op=tool_start session="we\\"ird id" epoch=1 state=Offloading tokens=20 outcome=ok reason=- rank=0',
+    ]
+    assert sorted(lines[5:]) == [  # both expire in the same sweep
+        'toolkv decision op=ttl_sweep session="we\\"ird id" epoch=1 state=Expired tokens=20 outcome=ok reason=expired rank=0',
+        "toolkv decision op=ttl_sweep session=s1 epoch=1 state=Expired tokens=41 outcome=ok reason=expired rank=0",
+    ]
+
+
+def test_other_ranks_log_decisions_at_debug(hh: CacheHarness, caplog: pytest.LogCaptureFixture) -> None:
+    tk = SchedulerToolKV(hh.tree, tp_rank=1, tp_size=2)
+    hh.tree._toolkv = tk
+    assert finish_turn(hh, "s1", PROMPT, [41])
+    with caplog.at_level("DEBUG", logger="toolkv"):
+        tk.handle("tool_start", {"session_id": "s1"})
+    (rec,) = [r for r in caplog.records if r.getMessage().startswith("toolkv decision ")]
+    assert rec.levelname == "DEBUG" and rec.getMessage().endswith("rank=1")
+
+
+# ---- Prometheus metrics ---------------------------------------------------------------------------
+_SCHEDULER_RANK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from _turns import finish_turn, iteration
+from toolkv.sglang.metrics import ToolKVMetrics
+from toolkv.sglang.scheduler_side import SchedulerToolKV
+from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+with CacheHarness(HarnessConfig()) as h:
+    tk = SchedulerToolKV(h.tree, metrics=ToolKVMetrics({"model_name": "m", "tp_rank": "0"}, refresh_s=0))
+    h.tree._toolkv = tk
+    assert finish_turn(h, "s1", list(range(1, 41)), [41, 42])
+    assert finish_turn(h, "s2", list(range(100, 120)), [121], slot=1)
+    assert tk.handle("tool_start", {"session_id": "s1"})[0] == 200
+    assert tk.handle("tool_end", {"session_id": "s1", "epoch": 5})[0] == 409
+    iteration(h, tk, writes=True)
+    assert tk.handle("tool_end", {"session_id": "s1", "epoch": 1})[0] == 200
+    iteration(h, tk, loads=True)
+    assert tk.handle("tool_start", {"session_id": "s2"})[0] == 200
+    iteration(h, tk)
+    print("META " + json.dumps(tk.metrics()))
+"""
+
+
+def test_metrics_are_scraped_from_sglangs_metrics_route(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler rank (its own process, as in sglang) writes toolkv's collectors into
+    PROMETHEUS_MULTIPROC_DIR; the HTTP side serves them through sglang's own /metrics mount
+    (``add_prometheus_middleware``, what ``--enable-metrics`` installs) on the app with toolkv's
+    routes."""
+    import json
+
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+    from sglang.srt.utils.common import add_prometheus_middleware
+
+    from toolkv.sglang.http_api import build_app
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        [sys.executable, "-c", _SCHEDULER_RANK, str(Path(__file__).parent)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    meta_line = [x for x in p.stdout.splitlines() if x.startswith("META ")]
+    assert p.returncode == 0 and meta_line, p.stderr[-4000:]
+    meta = json.loads(meta_line[0][5:])
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    app = build_app(LoopbackChannel(None))
+    add_prometheus_middleware(app)
+    r = TestClient(app).get("/metrics")
+    assert r.status_code == 200
+    got: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "tp_rank")))
+            got[(s.name, labels)] = s.value
+
+    def g(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted(labels.items())))]
+
+    assert meta["states"] == {"Runnable": 1, "Offloaded": 1}  # s2 was backed up already: offloaded at once
+    assert g("toolkv:sessions", state="Runnable") == 1 and g("toolkv:sessions", state="Offloaded") == 1
+    assert g("toolkv:sessions", state="Expired") == 0
+    assert g("toolkv:decisions_total", op="tool_start", outcome="ok") == 2
+    assert g("toolkv:decisions_total", op="tool_end", outcome="stale_epoch") == 1
+    assert g("toolkv:decisions_total", op="tool_end", outcome="ok") == 1
+    assert g("toolkv:offload_seconds_count") == 2 and g("toolkv:restore_seconds_count") == 1
+    assert g("toolkv:offload_bytes_sum") == (41 + 20) * 128  # 128 bytes/token in this shape
+    assert g("toolkv:restore_bytes_sum") == 41 * 128
+    assert g("toolkv:events_total", event="turns") == 2 and g("toolkv:events_total", event="stale_epoch") == 1
+    assert g("toolkv:tokens_total", kind="offloaded") == 41 + 20
+    assert g("toolkv:protected_tokens") == meta["protected_tokens"] == 20
+    assert g("toolkv:device_free_tokens") == meta["device_free_tokens"]
+    assert g("toolkv:host_total_tokens") == meta["host_total_tokens"]
+    assert g("toolkv:host_used_tokens") == meta["host_total_tokens"] - meta["host_free_tokens"]
+
+
+def test_metrics_follow_sglangs_enable_metrics(hh: CacheHarness) -> None:
+    from toolkv.sglang.plugin import make_metrics
+
+    assert make_metrics(make_server_args(hh.cfg), fake_scheduler(hh)) is None  # no --enable-metrics
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+    sa = make_server_args(hh.cfg)
+    sa.enable_metrics = True
+    other = SimpleNamespace(ps=ParallelState.trivial(tp_rank=1, tp_size=2, attn_tp_rank=1, attn_tp_size=2))
+    assert make_metrics(sa, other) is None  # sglang reports from attention-TP rank 0 only

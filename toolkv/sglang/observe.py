@@ -20,7 +20,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from toolkv.core.lifecycle import PROTECTING
@@ -51,8 +51,10 @@ class DecisionLog:
         tp_rank: int = 0,
         metrics: ToolKVMetrics | None = None,
         bytes_per_token: int | None = None,
+        snapshot: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.manager = manager
+        self.snapshot = snapshot or manager.kv_meta  # the server-wide kv_meta the gauges read
         self.tp_rank = tp_rank
         self.metrics = metrics
         self.bytes_per_token = bytes_per_token
@@ -118,7 +120,7 @@ class DecisionLog:
             self._ended = ended
             self._log_ended()
         if self.metrics is not None and self.metrics.due():
-            self.metrics.refresh(self.manager.kv_meta())
+            self.metrics.refresh(self.snapshot())
 
     def _settle_inflight(self) -> None:
         now = time.monotonic()

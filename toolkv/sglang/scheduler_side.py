@@ -169,7 +169,11 @@ class SchedulerToolKV:
         self.tp_rank = tp_rank
         self.skipped: dict[str, int] = {}
         self.decisions = DecisionLog(
-            self.manager, tp_rank=tp_rank, metrics=metrics, bytes_per_token=kv_bytes_per_token(tree)
+            self.manager,
+            tp_rank=tp_rank,
+            metrics=metrics,
+            bytes_per_token=kv_bytes_per_token(tree),
+            snapshot=self.metrics,
         )
         # Agree on the clock before the first handler can arm a deadline: the manager starts at
         # t=0, and a deadline armed then would expire on the first real reading. Every rank
