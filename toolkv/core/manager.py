@@ -321,6 +321,9 @@ class ToolKVManager:
         if self._offloading:
             self.process_write_acks()
         if self._restoring or self.backend.loads_in_flight():
+            # spec StartLoads (only when sglang's load ring is idle), then LoadAck. A load whose
+            # session was closed meanwhile still has to run: it holds sglang's locks and slots.
+            self.backend.start_loads()
             self.process_load_acks()
         if self._deadlines and self._deadlines[0][0] <= now:
             self.ttl_sweep()
@@ -362,7 +365,14 @@ def make_backend(
     caveats: frozenset[str] = frozenset(),
     fallback: str = "pin",
 ) -> Backend:
-    """HiRadixCache → host offload; plain RadixCache → GPU pin (default) or shadow copy."""
+    """Chosen from the tree type: UnifiedRadixCache (sglang 0.5.21+) → host offload with its own
+    primitives; HiRadixCache → host offload; plain RadixCache → GPU pin (default) or shadow copy."""
+    from toolkv.core.backends.unified import UnifiedBackend, is_unified_tree
+
+    if is_unified_tree(tree):  # checked first: it also has cache_controller and load_back
+        return UnifiedBackend(  # raises Unsupported (with the fix) for a tree it cannot drive
+            tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats
+        )
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
         from toolkv.core.backends.hiradix import HiRadixBackend
 

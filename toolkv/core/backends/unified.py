@@ -1,0 +1,351 @@
+"""UnifiedRadixCache backend (sglang 0.5.21+): offload into the unified cache's own host tier, with
+its own primitives.
+
+From 0.5.21 on, ``--enable-hierarchical-cache`` builds a ``UnifiedRadixCache`` whose tree lives in
+a tree core and is addressed by ``NodeId`` handles; every primitive takes a handle and returns a
+*receipt* that the matching release must hand back. The spec actions map onto them as follows:
+
+* ToolStart: ``_execute_and_commit_kv_backup(BackupKV(...))`` root-down on the path nodes without
+  a host copy (the primitive sglang's own write-through and its test kit use; all or nothing against
+  the free host slots, checked first). It commits the host slots, locks each node until its ack and
+  queues the copy; sglang submits it at the next ``check_hicache_events``. Then
+  ``inc_host_lock_ref`` on the one recorded leaf (receipt kept). Once every write on the path is
+  acknowledged (``write_through_pending_id`` cleared by sglang's ``writing_check``), the GPU copies
+  are freed bottom-up (spec ``FreeSet``) with ``_evict_device_leaf``, which demotes a backed-up
+  device leaf and asserts that it is one (unlocked, no child on device).
+* ToolEnd: ``load_back`` only. In 0.5.23 it locks the path, takes a host lock of its own on the
+  anchor, allocates device slots and queues the copy on ``cache_controller.load_queue``; nothing
+  moves until a start. :meth:`start_loads` (once per scheduler tick) starts the queue only when no
+  load is in flight, the same condition as the 0.5.16 backend, read off ``ack_load_queue``, whose
+  length is equal on every rank (sglang reaps acks in lockstep).
+* LoadAck: sglang's ``loading_check`` releases the load's locks; then the manager unpins and
+  releases the protection.
+
+Differences from 0.5.16 that the spec's tier relation must account for (see
+``docs/sglang_versions.md``): a host lock is a *segment* lock (a split of the protected node
+copies ``host_lock_ref`` to the new prefix and the release walks the segment), and a load holds
+a host lock on its anchor until its ack.
+
+Node facts (device value, host value, locks, pending write) are read off the Python tree core's
+``UnifiedTreeNode`` objects; the Rust tree core exposes no node objects, so :func:`check_tree`
+refuses it with the setting that selects the Python core.
+
+Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the ack queues,
+``writing_check``/``loading_check``/``check_hicache_events`` (the scheduler runs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
+from toolkv.errors import DeviceMemoryFull, HostMemoryFull, Unsupported
+
+FULL = 0  # sglang ComponentType.FULL: the KV component every unified tree has
+
+
+def is_unified_tree(tree: Tree) -> bool:
+    """True for sglang's ``UnifiedRadixCache`` (0.5.21+), told apart by its handle-based API."""
+    return hasattr(tree, "tree_core") and hasattr(tree, "inc_host_lock_ref")
+
+
+def check_tree(tree: Tree) -> None:
+    """Refuse, with the fix in the message, a unified tree this backend cannot drive."""
+    if getattr(tree, "cache_controller", None) is None:
+        raise Unsupported(
+            "UnifiedRadixCache without a host tier: launch sglang with --enable-hierarchical-cache"
+        )
+    core = type(tree.tree_core).__name__
+    if core != "UnifiedTreeCore":
+        raise Unsupported(
+            f"the {core} tree core exposes no tree nodes; toolkv needs the Python tree core: set "
+            "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python for the server (or run with "
+            "--enable-session-radix-cache, which selects it too)"
+        )
+
+
+def full(node: TreeNode) -> Any:
+    """The FULL component's data of a ``UnifiedTreeNode`` (value, host_value, lock_ref,
+    host_lock_ref)."""
+    return node.component_data[FULL]
+
+
+def _ntok(nodes: Sequence[TreeNode]) -> int:
+    return sum(len(n.key) for n in nodes)
+
+
+@dataclass(slots=True)
+class Receipts:
+    """The release receipts (sglang ``DecLockRefParams``) of what one session holds."""
+
+    host: Any = None  # from inc_host_lock_ref on the protected leaf
+    pin: Any = None  # from inc_lock_ref on the restoring leaf
+
+
+class UnifiedBackend:
+    """Host offload on a ``UnifiedRadixCache`` with HiCache. ``caveats``: seeded defects for
+    mutation testing only (names as in the spec's BUG constant)."""
+
+    name = "unified"
+
+    def __init__(
+        self,
+        tree: Tree,
+        *,
+        agree: Agreement | None = None,
+        host_budget_tokens: int | None = None,
+        schedule_stream: Any = None,
+        caveats: frozenset[str] = frozenset(),
+    ) -> None:
+        check_tree(tree)
+        self.tree = tree
+        self.agree = agree or LocalAgreement()
+        self.host_budget_tokens = host_budget_tokens
+        self.schedule_stream = schedule_stream
+        self.caveats = caveats
+        # Loads this manager issued: leaf id -> (leaf, boundary). The load fills the chain from the
+        # leaf up to, not including, the boundary (the deepest ancestor on device at load_back
+        # time); a split during the load inserts a node into the chain, and it is loading too.
+        self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
+        self.protected_tokens = 0
+
+    @staticmethod
+    def _receipts(rec: SessionRecord) -> Receipts:
+        if not isinstance(rec.backend_state, Receipts):
+            rec.backend_state = Receipts()
+        return rec.backend_state
+
+    # ---- ToolStart ------------------------------------------------------------------------------------
+    def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV
+
+        tree = self.tree
+        path = path_to(tree, leaf)
+        to_write = [m for m in path if full(m).host_value is None]
+        need = _ntok(to_write)
+        host_free = int(tree.cache_controller.mem_pool_host.available_size())
+        host_ok = need <= host_free
+        if self.host_budget_tokens is not None:
+            host_ok = host_ok and self.protected_tokens + _ntok(path) <= self.host_budget_tokens
+        if not self.agree.all_true(host_ok):
+            raise HostMemoryFull(
+                f"host pool cannot take {need} more tokens for session {rec.session_id!r}",
+                need_tokens=need,
+                host_free_tokens=host_free,
+            )
+        if to_write:  # root-down: a backup needs a backed-up parent
+            tree._execute_and_commit_kv_backup(BackupKV(node_ids=[m.id for m in to_write]))
+            lost = [m.id for m in to_write if full(m).host_value is None]
+            assert not lost, f"backup refused nodes {lost} after the capacity check"
+        receipts = self._receipts(rec)
+        if "EvictProtected" not in self.caveats:  # the mutant records a protection it never takes
+            receipts.host = tree.inc_host_lock_ref(leaf.id).to_dec_params()
+        rec.protected = leaf
+        rec.offload_tokens = _ntok(path)
+        self.protected_tokens += rec.offload_tokens
+        return not self.offload_pending(rec)
+
+    def offload_pending(self, rec: SessionRecord) -> bool:
+        assert rec.node is not None
+        return any(m.write_through_pending_id is not None for m in path_to(self.tree, rec.node))
+
+    # ---- loads ----------------------------------------------------------------------------------------
+    def _chain(self, leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
+        out, node = [], leaf
+        while node is not None and node is not boundary and node is not self.tree.root_node:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def loading_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
+        """Each in-flight load of this manager: (its anchor node, the nodes it is filling)."""
+        return [(leaf, self._chain(leaf, boundary)) for leaf, boundary in self._loads.values()]
+
+    def _node_loading(self, m: TreeNode) -> bool:
+        for leaf, boundary in self._loads.values():
+            if m in self._chain(leaf, boundary):
+                return True
+        # Loads a request started itself (init_load_back) are keyed by their anchor only:
+        # conservatively, every node on the anchor's path is loading.
+        core = self.tree.tree_core
+        for anchor_id in self.tree.ongoing_load_back:
+            if anchor_id in self._loads:
+                continue
+            try:
+                anchor = core.node_by_id(anchor_id)
+            except KeyError:
+                continue
+            if m in path_to(self.tree, anchor):
+                return True
+        return False
+
+    # ---- WriteAck -------------------------------------------------------------------------------------
+    def free_gpu(self, recs: Sequence[SessionRecord]) -> None:
+        """Spec ``FreeSet``: the fixpoint of "free m if it is backed up, acked, unlocked, not
+        loading, and every child still on device is freed too", grown from the leaves."""
+        leaves = [r.node for r in recs if r.node is not None]
+        if not leaves:
+            return
+        early = "FreeBeforeAck" in self.caveats
+        cand: dict[int, TreeNode] = {}
+        for leaf in leaves:
+            for m in path_to(self.tree, leaf):
+                cand[id(m)] = m
+        leaf_ids = {id(x) for x in leaves}
+        freed: dict[int, TreeNode] = {}
+        order: list[TreeNode] = []
+        changed = True
+        while changed:
+            changed = False
+            for key, m in cand.items():
+                d = full(m)
+                if key in freed or d.value is None or d.host_value is None:
+                    continue
+                if not early and (
+                    m.write_through_pending_id is not None or d.lock_ref != 0 or self._node_loading(m)
+                ):
+                    continue
+                if any(full(c).value is not None and id(c) not in freed for c in m.children.values()):
+                    continue
+                if key in leaf_ids or any(id(c) in freed for c in m.children.values()):
+                    freed[key] = m
+                    order.append(m)
+                    changed = True
+        tracker: dict[Any, int] = {ct: 0 for ct in self.tree.tree_components}
+        for m in order:  # children were added before their parents
+            if early:  # the mutant frees without sglang's device-leaf check
+                self.tree._demote(m.id, tracker)
+            else:
+                self.tree._evict_device_leaf(m.id, tracker)
+        for r in recs:
+            r.freed_tokens = sum(
+                len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node)
+            )
+
+    # ---- ToolEnd --------------------------------------------------------------------------------------
+    def restore(self, rec: SessionRecord) -> bool:
+        tree = self.tree
+        leaf = rec.node
+        assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
+        path = path_to(tree, leaf)
+        missing = [m for m in path if full(m).value is None]
+        need = _ntok(missing)
+        free = int(tree.token_to_kv_pool_allocator.available_size())
+        ok = need == 0 or (need <= free and need >= tree.load_back_threshold)
+        if not self.agree.all_true(ok):
+            why = (
+                f"below sglang's load_back_threshold ({tree.load_back_threshold})"
+                if need <= free
+                else f"only {free} free on device"
+            )
+            raise DeviceMemoryFull(
+                f"cannot load {need} tokens back now ({why}); session {rec.session_id!r} stays offloaded",
+                need_tokens=need,
+                device_free_tokens=free,
+            )
+        if missing:
+            boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
+            queued = tree.load_back(leaf.id)  # enqueues only: the copy starts in start_loads or a batch
+            assert queued, "load_back refused after the capacity check"
+            self._loads[leaf.id] = (leaf, boundary)
+            rec.restored_tokens = need
+            # The session's next request is due: make the restored path the most recently used
+            # (a tree walk on the recorded tokens, which end on a node boundary: no split).
+            from sglang.srt.mem_cache.radix_cache import RadixKey
+
+            tree.touch_prefix(RadixKey(rec.tokens, rec.extra_key))
+        runnable = not any(self._node_loading(m) for m in path)
+        if runnable or "EarlyRunnable" in self.caveats:
+            self._release_protection(rec)
+            return True
+        self._receipts(rec).pin = tree.inc_lock_ref(leaf.id).to_dec_params()  # until every load is acked
+        rec.pinned = leaf
+        return False
+
+    def start_loads(self) -> bool:
+        """Spec ``StartLoads``: start every queued host->GPU load in one producer slot of sglang's
+        layer-done ring, only when no load is in flight (the ring then keeps two free slots for
+        sglang's own once-per-prefill-batch starts, which do not check it). Returns True if it
+        started one."""
+        ctrl = self.tree.cache_controller
+        if not ctrl.load_queue:  # the same on every rank: load_back runs in lockstep
+            return False
+        if not self.agree.all_true(not ctrl.ack_load_queue):
+            return False
+        self.tree.ready_to_load_host_cache()
+        if self.schedule_stream is not None:
+            # No batch is this load's consumer: order every later forward after it instead.
+            self.schedule_stream.wait_event(ctrl.ack_load_queue[-1].finish_event)
+        return True
+
+    def loads_in_flight(self) -> bool:
+        return bool(self._loads)
+
+    def poll_loads(self) -> None:
+        done = [k for k in self._loads if k not in self.tree.ongoing_load_back]  # retired by loading_check
+        for k in done:
+            del self._loads[k]
+
+    def restore_pending(self, rec: SessionRecord) -> bool:
+        assert rec.node is not None
+        return any(full(m).value is None or self._node_loading(m) for m in path_to(self.tree, rec.node))
+
+    # ---- release --------------------------------------------------------------------------------------
+    def _release_protection(self, rec: SessionRecord) -> None:
+        if rec.protected is not None:
+            receipts = self._receipts(rec)
+            if receipts.host is not None:
+                self.tree.dec_host_lock_ref(rec.protected.id, receipts.host)
+                receipts.host = None
+            rec.protected = None
+            self.protected_tokens -= rec.offload_tokens
+
+    def release(self, rec: SessionRecord) -> None:
+        receipts = self._receipts(rec)
+        if rec.pinned is not None:
+            self.tree.dec_lock_ref(rec.pinned.id, receipts.pin)
+            receipts.pin = None
+            rec.pinned = None
+        self._release_protection(rec)
+
+    def forget(self, rec: SessionRecord) -> None:
+        if rec.protected is not None:
+            self.protected_tokens -= rec.offload_tokens
+        rec.protected = None
+        rec.pinned = None
+        rec.backend_state = Receipts()
+
+    def reset(self) -> None:
+        self._loads.clear()
+
+    # ---- kv_meta --------------------------------------------------------------------------------------
+    def tier(self, node: TreeNode | None) -> Tier:
+        """The spec's ``Tier(n)`` read off a unified tree node."""
+        if node is None or not attached(self.tree, node):
+            return Tier.EVICTED
+        d = full(node)
+        if d.value is not None:
+            if self._node_loading(node):
+                return Tier.LOADING
+            if node.write_through_pending_id is not None:
+                return Tier.BACKING_UP
+            return Tier.GPU
+        if d.host_value is not None:
+            return Tier.CPU_PROTECTED if d.host_lock_ref > 0 else Tier.CPU_UNPROTECTED
+        return Tier.EVICTED
+
+    def describe(self, rec: SessionRecord) -> dict[str, object]:
+        node = rec.node
+        if node is None or not attached(self.tree, node):
+            return {"tier": Tier.EVICTED.value, "tokens": 0, "device_tokens": 0, "host_tokens": 0}
+        tokens = dev = host = 0
+        for m in path_to(self.tree, node):
+            n, d = len(m.key), full(m)
+            tokens += n
+            dev += n if d.value is not None else 0
+            host += n if d.host_value is not None else 0
+        return {"tier": self.tier(node).value, "tokens": tokens, "device_tokens": dev, "host_tokens": host}
