@@ -109,6 +109,79 @@ def test_bad_query_is_400(srv: Server) -> None:
     assert srv.client.get("/session/kv_meta", params={"sid": "s1"}).status_code == 400
 
 
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * DEEP + b"]" * DEEP,
+        b'{"session_id": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+        b'{"session_id": "s1", "x": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}",
+    ],
+    ids=["array", "session_id", "object"],
+)
+def test_deeply_nested_bodies_are_400_not_500(srv: Server, raw: bytes) -> None:
+    before = srv.snapshot()
+    for path in ("/session/tool_start", "/session/tool_end", "/session/close"):
+        r = srv.client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text[:200])
+        assert r.json()["error"] == "bad_request"
+    assert srv.snapshot() == before
+
+
+def test_nesting_within_the_size_limit_is_refused_as_nesting(srv: Server) -> None:
+    """A body under the size cap that still nests deeper than Python's recursion limit."""
+    raw = b"[" * 2000 + b"]" * 2000
+    assert len(raw) <= 4096
+    r = srv.client.post("/session/tool_start", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None]
+)
+def test_non_json_bodies_are_415_and_do_not_act(srv: Server, content_type: str | None) -> None:
+    """The cross-site form: a browser may POST text/plain to any origin without a preflight.
+    The body is valid JSON; it must still not offload or close anything."""
+    before = srv.snapshot()
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path, body in [
+        ("/session/tool_start", {"session_id": "s1"}),
+        ("/session/close", {"session_id": "s1"}),
+        ("/session/tool_end", {"session_id": "s1", "epoch": 0}),
+    ]:
+        r = srv.client.post(path, content=json.dumps(body).encode(), headers=headers)
+        assert r.status_code == 415, (path, r.status_code, r.text)
+        assert r.json()["error"] == "unsupported_media_type"
+    assert srv.snapshot() == before
+    ok = srv.client.post(
+        "/session/tool_start",
+        content=json.dumps({"session_id": "s1"}).encode(),
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert ok.status_code == 200
+
+
+def test_oversized_body_is_400(srv: Server) -> None:
+    raw = json.dumps({"session_id": "s1", "pad": "x" * 5000}).encode()
+    r = srv.client.post("/session/tool_start", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "larger than 4096 bytes" in r.json()["message"]
+
+
+def test_kv_meta_query_is_capped_as_documented(srv: Server) -> None:
+    c = srv.client
+    before = srv.snapshot()
+    assert c.get("/session/kv_meta", params={"session_id": "x" * 512}).status_code == 404
+    r = c.get("/session/kv_meta", params={"session_id": "x" * 513})
+    assert r.status_code == 400 and r.json()["field"] == "session_id"
+    r = c.get("/session/kv_meta?session_id=s1&session_id=s2")
+    assert r.status_code == 400 and "more than once" in r.json()["message"]
+    schema = openapi_document()["paths"]["/session/kv_meta"]["get"]["parameters"][0]["schema"]
+    assert schema["maxLength"] == 512
+    assert srv.snapshot() == before
+
+
 def test_unknown_session_is_404(srv: Server) -> None:
     before = srv.snapshot()
     c = srv.client

@@ -53,6 +53,7 @@ _BY_CODE: dict[str, type[errors.ToolKVError]] = {
     cls.code: cls
     for cls in (
         errors.BadRequest,
+        errors.UnsupportedMediaType,
         errors.UnknownSession,
         errors.StaleEpoch,
         errors.WrongState,

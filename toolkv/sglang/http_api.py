@@ -7,7 +7,7 @@ Routes (added to sglang's own FastAPI ``app``, so sglang's API-key middleware co
 * ``GET /session/kv_meta[?session_id=]`` -> one session, or server-wide metrics
 * ``POST /session/close`` ``{"session_id"}`` -> session kv_meta (releases everything it holds)
 
-Status codes: 400 malformed body, 404 unknown session, 409 stale epoch / wrong state / KV lost,
+Status codes: 400 malformed body, 415 a body not declared ``application/json``, 404 unknown session, 409 stale epoch / wrong state / KV lost,
 507 host budget or pool exhausted, 503 device memory full or toolkv not loaded in the scheduler,
 504 scheduler did not answer in time, 401 without the server's ``--api-key`` (sglang's
 middleware). Every error body is ``{"error": code, "message": text, ...details}`` and, except
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolkv.client import SchedulerTimeout, ToolKVUnavailable
-from toolkv.errors import BadRequest, ToolKVError
+from toolkv.errors import BadRequest, ToolKVError, UnsupportedMediaType
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 
 log = logging.getLogger("toolkv")
@@ -97,6 +97,7 @@ class ErrorBody(BaseModel):
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "Malformed body or parameter"},
+    415: {"model": ErrorBody, "description": "Body not declared as application/json"},
     401: {"description": "Missing or wrong API key (sglang --api-key)"},
     404: {"model": ErrorBody, "description": "Unknown session"},
     409: {"model": ErrorBody, "description": "Stale epoch, wrong lifecycle state, or KV lost"},
@@ -254,20 +255,59 @@ def _error(e: ToolKVError) -> JSONResponse:
     return JSONResponse(status_code=e.http_status, content=e.to_dict())
 
 
+MAX_BODY_BYTES = 4096  # the largest valid body is a 512-character session id and an epoch
+MAX_SESSION_ID = 512
+
+
+def _require_json(request: Request) -> None:
+    """Only ``application/json`` (or ``application/*+json``) bodies are read. FastAPI's own body
+    binding refuses other types too; this routes parses by hand, so it must refuse them itself:
+    a ``text/plain`` POST is what a browser sends cross-site without a preflight."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedMediaType(
+            f"the body must be sent as application/json, not {media or 'without a content type'!r}",
+            content_type=media,
+        )
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> dict[str, Any]:
+    _require_json(request)
     raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes")
     try:
         data = json.loads(raw) if raw else None
+    except RecursionError:  # deeply nested arrays/objects: the decoder recurses per level
+        raise BadRequest("request body is nested too deeply") from None
     except ValueError:
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     try:
         return model.model_validate(data).model_dump()
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ())) or "body"
         raise BadRequest(f"{where}: {first.get('msg', 'invalid')}", field=where) from None
+
+
+def _query_session_id(request: Request) -> str | None:
+    q = request.query_params
+    extra = set(q) - {"session_id"}
+    if extra:
+        raise BadRequest(f"unknown query parameter(s) {sorted(extra)}")
+    values = q.getlist("session_id")
+    if not values:
+        return None
+    if len(values) > 1:
+        raise BadRequest("session_id given more than once", field="session_id")
+    sid = values[0]
+    if not sid or len(sid) > MAX_SESSION_ID:
+        raise BadRequest(f"session_id must be 1 to {MAX_SESSION_ID} characters", field="session_id")
+    return sid
 
 
 async def _forward(transport: Transport, op: str, body: Mapping[str, Any]) -> JSONResponse:
@@ -307,12 +347,10 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
 
     async def kv_meta(request: Request) -> JSONResponse:
         """One session's record (with ``session_id``), else server-wide metrics."""
-        session_id = request.query_params.get("session_id")
-        if session_id is not None and not session_id:
-            return _error(BadRequest("session_id must be a non-empty string", field="session_id"))
-        extra = set(request.query_params) - {"session_id"}
-        if extra:
-            return _error(BadRequest(f"unknown query parameter(s) {sorted(extra)}"))
+        try:
+            session_id = _query_session_id(request)
+        except ToolKVError as e:
+            return _error(e)
         return await _forward(transport, "kv_meta", {} if session_id is None else {"session_id": session_id})
 
     tags: list[str | Enum] = ["toolkv"]
