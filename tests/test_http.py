@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from _turns import LoopbackChannel, finish_turn, iteration
 from fastapi.testclient import TestClient
@@ -401,3 +402,113 @@ def test_async_client_and_unauthorized(srv: Server) -> None:
             return (await c.kv_meta("s1")).state, m.epoch
 
     assert asyncio.run(run()) == ("Offloading", 1)
+
+
+# ---- client: toolkv not running vs unknown session; bounded retries --------------------------------
+def test_client_tells_missing_toolkv_from_unknown_session(srv: Server) -> None:
+    """A server without toolkv answers the route with the host app's plain 404; toolkv's own 404
+    carries ``unknown_session``. The client tells them apart by that code."""
+    from fastapi import FastAPI
+
+    from toolkv.client import ToolKVClient, ToolKVNotRunning, ToolKVUnavailable
+    from toolkv.errors import UnknownSession
+
+    bare = FastAPI()  # what sglang serves when toolkv is not enabled: no /session/* routes
+    with ToolKVClient("http://t", transport=TestClient(bare)._transport) as c:
+        with pytest.raises(ToolKVNotRunning) as ei:
+            c.kv_meta("s1")
+        assert ei.value.http_status == 404 and isinstance(ei.value, ToolKVUnavailable)
+        assert "TOOLKV_ENABLE" in ei.value.message and not isinstance(ei.value, UnknownSession)
+        with pytest.raises(ToolKVNotRunning):
+            c.tool_start("s1")
+    app = build_app(LoopbackChannel(srv.tk))
+    with ToolKVClient("http://t", transport=TestClient(app)._transport) as c, pytest.raises(UnknownSession):
+        c.kv_meta("ghost")
+
+
+def _hogged(srv: Server) -> Any:
+    srv.client.post("/session/tool_start", json={"session_id": "s1"})
+    iteration(srv.h, srv.tk, writes=True)
+    hog = srv.h.alloc(srv.h.allocator.available_size())  # another request holds every free slot
+    assert hog is not None
+    return hog
+
+
+def test_client_retries_503_with_backoff_until_memory_frees(srv: Server) -> None:
+    from toolkv.client import ToolKVClient
+
+    hog = _hogged(srv)
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:  # while the client waits, the other request finishes
+        slept.append(s)
+        srv.h.allocator.free(hog)
+
+    tc = TestClient(build_app(LoopbackChannel(srv.tk)))
+    with ToolKVClient("http://t", transport=tc._transport, sleep=sleep) as c:
+        assert c.tool_end("s1", 1).state == "Restoring"
+    assert slept == [0.25]
+
+
+def test_client_retries_are_bounded_then_raise(srv: Server) -> None:
+    from toolkv.client import RetryPolicy, ToolKVClient
+    from toolkv.errors import DeviceMemoryFull
+
+    _hogged(srv)
+    slept: list[float] = []
+    before = srv.snapshot()
+    tc = TestClient(build_app(LoopbackChannel(srv.tk)))
+    with (
+        ToolKVClient("http://t", transport=tc._transport, sleep=slept.append) as c,
+        pytest.raises(DeviceMemoryFull) as ei,
+    ):
+        c.tool_end("s1", 1)
+    assert slept == [0.25, 0.5, 1.0] and ei.value.details["need_tokens"] == 65
+    assert srv.snapshot() == before
+    policy = RetryPolicy(retries=5, backoff_s=1.0, max_backoff_s=3.0)
+    assert [policy.delay(i, httpx.Response(503)) for i in range(4)] == [1.0, 2.0, 3.0, 3.0]
+    assert policy.delay(0, httpx.Response(503, headers={"retry-after": "2.5"})) == 2.5
+    assert policy.delay(0, httpx.Response(503, headers={"retry-after": "600"})) == 3.0
+
+
+class _LostFirstReply(ChannelTransport):
+    """The scheduler applies the call, but its first reply never reaches the HTTP side (504)."""
+
+    def __init__(self, tk: SchedulerToolKV) -> None:
+        super().__init__(timeout_s=0.05)
+        self.tk = tk
+        self.ops: list[str] = []
+
+    def _send(self, req: ToolKVReqInput) -> None:
+        self.ops.append(req.op)
+        out = self.tk.ipc_handler(req)
+        if len(self.ops) > 1:
+            asyncio.get_running_loop().call_soon(self.replies.resolve, out)
+
+
+def test_client_reconciles_a_504_through_kv_meta_instead_of_resending(srv: Server) -> None:
+    from toolkv.client import ToolKVClient
+
+    t = _LostFirstReply(srv.tk)
+    with ToolKVClient("http://t", transport=TestClient(build_app(t))._transport, sleep=lambda s: None) as c:
+        m = c.tool_start("s1")
+    assert (m.state, m.epoch) == ("Offloading", 1)
+    assert t.ops == ["tool_start", "kv_meta"], "the applied tool_start must not be sent twice"
+
+
+def test_async_client_retries_too(srv: Server) -> None:
+    from toolkv.client import AsyncToolKVClient
+
+    hog = _hogged(srv)
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        srv.h.allocator.free(hog)
+
+    async def run() -> str:
+        app = build_app(LoopbackChannel(srv.tk))
+        async with AsyncToolKVClient("http://t", transport=httpx.ASGITransport(app=app), sleep=sleep) as c:
+            return (await c.tool_end("s1", 1)).state
+
+    assert asyncio.run(run()) == "Restoring" and slept == [0.25]
