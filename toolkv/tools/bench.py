@@ -22,15 +22,38 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from toolkv.tools.argtypes import int_list, positive_int, writable_file
+
+RESULTS = "results/bench"  # git-ignored
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["overhead", "transfer"], help="which benchmark")
     p.add_argument("--device", default="cpu", help="transfer: cuda on the GPU machine")
     p.add_argument("--tokens", default="512,8192", help="transfer: tokens per offload (comma separated)")
     p.add_argument("--shape", default="32,8,128", help="transfer: layers,kv_heads,head_dim (Llama-3-8B)")
-    p.add_argument("--sizes", default="1000,10000,100000", help="tracked sessions (comma separated)")
-    p.add_argument("--samples", type=int, default=1000, help="timed tool_start/tool_end cycles per size")
-    p.add_argument("--out", default="docs/bench/overhead.json", help="where to write the JSON results")
+    p.add_argument(
+        "--sizes", default="1000,10000,100000", type=int_list, help="tracked sessions (comma separated)"
+    )
+    p.add_argument(
+        "--samples", type=positive_int, default=1000, help="timed tool_start/tool_end cycles per size"
+    )
+    p.add_argument(
+        "--out",
+        type=writable_file(".json"),
+        default=None,
+        help=f"where to write the JSON results (default {RESULTS}/<what>.json, git-ignored; "
+        "the committed figures in docs/bench/ are only ever replaced on purpose, with --out)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the JSON results on stdout instead of the table"
+    )
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    """``--out``, else ``results/bench/<what>.json`` (git-ignored): a plain run never replaces the
+    committed figures in docs/bench/."""
+    return Path(args.out) if args.out is not None else Path(RESULTS) / f"{args.what}.json"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -316,6 +339,9 @@ def transfer(args: argparse.Namespace) -> int:
     out = {"device": dev, "shape": [layers, heads, dim], "dtype": "bfloat16", "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0 if all(r["bytes_identical"] for r in rows) else 1
     print(
         f"{'tokens':>7} | {'MiB':>7} | {'raw d2h':>8} | {'offload':>8} | {'ratio':>6} | {'raw h2d':>8} | "
         f"{'restore':>8} | {'ratio':>6} | identical"
@@ -336,14 +362,13 @@ def transfer(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args.out = output_path(args)
     if args.what == "transfer":
-        if args.out == "docs/bench/overhead.json":
-            args.out = "docs/bench/transfer.json"
         return transfer(args)
     import logging
 
     logging.getLogger("toolkv").setLevel(logging.WARNING)
-    sizes = [int(x) for x in args.sizes.split(",")]
+    sizes: list[int] = args.sizes
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -361,6 +386,9 @@ def run(args: argparse.Namespace) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
     print(f"reference: empty Python call {ref['empty_call_us']:.3f} us, dict.get {ref['dict_get_us']:.3f} us")
     print("all = the whole manager call; sglang = time inside sglang's primitives it calls (write_backup,")
     print("load_back, _evict_backuped, ready_to_load_host_cache, lock refs); toolkv = all - sglang")

@@ -2,14 +2,23 @@
 
 Each subcommand lives in its own module and is imported lazily, so ``toolkv --help`` stays fast and
 does not import torch or sglang.
+
+Conventions every subcommand follows: ``--json`` prints the machine-readable result on stdout
+(progress goes to stderr), ``--out FILE`` writes it to a file; a bad argument or an unreadable or
+unwritable path is a one-line ``toolkv <command>: error: ...`` and exit status 2, never a traceback
+(set ``TOOLKV_DEBUG=1`` to see one).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from toolkv import __version__
 
 # name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -19,21 +28,54 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "toolkv.tools.fuzz_cli",
         "Hypothesis stateful campaign against the real HiRadixCache (and --mutants)",
     ),
+    "fuzz-http": (
+        "toolkv.tools.http_fuzz",
+        "schemathesis over toolkv's HTTP API of a running server (0 answers >= 500, refusals change nothing)",
+    ),
     "trace-check": (
         "toolkv.verify.tracecheck",
         "validate JSON-lines traces against the spec's next-state relation",
     ),
     "diagram": ("toolkv.tools.diagram", "Mermaid state diagrams generated from the lifecycle tables"),
     "bench": ("toolkv.tools.bench", "benchmarks (overhead: control-path cost per call and per idle tick)"),
+    "docs": ("toolkv.tools.docgen", "regenerate the generated tables in docs/ from the tools' JSON"),
 }
+
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _check_fuzz(args: argparse.Namespace) -> str | None:
+    """``toolkv fuzz`` arguments that would otherwise surface as a traceback (an unknown mutant)
+    or as a "found bug" (a device the harness cannot build pools on)."""
+    from toolkv.tools.fuzz_cli import MUTANTS
+
+    unknown = [n for n in args.only if n not in MUTANTS]
+    if unknown:
+        return f"unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}"
+    if not DEVICE.fullmatch(args.device):
+        return f"--device {args.device!r}: expected cpu or cuda[:N]"
+    if args.examples < 1 or args.steps < 1:
+        return "--examples and --steps must be >= 1"
+    return None
+
+
+# command -> a check of its parsed arguments, run before the command (None: fine, else the error)
+CHECKS: dict[str, Callable[[argparse.Namespace], str | None]] = {"fuzz": _check_fuzz}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkv", description=__doc__)
+    from toolkv.sglang.startup import SUPPORTED
+
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"toolkv {__version__} (sglang plugin for sglang {', '.join(sorted(SUPPORTED))})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.set_defaults(_module=module_name)
+        sp.set_defaults(_module=module_name, _parser=sp)
         importlib.import_module(module_name).add_arguments(sp)
     return parser
 
@@ -41,8 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    sp: argparse.ArgumentParser = args._parser
+    check = CHECKS.get(args.command)
+    problem = check(args) if check is not None else None
+    if problem is not None:
+        sp.error(problem)  # exits 2 with the usage line
     module = importlib.import_module(args._module)
-    rc: int = module.run(args)
+    try:
+        rc: int = module.run(args)
+    except OSError as e:
+        if os.environ.get("TOOLKV_DEBUG") == "1":
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"toolkv {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"toolkv {args.command}: interrupted", file=sys.stderr)
+        return 130
     return rc
 
 

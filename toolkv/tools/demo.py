@@ -12,19 +12,38 @@ import logging
 import os
 import sys
 from dataclasses import fields
+from pathlib import Path
+
+from toolkv.tools.argtypes import nonneg_int, positive_int, probability, writable_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sessions", type=int, default=8, help="concurrent agent sessions (default 8)")
-    p.add_argument("--turns", type=int, default=4, help="generation turns per session (default 4)")
+    p.add_argument("--sessions", type=positive_int, default=8, help="concurrent agent sessions (default 8)")
+    p.add_argument("--turns", type=positive_int, default=4, help="generation turns per session (default 4)")
     p.add_argument("--page-size", type=int, default=1, choices=(1, 16))
-    p.add_argument("--device-tokens", type=int, default=4096, help="GPU KV pool size in tokens")
-    p.add_argument("--abandon", type=float, default=0.1, help="probability a client never calls tool_end")
-    p.add_argument("--ttl", type=int, default=60, help="TTL of a protection, in scheduler iterations")
+    p.add_argument("--device-tokens", type=positive_int, default=4096, help="GPU KV pool size in tokens")
+    p.add_argument(
+        "--abandon", type=probability, default=0.1, help="probability a client never calls tool_end"
+    )
+    p.add_argument(
+        "--ttl", type=positive_int, default=60, help="TTL of a protection, in scheduler iterations"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the full report as JSON instead of text")
-    p.add_argument("--plot", metavar="FILE.png", help="draw pool occupancy over time")
-    p.add_argument("--timeline", type=int, default=40, help="timeline lines to print (default 40, 0: none)")
+    p.add_argument(
+        "--json", action="store_true", help="print the full report as JSON on stdout instead of text"
+    )
+    p.add_argument(
+        "--out", type=writable_file(".json"), metavar="FILE.json", help="also write the JSON report here"
+    )
+    p.add_argument(
+        "--plot",
+        type=writable_file(".png", ".svg", ".pdf"),
+        metavar="FILE.png",
+        help="draw pool occupancy over time",
+    )
+    p.add_argument(
+        "--timeline", type=nonneg_int, default=40, help="timeline lines to print (default 40, 0: none)"
+    )
 
 
 def _bar(total: int, enabled: bool) -> object:
@@ -64,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
     bar.close()  # type: ignore[attr-defined]
     sim.h.close()
     if args.plot:
-        plot(report, args.plot)
+        plot(report, str(args.plot))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
