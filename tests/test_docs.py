@@ -20,3 +20,41 @@ def test_architecture_diagrams_match_the_lifecycle_tables() -> None:
     text = (DOCS / "architecture.md").read_text()
     assert _block(text, "sessions") == session_diagram(), "run: toolkv diagram sessions"
     assert _block(text, "tiers") == tier_diagram(), "run: toolkv diagram tiers"
+
+
+# ---- operator docs ------------------------------------------------------------------------------
+ROOT = DOCS.parent
+OWN = [ROOT / "README.md", DOCS / "operations.md", DOCS / "spec.md"]
+
+
+def test_docs_have_no_machine_paths_or_workplace_words() -> None:
+    """Docs are read on other machines: no absolute paths of this one, no words about how the
+    work is organised."""
+    bad = re.compile(r"(/work/|/tmp/|/home/|/root/)|\b(wave|helper|CEO)\b", re.I)
+    hits = [
+        f"{p.name}:{i}: {line.strip()}"
+        for p in OWN
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if bad.search(line)
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def test_sizing_warning_in_operations_is_what_the_plugin_prints() -> None:
+    from toolkv.sglang.sizing import PoolSizes, host_pool_warning
+
+    w = host_pool_warning(PoolSizes(device_tokens=122_880, host_tokens=122_070, bytes_per_token=131_072))
+    assert w is not None and w in (DOCS / "operations.md").read_text()
+
+
+def test_every_metric_is_documented() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from toolkv.sglang.metrics import ToolKVMetrics
+
+    reg = CollectorRegistry()
+    ToolKVMetrics({"model_name": "m", "tp_rank": "0"}, registry=reg)
+    names = {m.name + ("_total" if m.type == "counter" else "") for m in reg.collect()}
+    assert len(names) == 14
+    text = (DOCS / "operations.md").read_text()
+    assert not [n for n in names if f"`{n}" not in text], sorted(n for n in names if f"`{n}" not in text)
