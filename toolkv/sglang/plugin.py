@@ -7,7 +7,7 @@ targets (sglang 0.5.16, verified against the installed source):
 
 | target | type | role |
 |---|---|---|
-| managers/scheduler.py:313 ``Scheduler.__init__`` | AFTER | refuse unsupported configs; build the rank's manager; add ``ToolKVReqInput`` to ``_request_dispatcher`` (built at l.536) |
+| managers/scheduler.py:313 ``Scheduler.__init__`` | AFTER | refuse unsupported configs and unapplied hooks; build the rank's manager (rank/size from ``Scheduler.ps``, l.379) and its metrics; add ``ToolKVReqInput`` to ``_request_dispatcher`` (built at l.536); log the effective config and check the host pool size |
 | managers/scheduler.py:1663 ``Scheduler.process_input_requests`` | AFTER | the tick: once per iteration, every loop type, every rank |
 | managers/scheduler.py:2072 ``Scheduler.handle_generate_request`` | BEFORE | a session's next request restores its KV |
 | managers/scheduler.py:3876 ``Scheduler.get_internal_state`` | AFTER | handshake: ``internal_state["toolkv"]`` |
@@ -17,7 +17,9 @@ targets (sglang 0.5.16, verified against the installed source):
 | entrypoints/openai/serving_chat.py:1437/1198 | AROUND | main process, TOOLKV_ZERO_CHANGE=1 only: see finish_reason "tool_calls" |
 
 Nothing is registered unless ``TOOLKV_ENABLE=1``: an installed entry point activates for every
-sglang launch in the environment, so the plugin must be inert by default.
+sglang launch in the environment, so the plugin must be inert by default. Once enabled it is
+fail-closed (:mod:`toolkv.sglang.startup`): a bad setting, a missing dependency, an unsupported
+sglang release or a hook sglang could not apply stops the launch with the cause.
 """
 
 from __future__ import annotations
