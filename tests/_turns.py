@@ -62,7 +62,11 @@ def finish_turn(
 
 def iteration(h: CacheHarness, tk: Any, *, writes: bool = False, loads: bool = False) -> None:
     """One scheduler iteration as far as toolkv sees it: copies may finish, sglang processes its
-    acks (writing_check/loading_check), then the process_input_requests AFTER hook ticks."""
+    acks (writing_check/loading_check), then the process_input_requests AFTER hook ticks. With
+    ``loads`` the copies that the previous tick started (toolkv starts queued loads in its tick)
+    finish within this iteration."""
+    if loads:
+        tk.tick()
     if writes:
         h.complete("write")
     if loads:

@@ -33,7 +33,10 @@ def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torc
 
 
 def step(h: CacheHarness, m: ToolKVManager, now: float, *, writes: bool = False, loads: bool = False) -> None:
-    """One scheduler iteration: optionally let copies finish, sglang's ack checks, the tick."""
+    """One scheduler iteration: the tick (it starts queued loads), optionally let copies finish,
+    sglang's ack checks, then the next tick sees the acks."""
+    if loads:
+        m.tick(now)
     if writes:
         h.complete("write")
     if loads:
@@ -197,6 +200,7 @@ def test_close_releases_in_every_protecting_state(hh: CacheHarness, when: str) -
     assert m.kv_meta("a")["state"] == "Closed"
     with pytest.raises(WrongState):
         m.close("a")
+    step(h, m, 2, loads=True)  # a queued load still runs after the close; its ack frees sglang's lock
     h.drain()
     assert h.accounting() == initial
 

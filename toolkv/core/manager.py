@@ -321,6 +321,9 @@ class ToolKVManager:
         if self._offloading:
             self.process_write_acks()
         if self._restoring or self.backend.loads_in_flight():
+            # spec StartLoads (only when sglang's load ring is idle), then LoadAck. A load whose
+            # session was closed meanwhile still has to run: it holds sglang's locks and slots.
+            self.backend.start_loads()
             self.process_load_acks()
         if self._deadlines and self._deadlines[0][0] <= now:
             self.ttl_sweep()

@@ -29,6 +29,23 @@ class LocalAgreement:
         return t
 
 
+class SynchronousLoads:
+    """For backends whose restore finishes inside ``restore`` (pin, shadow): nothing is ever
+    queued or in flight, so the asynchronous-load steps of :class:`Backend` are no-ops."""
+
+    def start_loads(self) -> bool:
+        return False
+
+    def loads_in_flight(self) -> bool:
+        return False
+
+    def poll_loads(self) -> None:
+        return None
+
+    def restore_pending(self, rec: SessionRecord) -> bool:
+        return False
+
+
 class Backend(Protocol):
     name: str
     tree: Tree
@@ -49,6 +66,11 @@ class Backend(Protocol):
     def restore(self, rec: SessionRecord) -> bool:
         """ToolEnd's effect. Raises before changing anything when it cannot start; returns True
         when the session's KV is readable at once."""
+        ...
+
+    def start_loads(self) -> bool:
+        """Start queued host->GPU copies when the copy engine's resources allow (once per tick, on
+        every rank). Returns True if a start happened."""
         ...
 
     def loads_in_flight(self) -> bool:

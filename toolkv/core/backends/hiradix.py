@@ -4,8 +4,17 @@ ToolStart: ``write_backup`` root-down on the path nodes without a host copy (all
 against the free host slots), ``protect_host`` on the one recorded leaf. Once every write on the
 path is acknowledged (sglang's ``writing_check`` clears ``write_through_pending_id``), free the GPU
 copies with ``_evict_backuped``: only unlocked nodes whose device children are freed too, bottom-up
-(spec ``FreeSet``). ToolEnd: ``load_back`` + ``ready_to_load_host_cache``; the session is Runnable
-only after sglang's ``loading_check`` has processed the load ack.
+(spec ``FreeSet``). ToolEnd: ``load_back`` only, which enqueues the copy on sglang's load queue; the
+session is Runnable only after sglang's ``loading_check`` has processed the load ack.
+
+Starting a load takes a producer slot of sglang's layer-done counter, a ring of three
+(``LayerDoneCounter.update_producer`` asserts the slot's previous load has finished, and the
+assertion takes the whole server down). sglang itself starts at most one load per prefill batch
+and keeps at most one of its own in flight. So toolkv never starts a load in a request handler:
+the scheduler tick (:meth:`start_loads`) starts the whole queue only when no load at all is in
+flight (spec ``StartLoads``), and otherwise leaves it to sglang's next prefill batch, which merges
+it into its own start (spec ``SysStart``). Either way the ring can never come round to a busy slot
+(spec invariant ``RingBounded``).
 
 Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the ack queues,
 ``writing_check``/``loading_check`` (they contain collectives; the scheduler runs them).
@@ -13,6 +22,7 @@ Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,11 +155,6 @@ class HiRadixBackend:
             )
 
     # ---- ToolEnd ----------------------------------------------------------------------------------------
-    def _load_slot_free(self) -> bool:
-        counter = self.tree.cache_controller.layer_done_counter
-        nxt = (counter.producer_index + 1) % counter.num_counters
-        return bool(counter.events[nxt].finish_event.query())
-
     def restore(self, rec: SessionRecord) -> bool:
         tree = self.tree
         leaf = rec.node
@@ -157,27 +162,30 @@ class HiRadixBackend:
         path = path_to(tree, leaf)
         missing = [m for m in path if m.value is None]
         need = _ntok(missing)
-        ok = need == 0 or (
-            need <= tree.token_to_kv_pool_allocator.available_size()
-            and need >= tree.load_back_threshold
-            and self._load_slot_free()
-        )
+        free = int(tree.token_to_kv_pool_allocator.available_size())
+        ok = need == 0 or (need <= free and need >= tree.load_back_threshold)
         if not self.agree.all_true(ok):
+            why = (
+                f"below sglang's load_back_threshold ({tree.load_back_threshold})"
+                if need <= free
+                else f"only {free} free on device"
+            )
             raise DeviceMemoryFull(
-                f"cannot load {need} tokens back now; session {rec.session_id!r} stays offloaded",
+                f"cannot load {need} tokens back now ({why}); session {rec.session_id!r} stays offloaded",
                 need_tokens=need,
-                device_free_tokens=int(tree.token_to_kv_pool_allocator.available_size()),
+                device_free_tokens=free,
             )
         if missing:
             boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
-            dev = tree.load_back(leaf)
+            dev = tree.load_back(leaf)  # enqueues only: the DMA starts in start_loads or sglang's batch
             assert dev is not None and len(dev) == need, "load_back refused after the capacity check"
-            tree.ready_to_load_host_cache()
-            if self.schedule_stream is not None:
-                # Forwards run after the schedule stream: order them after this load.
-                self.schedule_stream.wait_event(tree.cache_controller.ack_load_queue[-1].finish_event)
             self._loads[id(leaf)] = (leaf, boundary)
             rec.restored_tokens = need
+            # The session's next request is due: make the restored path the most recently used, or
+            # sglang's LRU eviction takes it first (its access time is from the previous turn).
+            stamp = time.monotonic()
+            for m in path:
+                m.last_access_time = stamp
         runnable = not any(self._node_loading(m) for m in path)
         if runnable or "EarlyRunnable" in self.caveats:
             self._release_protection(rec)
@@ -185,6 +193,22 @@ class HiRadixBackend:
         tree.inc_lock_ref(leaf)  # pin the path until every load into it is acknowledged
         rec.pinned = leaf
         return False
+
+    def start_loads(self) -> bool:
+        """Spec ``StartLoads``: start every queued host->GPU load in one producer slot, only when
+        no load is in flight on any rank (the ring then keeps two free slots for sglang's own
+        cadence). Called once per scheduler tick on every rank. Returns True if it started one."""
+        ctrl = self.tree.cache_controller
+        if not ctrl.load_queue:  # the same on every rank: load_back runs in lockstep
+            return False
+        idle = all(ev.finish_event.query() for ev in ctrl.layer_done_counter.events)
+        if not self.agree.all_true(idle):  # event queries are local: agree before acting
+            return False
+        self.tree.ready_to_load_host_cache()
+        if self.schedule_stream is not None:
+            # No batch is this load's consumer: order every later forward after it instead.
+            self.schedule_stream.wait_event(ctrl.ack_load_queue[-1].finish_event)
+        return True
 
     def loads_in_flight(self) -> bool:
         return bool(self._loads)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement, SynchronousLoads
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import HostMemoryFull
 
 
-class PinBackend:
+class PinBackend(SynchronousLoads):
     name = "pin"
 
     def __init__(
@@ -51,15 +51,6 @@ class PinBackend:
     def restore(self, rec: SessionRecord) -> bool:
         self.release(rec)
         return True
-
-    def loads_in_flight(self) -> bool:
-        return False
-
-    def poll_loads(self) -> None:
-        return None
-
-    def restore_pending(self, rec: SessionRecord) -> bool:
-        return False
 
     def release(self, rec: SessionRecord) -> None:
         if rec.protected is not None:

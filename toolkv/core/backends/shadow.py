@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement, SynchronousLoads
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to, walk
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
@@ -34,7 +34,7 @@ class Snapshot:
         return int(self.k[0].shape[0]) if self.k else 0
 
 
-class ShadowBackend:
+class ShadowBackend(SynchronousLoads):
     name = "shadow"
 
     def __init__(
@@ -123,15 +123,6 @@ class ShadowBackend:
                 rec.restored_tokens = n
         self.release(rec)
         return True
-
-    def loads_in_flight(self) -> bool:
-        return False
-
-    def poll_loads(self) -> None:
-        return None
-
-    def restore_pending(self, rec: SessionRecord) -> bool:
-        return False
 
     def release(self, rec: SessionRecord) -> None:
         snap = rec.backend_state
