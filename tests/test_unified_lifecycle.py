@@ -15,13 +15,15 @@ import torch
 from toolkv.testing.unified_harness import has_unified_radix_cache, sglang_version
 
 if not has_unified_radix_cache():
-    pytest.skip(f"needs sglang >= 0.5.21 (UnifiedRadixCache), found {sglang_version()}", allow_module_level=True)
+    pytest.skip(
+        f"needs sglang >= 0.5.21 (UnifiedRadixCache), found {sglang_version()}", allow_module_level=True
+    )
 
-from toolkv.core.backends.unified import UnifiedBackend, full  # noqa: E402
-from toolkv.core.manager import ManagerConfig, ToolKVManager  # noqa: E402
-from toolkv.core.treeops import path_to, walk  # noqa: E402
-from toolkv.errors import DeviceMemoryFull, HostMemoryFull, StaleEpoch, Unsupported, WrongState  # noqa: E402
-from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig  # noqa: E402
+from toolkv.core.backends.unified import UnifiedBackend, full
+from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.treeops import path_to, walk
+from toolkv.errors import DeviceMemoryFull, HostMemoryFull, StaleEpoch, Unsupported, WrongState
+from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
 
 SHARED = list(range(1, 33))
 
@@ -74,12 +76,12 @@ def tokens_of(n: int, ps: int, start: int = 1000) -> list[int]:
 def test_make_backend_picks_unified_and_refuses_what_it_cannot_drive(h: UnifiedCacheHarness) -> None:
     assert isinstance(make(h).backend, UnifiedBackend)
     h.close()
-    with UnifiedCacheHarness(UnifiedHarnessConfig(tree_core="rust")) as rust:
-        with pytest.raises(Unsupported, match="SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python"):
-            make(rust)
-    with UnifiedCacheHarness(UnifiedHarnessConfig(hicache=False)) as plain:
-        with pytest.raises(Unsupported, match="--enable-hierarchical-cache"):
-            make(plain)
+    rust = UnifiedHarnessConfig(tree_core="rust")
+    with UnifiedCacheHarness(rust) as r, pytest.raises(Unsupported, match="TREE_CORE_BACKEND=python"):
+        make(r)
+    plain = UnifiedHarnessConfig(hicache=False)
+    with UnifiedCacheHarness(plain) as p, pytest.raises(Unsupported, match="--enable-hierarchical-cache"):
+        make(p)
 
 
 def test_offload_frees_device_tokens_only_after_the_write_ack(h: UnifiedCacheHarness) -> None:
@@ -198,7 +200,9 @@ def test_ttl_releases_the_host_lock(h: UnifiedCacheHarness) -> None:
     assert h.evict_host(10**9) > 0  # now sglang may take it
 
 
-def test_protection_of_a_split_node_covers_both_fragments_and_is_returned_whole(h: UnifiedCacheHarness) -> None:
+def test_protection_of_a_split_node_covers_both_fragments_and_is_returned_whole(
+    h: UnifiedCacheHarness,
+) -> None:
     """0.5.23's host lock is a segment lock: a split copies host_lock_ref to the new prefix (the
     spec's SplitCopiesHostRef, correct here because the release walks the segment)."""
     m = make(h)

@@ -223,7 +223,9 @@ class UnifiedCacheHarness:
         self.host_pool: Any = None
         if cfg.device == "cpu":
             if UnifiedCacheHarness._live_cpu is not None:
-                raise RuntimeError("one CPU UnifiedCacheHarness at a time per process: close() the previous one")
+                raise RuntimeError(
+                    "one CPU UnifiedCacheHarness at a time per process: close() the previous one"
+                )
             self.engine = ControlledTransferEngine()
             self._doubles = contextlib.ExitStack()
             self._doubles.enter_context(unified_cpu_doubles(self.engine))
@@ -256,7 +258,11 @@ class UnifiedCacheHarness:
         )
         if cfg.page_size == 1:
             self.allocator: Any = TokenToKVPoolAllocator(
-                size=cfg.device_tokens, dtype=cfg.dtype, device=cfg.device, kvcache=self.kv_pool, need_sort=False
+                size=cfg.device_tokens,
+                dtype=cfg.dtype,
+                device=cfg.device,
+                kvcache=self.kv_pool,
+                need_sort=False,
             )
         else:
             self.allocator = PagedTokenToKVPoolAllocator(
@@ -282,7 +288,9 @@ class UnifiedCacheHarness:
         # What registry.create_unified_radix_cache does for a plain MHA model.
         self.tree = UnifiedRadixCache(params=self.params)
         if self.tree._tree_core_backend != cfg.tree_core:
-            raise RuntimeError(f"sglang chose the {self.tree._tree_core_backend!r} tree core, not {cfg.tree_core!r}")
+            raise RuntimeError(
+                f"sglang chose the {self.tree._tree_core_backend!r} tree core, not {cfg.tree_core!r}"
+            )
         if cfg.hicache:
             self.tree.init_hicache(self.server_args, self.params)
             # Every UnifiedRadixCache with HiCache registers its shutdown at exit, which keeps
