@@ -8,7 +8,7 @@ STAMP := $(VENV)/.toolkv-installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test model lint type lock clean
+.PHONY: venv demo test model lint type lock clean venv-0523 test-0523
 
 venv: $(STAMP)
 
@@ -33,6 +33,27 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/toolkv spec-check
 	$(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
+	$(MAKE) -s test-0523
+
+# The second CPU environment: sglang 0.5.23 (UnifiedRadixCache) next to .venv's 0.5.16, same torch.
+# Built from scratch in about 4 minutes on 2 cores; its tests skip in .venv and run here.
+VENV_0523 ?= .venv-0523
+STAMP_0523 := $(VENV_0523)/.toolkv-installed
+UNIFIED_TESTS := tests/test_unified_lifecycle.py tests/test_unified_stateful.py
+
+venv-0523: $(STAMP_0523)
+
+$(STAMP_0523): requirements/lock-cpu.txt requirements/sglang-0523.txt requirements/tla.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV_0523)
+	$(VENV_0523)/bin/python -m pip install -q --no-deps -r requirements/lock-cpu.txt
+	$(VENV_0523)/bin/python -m pip install -q --no-deps --require-hashes -r requirements/sglang-0523.txt
+	$(VENV_0523)/bin/python -m pip install -q --no-deps --require-hashes -r requirements/tla.txt
+	$(VENV_0523)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VENV_0523)/bin/python -c "import sglang, sglang.srt.mem_cache.unified_radix_cache, toolkv.core.backends.unified; print('env-0523 ok: sglang', sglang.__version__)"
+	touch $@
+
+test-0523: $(STAMP_0523)
+	$(VENV_0523)/bin/pytest -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
 
 model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check
