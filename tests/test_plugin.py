@@ -627,6 +627,7 @@ def test_metrics_are_scraped_from_sglangs_metrics_route(
     (``add_prometheus_middleware``, what ``--enable-metrics`` installs) on the app with toolkv's
     routes."""
     import json
+    import socket
 
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
@@ -634,7 +635,10 @@ def test_metrics_are_scraped_from_sglangs_metrics_route(
 
     from toolkv.sglang.http_api import build_app
 
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    with socket.socket() as s:  # the child's own gloo store: not the port this process's group holds
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), OMP_NUM_THREADS="1", MASTER_PORT=port)
     p = subprocess.run(
         [sys.executable, "-c", _SCHEDULER_RANK, str(Path(__file__).parent)],
         capture_output=True, text=True, env=env, timeout=300, check=False,
