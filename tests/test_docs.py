@@ -58,3 +58,21 @@ def test_every_metric_is_documented() -> None:
     assert len(names) == 14
     text = (DOCS / "operations.md").read_text()
     assert not [n for n in names if f"`{n}" not in text], sorted(n for n in names if f"`{n}" not in text)
+
+
+def test_spec_results_table_is_generated_from_spec_check_json() -> None:
+    """docs/spec.md's model-checking table is rendered from what `toolkv spec-check --json` wrote
+    (regenerate: toolkv spec-check --json > f.json && toolkv docs --spec-check f.json)."""
+    import json
+    import tomllib
+
+    from toolkv.tools.docgen import BEGIN, END, SPEC_JSON, spec_table
+
+    summary = json.loads(SPEC_JSON.read_text())
+    text = (DOCS / "spec.md").read_text()
+    block = text[text.index(BEGIN) : text.index(END) + len(END)]
+    assert block == spec_table(summary), "run: toolkv docs"
+    assert "spec_dir" not in summary
+    manifest = tomllib.loads((ROOT / "spec" / "configs.toml").read_text())
+    names = {c["name"] for c in manifest["config"]}
+    assert {c["name"] for c in summary["configs"]} <= names, "a config in the table no longer exists"
