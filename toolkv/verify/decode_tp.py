@@ -1,0 +1,104 @@
+"""Tensor parallelism for the decode offload manager: two gloo ranks, each with its own REAL
+``DecodeKVCacheOffloadManager`` (own pools, own host pool, own controller and backup thread, own
+files in a shared storage directory), driven in lockstep by the same seeded scheduler, while each
+rank's copy engine and backup thread finish at their own pace (rank 0 eagerly, rank 1 lazily).
+
+The manager must keep the ranks identical anyway: ``check_offload_progress`` agrees the number of
+write and backup acks with an ``all_reduce(MIN)`` over the TP group before acting. After every
+scheduler step the ranks exchange (``all_gather_object``) the lockstep part of their abstract
+state (everything except per-rank engine progress and storage) and stop at the first difference.
+
+Run by ``fuzz/test_decode_tp.py`` in two spawned processes; each writes ``rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+RANK_FIELDS = ("odata", "stored", "store")  # per rank: engine progress and the rank's own files
+RIDS = ("r1", "r2", "r3", "r4", "r5")
+GLOBAL = ("admit", "decode", "decode", "decode", "offload", "offload", "finish", "check", "check")
+
+
+def lockstep_view(s: dict[str, Any]) -> dict[str, Any]:
+    """The part of a rank's abstract state every rank must agree on (per-rank fields are keyed by
+    the rank's name; their values must still agree for ``freed`` and ``hostFree``)."""
+    out = {k: v for k, v in s.items() if k not in RANK_FIELDS}
+    out["freed"] = list(s["freed"].values())
+    out["hostFree"] = list(s["hostFree"].values())
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str, seed: int, steps: int, mutant: str | None) -> None:
+    """One TP rank: build, drive ``steps`` scheduler steps, drain, write the result."""
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    import logging
+
+    logging.disable(logging.ERROR)  # sglang logs every refused host write
+
+    from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
+    from toolkv.verify import decode_mutants
+    from toolkv.verify.decode_world import DecodeWorld
+
+    result: dict[str, Any] = {"rank": rank, "ok": True, "failure": None, "diverged_at": None, "steps": 0}
+    progress: list[list[list[int]]] = []  # per step: every rank's (copies done, backups written, acks queued)
+    sched = random.Random(seed)  # identical on every rank: the scheduler's decisions
+    local = random.Random(seed * 1000 + rank)  # this rank's engines
+    eager = 0.8 if rank == 0 else 0.15
+    cfg = DecodeHarnessConfig(device_tokens=24, host_ratio=0.25)
+    group = dist.group.WORLD
+    with decode_mutants.apply(mutant):
+        h = DecodeOffloadHarness(cfg, group=group, rank=rank, world=world, storage_dir=Path(out_dir) / "store")
+        try:
+            w = DecodeWorld(h, RIDS, prompt_len=3, max_new=12, rank_name=f"k{rank + 1}")
+            for i in range(steps):
+                action = sched.choice(GLOBAL)
+                rid = sched.choice(RIDS)
+                if action in ("admit", "decode", "offload", "finish"):
+                    getattr(w, action)(rid)
+                else:
+                    w.check()
+                while local.random() < eager and w.copy().changed:
+                    pass
+                while local.random() < eager and w.store().changed:
+                    pass
+                w.check_real()
+                mine = lockstep_view(w.abstract())
+                views: list[Any] = [None] * world
+                dist.all_gather_object(views, mine)
+                mine_p = [w.copies_done(), w.freed(), int(h.controller.ack_backup_queue.qsize())]
+                prog: list[Any] = [None] * world
+                dist.all_gather_object(prog, mine_p)
+                progress.append(prog)
+                result["steps"] = i + 1
+                if any(v != views[0] for v in views):
+                    result.update(ok=False, diverged_at=i + 1, failure=f"ranks diverged at step {i + 1}: {views}")
+                    break
+            if result["ok"]:
+                w.drain()  # the same number of checks on every rank (lockstep increments)
+                w.check_quiescent()
+                views = [None] * world
+                dist.all_gather_object(views, lockstep_view(w.abstract()))
+                if any(v != views[0] for v in views):
+                    result.update(ok=False, failure="ranks differ after draining")
+        except Exception as exc:
+            result.update(ok=False, failure=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])
+        finally:
+            h.close()
+    result["progress"] = progress
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+__all__ = ["RANK_FIELDS", "lockstep_view", "run_rank"]
