@@ -38,6 +38,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         (["demo", "--plot", "occupancy.txt"], "expected a file ending in .png or .svg or .pdf"),
         (["fuzz", "--mutants", "--only", "NoSuchMutant"], "unknown mutant(s) ['NoSuchMutant']"),
         (["fuzz", "--device", "tpu"], "--device 'tpu': expected cpu or cuda[:N]"),
+        (["fuzz", "--examples", "0"], "--examples must be >= 1"),
         (["bench", "overhead", "--sizes", "10,-3"], "expected positive integers"),
     ],
 )
@@ -71,3 +72,10 @@ def test_bench_writes_under_results_not_docs() -> None:
     assert "/results/" in (ROOT / ".gitignore").read_text().splitlines()
     args = parser.parse_args(["bench", "overhead", "--out", str(ROOT / "docs" / "bench" / "overhead.json")])
     assert output_path(args) == ROOT / "docs" / "bench" / "overhead.json"  # replacing them is explicit
+
+
+def test_fuzz_defaults_pass_the_argument_check() -> None:
+    from toolkv.tools.cli import CHECKS, build_parser
+
+    assert CHECKS["fuzz"](build_parser().parse_args(["fuzz"])) is None
+    assert CHECKS["fuzz"](build_parser().parse_args(["fuzz", "--mutants", "--only", "NoTtl"])) is None

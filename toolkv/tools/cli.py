@@ -54,8 +54,10 @@ def _check_fuzz(args: argparse.Namespace) -> str | None:
         return f"unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}"
     if not DEVICE.fullmatch(args.device):
         return f"--device {args.device!r}: expected cpu or cuda[:N]"
-    if args.examples < 1 or args.steps < 1:
-        return "--examples and --steps must be >= 1"
+    for name in ("examples", "steps"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:  # None: the Hypothesis profile decides
+            return f"--{name} must be >= 1"
     return None
 
 
