@@ -3,8 +3,8 @@
 Measured per call with ``perf_counter_ns`` around exactly one manager call; the copies themselves are
 excluded by construction (on CPU the copy engine is the controllable double, whose copies run only
 when the benchmark completes them, outside the timed region). Reported: p50/p99 of ``tool_start``,
-of the ``tick`` that finishes an offload (``WriteAck``), of ``tool_end``, of the ``tick`` that
-finishes a restore (``LoadAck``), the mean idle ``tick``, and tracked-session memory, at 1k, 10k and
+of the ``tick`` that finishes an offload (``WriteAck``), of ``tool_end`` (which queues the load), of
+the ``tick`` that starts it (sglang's load ring idle), of the ``tick`` that finishes a restore (``LoadAck``), the mean idle ``tick``, and tracked-session memory, at 1k, 10k and
 100k tracked sessions. Quoted against a reference measured in the same run: the cost of one empty
 Python function call and of one ``dict`` lookup on this machine.
 """
@@ -157,9 +157,9 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             m.tick(1.0 + k * 1e-6)
         idle = (time.perf_counter_ns() - t) / reps / 1000
 
-        starts, ack_ticks, ends, load_ticks = [], [], [], []
+        starts, ack_ticks, ends, start_ticks, load_ticks = [], [], [], [], []
         prim: dict[str, list[float]] = {
-            k: [] for k in ("tool_start", "tick_write_ack", "tool_end", "tick_load_ack")
+            k: [] for k in ("tool_start", "tick_write_ack", "tool_end", "tick_load_start", "tick_load_ack")
         }
         clock = PrimitiveClock(h.tree)
         gc.disable()
@@ -185,6 +185,12 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             m.tool_end(sid, int(r["epoch"]))  # type: ignore[call-overload]
             ends.append((time.perf_counter_ns() - t) / 1000)
             prim["tool_end"].append(clock.take())
+            # tool_end only queues the load; the next tick starts it once sglang's load ring is idle
+            now += 1
+            t = time.perf_counter_ns()
+            m.tick(now)
+            start_ticks.append((time.perf_counter_ns() - t) / 1000)
+            prim["tick_load_start"].append(clock.take())
             h.complete("load")
             h.check_events()
             now += 1
@@ -214,6 +220,7 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             "tool_start": row(starts, "tool_start"),
             "tick_write_ack": row(ack_ticks, "tick_write_ack"),
             "tool_end": row(ends, "tool_end"),
+            "tick_load_start": row(start_ticks, "tick_load_start"),
             "tick_load_ack": row(load_ticks, "tick_load_ack"),
             "idle_tick_us": idle,
             "bytes_per_tracked_session": rec_bytes / n_sessions,
@@ -302,6 +309,8 @@ def transfer(args: argparse.Namespace) -> int:
             assert m.kv_meta(sid)["state"] == "Offloaded", m.kv_meta(sid)
             t = time.perf_counter()
             m.tool_end(sid, int(r["epoch"]))  # type: ignore[call-overload]
+            now += 1
+            m.tick(now)  # starts the queued load (sglang's load ring is idle)
             h.synchronize()
             h.check_events()
             now += 1
@@ -399,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
     print(hdr)
     print("-" * len(hdr))
     for r in results:
-        for k in ("tool_start", "tick_write_ack", "tool_end", "tick_load_ack"):
+        for k in ("tool_start", "tick_write_ack", "tool_end", "tick_load_start", "tick_load_ack"):
             x = r[k]
             print(
                 f"{r['sessions']:>9} | {k:<15} | {x['p50_us']:>8.1f} | {x['p99_us']:>8.1f} | "
