@@ -32,6 +32,7 @@ demo: $(STAMP)
 # campaign and the mutant kill table. GPU tests skip without CUDA.
 test: $(STAMP)
 	$(VENV)/bin/toolkv spec-check
+	$(VENV)/bin/toolkv spec-check --spec-dir spec/decode
 	$(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
 	$(MAKE) -s test-0523
 
@@ -57,6 +58,7 @@ test-0523: $(STAMP_0523)
 
 model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check
+	$(VENV)/bin/toolkv spec-check --spec-dir spec/decode
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check toolkv tests model_tests fuzz
