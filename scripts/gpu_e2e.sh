@@ -17,7 +17,7 @@ if [ "$ACTION" = stage ]; then
   [ -f "$BUNDLE/bundle.tar.xz" ] || bash "$ROOT/../shared/gpu/build_bundle.sh" "$BUNDLE"
   SP=$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   rm -rf "$BUNDLE/toolkv_deps" && mkdir -p "$BUNDLE/toolkv_deps"
-  cp -r "$SP/transitions" "$SP"/transitions-*.dist-info "$BUNDLE/toolkv_deps/"
+  cp -r "$SP/transitions" "$SP"/transitions-*.dist-info "$SP/prometheus_client" "$SP"/prometheus_client-*.dist-info "$BUNDLE/toolkv_deps/"
   find "$BUNDLE/toolkv_deps" -name __pycache__ -prune -exec rm -rf {} +
   du -sh "$BUNDLE"
   exit 0

@@ -160,6 +160,7 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
     )
     sched._toolkv = tk
     tree._toolkv = tk
+    tk.bind_scheduler(sched)
     sched._request_dispatcher += TypeBasedDispatcher([(ToolKVReqInput, tk.ipc_handler)])
     sizes = pool_sizes(tree)
     log.info(

@@ -143,6 +143,31 @@ def _need_str(body: Mapping[str, Any], key: str) -> str:
     return v
 
 
+CLIP_MAX_NEW_TOKENS = 4096  # sglang's schedule_policy clips a request's decode budget here
+
+
+def promised_tokens(sched: Any) -> int:
+    """Device tokens sglang counts on without having allocated them yet: the rest of the prompt
+    of the request being prefilled in chunks (``add_chunked_req`` takes its next chunk even when
+    the budget is exhausted) and the remaining decode tokens of the running batch (clipped as the
+    prefill adder clips them). Deterministic across TP ranks: it reads only scheduler state."""
+    total = 0
+    ch = getattr(sched, "chunked_req", None)
+    if ch is not None:
+        fill = getattr(ch, "full_untruncated_fill_ids", None)
+        if fill is None or len(fill) == 0:
+            fill = getattr(ch, "fill_ids", None) or ()
+        prefix = getattr(ch, "prefix_indices", None)
+        total += max(0, len(fill) - (0 if prefix is None else len(prefix)))
+    batch = getattr(sched, "running_batch", None)
+    for req in getattr(batch, "reqs", None) or ():
+        params = getattr(req, "sampling_params", None)
+        max_new = getattr(params, "max_new_tokens", None) or 0
+        out = getattr(req, "output_ids", None)
+        total += max(0, min(max_new - (0 if out is None else len(out)), CLIP_MAX_NEW_TOKENS))
+    return total
+
+
 class SchedulerToolKV:
     """One rank's toolkv: the manager, its agreed clock, and the glue sglang's hooks call."""
 
@@ -183,6 +208,12 @@ class SchedulerToolKV:
     @property
     def tree(self) -> Tree:
         return self.manager.tree
+
+    def bind_scheduler(self, sched: Any) -> None:
+        """Restores must leave free the device tokens sglang has promised (see
+        :func:`promised_tokens`); backends without that notion ignore it."""
+        if hasattr(self.manager.backend, "headroom"):
+            self.manager.backend.headroom = lambda: promised_tokens(sched)
 
     def bind_schedule_stream(self, stream: Any) -> None:
         """sglang creates ``schedule_stream`` in ``run_event_loop``, after ``__init__``; the

@@ -23,7 +23,7 @@ Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from toolkv.core.backends.base import Agreement, LocalAgreement
@@ -57,6 +57,11 @@ class HiRadixBackend:
         self.agree = agree or LocalAgreement()
         self.host_budget_tokens = host_budget_tokens
         self.schedule_stream = schedule_stream
+        # Device tokens sglang has promised but not yet allocated (the rest of a chunked prefill,
+        # the running batch's decode growth). sglang's own allocations are budgeted against
+        # them; a restore is not, so it must leave them free or the next chunk finds no memory
+        # (sglang raises "Out of memory" and the server exits). Bound by the scheduler side.
+        self.headroom: Callable[[], int] = lambda: 0
         self.caveats = caveats
         # Loads this manager issued: id(leaf) -> (leaf, boundary). The load fills the chain from the
         # leaf up to, not including, the boundary (the deepest ancestor already on device at
@@ -163,12 +168,13 @@ class HiRadixBackend:
         missing = [m for m in path if m.value is None]
         need = _ntok(missing)
         free = int(tree.token_to_kv_pool_allocator.available_size())
-        ok = need == 0 or (need <= free and need >= tree.load_back_threshold)
+        reserved = int(self.headroom()) if need else 0
+        ok = need == 0 or (need <= free - reserved and need >= tree.load_back_threshold)
         if not self.agree.all_true(ok):
             why = (
                 f"below sglang's load_back_threshold ({tree.load_back_threshold})"
-                if need <= free
-                else f"only {free} free on device"
+                if need <= free - reserved
+                else f"{free} free on device, {reserved} of them promised to running requests"
             )
             raise DeviceMemoryFull(
                 f"cannot load {need} tokens back now ({why}); session {rec.session_id!r} stays offloaded",
