@@ -438,7 +438,8 @@ class DecodeOffloadHarness:
         hp = self.host_pool
         if hp.layout != "layer_first":
             raise NotImplementedError(f"host layout {hp.layout}")
-        return hp.kv_buffer[:, :, host_indices.to(torch.int64)].float()
+        out: torch.Tensor = hp.kv_buffer[:, :, host_indices.to(torch.int64)].float()
+        return out
 
     # ---- the world around the manager --------------------------------------------------------------
     def free_device_slots(self) -> torch.Tensor:

@@ -52,6 +52,7 @@ class DecodeMachine(RuleBasedStateMachine):
     prompt_len: ClassVar[int] = 3
     max_new: ClassVar[int] = 12
     trace_dir: ClassVar[Path | None] = None
+    swarm: ClassVar[bool] = True
     stats: ClassVar[DecodeStats] = DecodeStats()
 
     WEIGHTS: ClassVar[dict[str, int]] = {
@@ -102,7 +103,10 @@ class DecodeMachine(RuleBasedStateMachine):
         writes; no copies: every copy waits for the check's synchronize; no offloads between
         decode steps: increments grow to several strides and are written at finish)."""
         if self._swarm is None:
-            keep = data.draw(st.frozensets(st.sampled_from(self.OPTIONAL)), label="swarm")
+            everything = st.just(frozenset(self.OPTIONAL))
+            keep = data.draw(
+                st.frozensets(st.sampled_from(self.OPTIONAL)) if self.swarm else everything, label="swarm"
+            )
             self._swarm = [a for a in self._CHOICES if a not in self.OPTIONAL or a in keep]
         action = data.draw(st.sampled_from(self._swarm), label="action")
         w = self.w
@@ -157,6 +161,7 @@ def machine_class(
     prompt_len: int = 3,
     max_new: int = 12,
     trace_dir: Path | None = None,
+    swarm: bool = True,
 ) -> type[DecodeMachine]:
     """A configured subclass (Hypothesis instantiates it once per example)."""
     return type(
@@ -167,6 +172,7 @@ def machine_class(
             "prompt_len": prompt_len,
             "max_new": max_new,
             "trace_dir": trace_dir,
+            "swarm": swarm,
             "stats": DecodeStats(),
         },
     )
@@ -183,6 +189,7 @@ def campaign(
     trace_dir: Path | None = None,
     seed: int | None = None,
     shrink: bool = False,
+    swarm: bool = True,
 ) -> dict[str, Any]:
     """Run one campaign, with ``mutant`` patched into the real class; returns a summary
     (``failure`` is None when nothing was found)."""
@@ -190,7 +197,7 @@ def campaign(
     from hypothesis import seed as hseed
     from hypothesis.stateful import run_state_machine_as_test
 
-    cls = machine_class(cfg=cfg, prompt_len=prompt_len, max_new=max_new, trace_dir=trace_dir)
+    cls = machine_class(cfg=cfg, prompt_len=prompt_len, max_new=max_new, trace_dir=trace_dir, swarm=swarm)
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
     s = settings(
         max_examples=examples,
@@ -229,8 +236,11 @@ def campaign(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode_fuzzing [--examples N] [--steps M] [--mutants]``."""
+    """``python -m toolkv.verify.decode_fuzzing [--examples N] [--steps M] [--mutants]``: one JSON
+    line per campaign; exit 1 unless the shipped class survives, every mutant is killed and the
+    equivalent mutant survives."""
     import argparse
+    import logging
 
     p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_fuzzing")
     p.add_argument("--examples", type=int, default=100)
@@ -238,15 +248,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--mutants", action="store_true", help="run the kill table instead")
     p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--stride", type=int, default=None, help="offload stride in tokens (default: one page)")
     args = p.parse_args(argv)
-    cfg = DecodeHarnessConfig(page_size=args.page_size, device_tokens=24 * args.page_size, host_ratio=0.125)
-    names: list[str | None] = sorted(decode_mutants.MUTANTS) if args.mutants else [None]
+    if args.examples < 1 or args.steps < 1 or args.page_size < 1:
+        p.error("--examples, --steps and --page-size must be >= 1")
+    logging.disable(logging.ERROR)  # sglang logs every write the host pool refuses
+    cfg = DecodeHarnessConfig(
+        page_size=args.page_size,
+        device_tokens=24 * args.page_size,
+        host_ratio=0.125,
+        stride_tokens=args.stride,
+    )
+    runs: list[tuple[str | None, bool]] = [(None, False)]
+    if args.mutants:
+        runs = [(m, True) for m in sorted(decode_mutants.MUTANTS)]
+        runs += [(m, False) for m in sorted(decode_mutants.EQUIVALENT)]
     bad = 0
-    for name in names:
+    for name, must_fail in runs:
         r = campaign(examples=args.examples, steps=args.steps, mutant=name, cfg=cfg, seed=args.seed)
         print(json.dumps(r), flush=True)
-        bad += (r["failure"] is None) if name else (r["failure"] is not None)
-    print(f"{len(names)} campaign(s): " + ("as expected" if not bad else f"{bad} not as expected"), file=sys.stderr)
+        bad += (r["failure"] is None) if must_fail else (r["failure"] is not None)
+    print(
+        f"{len(runs)} campaign(s): " + ("as expected" if not bad else f"{bad} not as expected"),
+        file=sys.stderr,
+    )
     return 1 if bad else 0
 
 

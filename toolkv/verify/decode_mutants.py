@@ -113,6 +113,25 @@ def no_release_guard() -> contextlib.AbstractContextManager[None]:
     )
 
 
+def no_release_guard_only() -> contextlib.AbstractContextManager[None]:
+    """The guard alone removed (finalize still waits): an equivalent mutant in 0.5.16, because
+    nothing calls the release a second time. It must survive; if it is ever killed, a second
+    releaser has appeared and the guard is load-bearing."""
+    cls = _cls()
+    release = cls._release_finished_req
+
+    def _release_finished_req(self: Any, req: Any, start_offset: int) -> None:
+        stash: dict[str, tuple[Any, Any]] = self.__dict__.setdefault("_mutant_released", {})
+        if req.req_pool_idx is None and req.rid in stash:
+            req.req_pool_idx, req.kv = stash[req.rid]
+        before = (req.req_pool_idx, req.kv)
+        release(self, req, start_offset)
+        if before[0] not in (None, -1) and req.req_pool_idx is None:
+            stash[req.rid] = before
+
+    return _patched(_release_finished_req=_release_finished_req)
+
+
 def host_free_at_write_ack() -> contextlib.AbstractContextManager[None]:
     """The host slots are freed when the write ack is retired, before the storage backup ran."""
     cls = _cls()
@@ -195,16 +214,18 @@ MUTANTS: dict[str, MutantFn] = {
     "NoReleaseAtAck": no_release_at_ack,
 }
 TP_MUTANTS: dict[str, MutantFn] = {"LocalAckCounts": local_ack_counts}
+#: mutants that must survive (the spec's ``decode_guard_redundant`` config says why).
+EQUIVALENT: dict[str, MutantFn] = {"NoReleaseGuardOnly": no_release_guard_only}
 
 
 def apply(name: str | None) -> contextlib.AbstractContextManager[None]:
     """The patch for ``name`` (None: the class as shipped). Unknown names are refused."""
     if name is None:
         return contextlib.nullcontext()
-    table = {**MUTANTS, **TP_MUTANTS}
+    table = {**MUTANTS, **TP_MUTANTS, **EQUIVALENT}
     if name not in table:
         raise ValueError(f"unknown decode mutant {name!r}; known: {sorted(table)}")
     return table[name]()
 
 
-__all__ = ["MUTANTS", "TP_MUTANTS", "apply"]
+__all__ = ["EQUIVALENT", "MUTANTS", "TP_MUTANTS", "apply"]

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,17 +36,35 @@ def lockstep_view(s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str, seed: int, steps: int, mutant: str | None) -> None:
-    """One TP rank: build, drive ``steps`` scheduler steps, drain, write the result."""
+def run_rank(
+    rank: int, world: int, port: int, out_dir: str, seed: int, steps: int, mutants: list[str | None]
+) -> None:
+    """One TP rank: one episode per entry of ``mutants`` (None: the class as shipped), each
+    written to ``{out_dir}/{episode}/rank{rank}.json``."""
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
     )
     import logging
 
     logging.disable(logging.ERROR)  # sglang logs every refused host write
+    for i, mutant in enumerate(mutants):
+        out = Path(out_dir, f"{i}-{mutant or 'none'}")
+        out.mkdir(parents=True, exist_ok=True)
+        episode(rank, world, str(out), seed, steps, mutant)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def episode(rank: int, world: int, out_dir: str, seed: int, steps: int, mutant: str | None) -> None:
+    """Build, drive ``steps`` scheduler steps, drain, write ``rank{rank}.json``."""
+    import torch.distributed as dist
 
     from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
     from toolkv.verify import decode_mutants
@@ -59,7 +78,9 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, seed: int, steps: i
     cfg = DecodeHarnessConfig(device_tokens=24, host_ratio=0.25)
     group = dist.group.WORLD
     with decode_mutants.apply(mutant):
-        h = DecodeOffloadHarness(cfg, group=group, rank=rank, world=world, storage_dir=Path(out_dir) / "store")
+        h = DecodeOffloadHarness(
+            cfg, group=group, rank=rank, world=world, storage_dir=Path(out_dir) / "store"
+        )
         try:
             w = DecodeWorld(h, RIDS, prompt_len=3, max_new=12, rank_name=f"k{rank + 1}")
             for i in range(steps):
@@ -83,7 +104,9 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, seed: int, steps: i
                 progress.append(prog)
                 result["steps"] = i + 1
                 if any(v != views[0] for v in views):
-                    result.update(ok=False, diverged_at=i + 1, failure=f"ranks diverged at step {i + 1}: {views}")
+                    result.update(
+                        ok=False, diverged_at=i + 1, failure=f"ranks diverged at step {i + 1}: {views}"
+                    )
                     break
             if result["ok"]:
                 w.drain()  # the same number of checks on every rank (lockstep increments)
@@ -93,12 +116,91 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, seed: int, steps: i
                 if any(v != views[0] for v in views):
                     result.update(ok=False, failure="ranks differ after draining")
         except Exception as exc:
-            result.update(ok=False, failure=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])
+            result.update(
+                ok=False, failure=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:]
+            )
         finally:
             h.close()
     result["progress"] = progress
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
-__all__ = ["RANK_FIELDS", "lockstep_view", "run_rank"]
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(
+    out_dir: Path,
+    *,
+    seed: int = 3,
+    steps: int = 120,
+    mutants: Sequence[str | None] = (None,),
+    timeout: float = 300,
+) -> dict[str, list[dict[str, Any]]]:
+    """Run the episodes on two spawned gloo ranks; episode name -> [rank 0 result, rank 1 result]."""
+    import time
+
+    from torch.multiprocessing.spawn import spawn as mp_spawn
+
+    world = 2
+    ctx = mp_spawn(  # type: ignore[no-untyped-call]
+        run_rank,
+        args=(world, _free_port(), str(out_dir), seed, steps, list(mutants)),
+        nprocs=world,
+        join=False,
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError("TP ranks hung")
+    return {
+        m or "none": [
+            json.loads(Path(out_dir, f"{i}-{m or 'none'}", f"rank{r}.json").read_text()) for r in range(world)
+        ]
+        for i, m in enumerate(mutants)
+    }
+
+
+def summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per episode: ok, steps, steps where the ranks' copy engines / queued backup acks differed."""
+    out: dict[str, Any] = {}
+    for name, (r0, r1) in results.items():
+        prog = r0["progress"]
+        out[name] = {
+            "ok": r0["ok"] and r1["ok"],
+            "steps": r0["steps"],
+            "diverged_at": r0["diverged_at"],
+            "steps_copies_skewed": sum(1 for p in prog if p[0][0] != p[1][0]),
+            "steps_backup_acks_skewed": sum(1 for p in prog if p[0][2] != p[1][2]),
+            "failure": (r0["failure"] or r1["failure"] or "")[:160] or None,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkv.verify.decode_tp [--steps N] [--seed S]``: the shipped class and the
+    LocalAckCounts mutant on two ranks; prints the summary as JSON."""
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_tp")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--seed", type=int, default=3)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="toolkv-decode-tp-") as d:
+        s = summary(spawn(Path(d), seed=args.seed, steps=args.steps, mutants=(None, "LocalAckCounts")))
+    print(json.dumps(s, indent=2))
+    return 0 if s["none"]["ok"] and not s["LocalAckCounts"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["RANK_FIELDS", "episode", "lockstep_view", "main", "run_rank", "spawn", "summary"]

@@ -74,7 +74,14 @@ def _record(d: dict[str, Any]) -> str:
 
 
 def _seq(xs: list[Any]) -> str:
-    return "<<" + ", ".join(_record(x) if isinstance(x, dict) else _seq(x) if isinstance(x, list) else tla_value(x) for x in xs) + ">>"
+    return (
+        "<<"
+        + ", ".join(
+            _record(x) if isinstance(x, dict) else _seq(x) if isinstance(x, list) else tla_value(x)
+            for x in xs
+        )
+        + ">>"
+    )
 
 
 def _func(d: dict[str, Any], render: Any) -> str:
@@ -196,7 +203,11 @@ def check_trace(path: Path, timeout: float = 600.0) -> DecodeTraceResult:
         (tmp / "DecodeTraceRun.tla").write_text(module)
         (tmp / "DecodeTraceRun.cfg").write_text(cfg)
         res = run_tlc(
-            Toolchain.locate(), tmp / "DecodeTraceRun.tla", tmp / "DecodeTraceRun.cfg", timeout=timeout, deadlock=False
+            Toolchain.locate(),
+            tmp / "DecodeTraceRun.tla",
+            tmp / "DecodeTraceRun.cfg",
+            timeout=timeout,
+            deadlock=False,
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results, indent=2))
     for r in results:
         if not args.json:
-            print(f"{r['file']}: {'ok' if r['ok'] else 'ILLEGAL'}: {r['steps']} steps, {r['message']}", file=sys.stderr)
+            print(
+                f"{r['file']}: {'ok' if r['ok'] else 'ILLEGAL'}: {r['steps']} steps, {r['message']}",
+                file=sys.stderr,
+            )
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -105,7 +105,9 @@ class DecodeWorld:
             self.chains[rid] = h.hash_chain(toks)
             for k, hv in enumerate(self.chains[rid], 1):
                 self.where[hv] = (rid, k)
-        self.tokens = {rid: [token_id(i, p) for p in range(prompt_len + max_new)] for i, rid in enumerate(self.rids)}
+        self.tokens = {
+            rid: [token_id(i, p) for p in range(prompt_len + max_new)] for i, rid in enumerate(self.rids)
+        }
         self.admitted: set[str] = set()
         self.increments: list[Increment] = []
         self.copy_ok: list[bool] = []  # per increment, once its copy was seen finished
@@ -120,7 +122,9 @@ class DecodeWorld:
         ctrl = self.m.cache_controller
         real = ctrl.write_storage
 
-        def write_storage(host_indices: Any, token_ids: Any, hash_value: Any = None, prefix_keys: Any = None) -> Any:
+        def write_storage(
+            host_indices: Any, token_ids: Any, hash_value: Any = None, prefix_keys: Any = None
+        ) -> Any:
             n = len(self.staged)
             rid = self.increments[n].rid if n < len(self.increments) else "?"
             self.staged.append((rid, list(hash_value or [])))
@@ -257,7 +261,8 @@ class DecodeWorld:
         free = set(h.free_device_slots().tolist())
         phase = {r: self.phase(r) for r in self.rids}
         live = [r for r in self.rids if phase[r] in ("Decoding", "Finished")]
-        length, dev = {}, {}
+        length: dict[str, int] = {}
+        dev: dict[str, list[int]] = {}
         partial = 0
         for r in self.rids:
             req = self.reqs[r]
@@ -352,7 +357,9 @@ class DecodeWorld:
         for r in self.rids:
             n_in = sum(1 for v in m.ongoing_offload.values() if v[0].rid == r)
             if int(m.offload_inflight.get(r, 0)) != n_in:
-                raise DecodeFailure(f"offload_inflight[{r}] = {m.offload_inflight.get(r, 0)} but {n_in} in flight")
+                raise DecodeFailure(
+                    f"offload_inflight[{r}] = {m.offload_inflight.get(r, 0)} but {n_in} in flight"
+                )
             if self.phase(r) == "Released":
                 if n_in:
                     raise DecodeFailure(f"request {r} was released with {n_in} increment(s) in flight")
@@ -360,7 +367,7 @@ class DecodeWorld:
                     raise DecodeFailure(f"request {r} was released but its offloaded_state remains")
         # device and request slots: free + held by live requests == capacity, nothing freed twice
         free = h.free_device_slots()
-        if free.unique().numel() != free.numel():
+        if len(set(free.tolist())) != free.numel():
             raise DecodeFailure("a device slot is on the allocator's free list twice (double free)")
         rs = h.req_pool.free_slots
         if len(set(rs)) != len(rs):
@@ -421,7 +428,9 @@ class DecodeWorld:
         exactly the offloaded part of each request's chain, with the right bytes."""
         for r in self.rids:
             if self.phase(r) not in ("Waiting", "Released"):
-                raise DecodeFailure(f"request {r} is {self.phase(r)} after finishing and draining (never released)")
+                raise DecodeFailure(
+                    f"request {r} is {self.phase(r)} after finishing and draining (never released)"
+                )
         now = self.counters()
         if now != self.initial:
             diff = {k: (self.initial[k], now[k]) for k in now if now[k] != self.initial[k]}
@@ -434,7 +443,9 @@ class DecodeWorld:
             want = {(r, k) for k in range(pre + 1, pre + n + 1)}
             have = {x for x in stored if x[0] == r}
             if have != want:
-                raise DecodeFailure(f"request {r}: storage holds pages {sorted(k for _, k in have)}, expected {sorted(k for _, k in want)}")
+                raise DecodeFailure(
+                    f"request {r}: storage holds pages {sorted(k for _, k in have)}, expected {sorted(k for _, k in want)}"
+                )
         del ps
 
 
