@@ -103,17 +103,20 @@ def _splice(body: str) -> Callable[[re.Match[str]], str]:
 def render(doc: str, blocks: Mapping[str, str]) -> str:
     """``doc`` with every generated block replaced; a missing marker is an error."""
     for name, body in blocks.items():
-        pat = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n)(?:.*?\n)?(<!-- END {re.escape(name)} -->)", re.S)
+        pat = re.compile(
+            rf"(<!-- BEGIN {re.escape(name)} -->\n)(?:.*?\n)?(<!-- END {re.escape(name)} -->)", re.S
+        )
         if not pat.search(doc):
             raise ValueError(f"no <!-- BEGIN {name} --> ... <!-- END {name} --> block")
         doc = pat.sub(_splice(body), doc)
     return doc
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_diagram")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write", type=Path, default=None, help="update the generated blocks of this file")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     blocks = generate()
     if args.write is None:
         for name, body in blocks.items():
@@ -125,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         args.write.write_text(new)
         print(f"updated {args.write}", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_diagram")
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

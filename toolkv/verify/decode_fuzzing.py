@@ -20,6 +20,7 @@ Each step can be written to a JSON-lines trace for ``toolkv.verify.decode_tracec
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -235,23 +236,29 @@ def campaign(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode_fuzzing [--examples N] [--steps M] [--mutants]``: one JSON
-    line per campaign; exit 1 unless the shipped class survives, every mutant is killed and the
-    equivalent mutant survives."""
-    import argparse
-    import logging
-
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_fuzzing")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=int, default=100)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--mutants", action="store_true", help="run the kill table instead")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--stride", type=int, default=None, help="offload stride in tokens (default: one page)")
-    args = p.parse_args(argv)
-    if args.examples < 1 or args.steps < 1 or args.page_size < 1:
-        p.error("--examples, --steps and --page-size must be >= 1")
+    p.add_argument("--trace-dir", type=Path, default=None, help="write one JSON-lines trace per example here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """One JSON line per campaign on stdout; exit 1 unless the shipped class survives, every
+    mutant is killed and the equivalent mutant survives."""
+    import logging
+
+    if (
+        args.examples < 1
+        or args.steps < 1
+        or args.page_size < 1
+        or (args.stride is not None and args.stride < 1)
+    ):
+        print("decode fuzz: --examples, --steps, --page-size and --stride must be >= 1", file=sys.stderr)
+        return 2
     logging.disable(logging.ERROR)  # sglang logs every write the host pool refuses
     cfg = DecodeHarnessConfig(
         page_size=args.page_size,
@@ -265,7 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(m, False) for m in sorted(decode_mutants.EQUIVALENT)]
     bad = 0
     for name, must_fail in runs:
-        r = campaign(examples=args.examples, steps=args.steps, mutant=name, cfg=cfg, seed=args.seed)
+        r = campaign(
+            examples=args.examples,
+            steps=args.steps,
+            mutant=name,
+            cfg=cfg,
+            seed=args.seed,
+            trace_dir=args.trace_dir,
+        )
         print(json.dumps(r), flush=True)
         bad += (r["failure"] is None) if must_fail else (r["failure"] is not None)
     print(
@@ -273,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkv.verify.decode_fuzzing [--examples N] [--steps M] [--mutants]``."""
+    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_fuzzing")
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

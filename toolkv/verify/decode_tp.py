@@ -13,9 +13,11 @@ Run by ``fuzz/test_decode_tp.py`` in two spawned processes; each writes ``rank{r
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import sys
 import traceback
 from collections.abc import Sequence
 from datetime import timedelta
@@ -183,24 +185,43 @@ def summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode_tp [--steps N] [--seed S]``: the shipped class and the
-    LocalAckCounts mutant on two ranks; prints the summary as JSON."""
-    import argparse
-    import tempfile
-
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_tp")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--seed", type=int, default=3)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The shipped class and the LocalAckCounts mutant on two ranks; the summary as JSON."""
+    import tempfile
+
+    if args.steps < 1:
+        print("decode tp: --steps must be >= 1", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="toolkv-decode-tp-") as d:
         s = summary(spawn(Path(d), seed=args.seed, steps=args.steps, mutants=(None, "LocalAckCounts")))
     print(json.dumps(s, indent=2))
     return 0 if s["none"]["ok"] and not s["LocalAckCounts"]["ok"] else 1
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkv.verify.decode_tp [--steps N] [--seed S]``."""
+    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_tp")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+__all__ = [
+    "RANK_FIELDS",
+    "add_arguments",
+    "episode",
+    "lockstep_view",
+    "main",
+    "run",
+    "run_rank",
+    "spawn",
+    "summary",
+]
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-__all__ = ["RANK_FIELDS", "episode", "lockstep_view", "main", "run_rank", "spawn", "summary"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -223,22 +222,29 @@ def check_trace(path: Path, timeout: float = 600.0) -> DecodeTraceResult:
     return DecodeTraceResult(False, n, None, None, detail, res.seconds)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode_tracecheck FILE...``"""
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_tracecheck")
-    p.add_argument("files", nargs="+", type=Path)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "files", nargs="+", type=Path, help="JSON-lines traces written by the decode fuzz campaign"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check every file; exit status 1 if any trace has an illegal step."""
     results = [{"file": str(f), **asdict(check_trace(f))} for f in args.files]
     if args.json:
         print(json.dumps(results, indent=2))
-    for r in results:
-        if not args.json:
-            print(
-                f"{r['file']}: {'ok' if r['ok'] else 'ILLEGAL'}: {r['steps']} steps, {r['message']}",
-                file=sys.stderr,
-            )
+    else:
+        for r in results:
+            print(f"{r['file']}: {'ok' if r['ok'] else 'ILLEGAL'}: {r['steps']} steps, {r['message']}")
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkv.verify.decode_tracecheck FILE...``"""
+    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode_tracecheck")
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
