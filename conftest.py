@@ -1,8 +1,17 @@
-"""Repository-wide pytest configuration: GPU tests skip cleanly where there is no CUDA."""
+"""Repository-wide pytest configuration.
+
+* Hypothesis profiles are registered once here (``toolkv.verify.profiles``); ``HYPOTHESIS_PROFILE``
+  picks one (``make test`` uses ``ci``; a local run defaults to ``dev``, with the example database).
+* GPU tests skip cleanly where there is no CUDA.
+"""
 
 from __future__ import annotations
 
 import pytest
+
+from toolkv.verify import profiles
+
+profiles.load()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

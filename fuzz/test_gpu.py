@@ -7,8 +7,6 @@ when the GPU has finished the copy.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -62,5 +60,5 @@ def test_offload_restore_round_trip_on_cuda(page_size: int) -> None:
 
 
 def test_stateful_campaign_on_cuda() -> None:
-    r = campaign(examples=int(os.environ.get("TOOLKV_GPU_EXAMPLES", "40")), steps=60, device="cuda", seed=5)
+    r = campaign(profile="gpu", device="cuda", seed=5)
     assert r["failure"] is None, r["failure"]

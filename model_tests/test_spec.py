@@ -12,26 +12,17 @@ import io
 import json
 import shutil
 import textwrap
-from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from toolkv.verify import spec_check, tla
+from toolkv.verify import spec_check, tla, tlctool
 from toolkv.verify.tla import FrozenDict, ModelValue, parse_value
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "spec"
 MV = ModelValue
-
-
-@pytest.fixture(scope="module")
-def tools() -> Iterator[tla.Toolchain]:
-    try:
-        yield tla.Toolchain.locate()
-    except tla.TlaToolError as exc:
-        pytest.skip(f"TLA+ toolchain unavailable: {exc}")
 
 
 def _args(**kw: Any) -> argparse.Namespace:
@@ -121,89 +112,37 @@ def test_to_plain_is_json_ready() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# TLC text output (literal samples in TLC 2.15's format)
+# TLC -tool output (literal samples in TLC 2.15's format; real runs below)
 
-SAFETY_VIOLATION = """\
-Starting... (2026-01-01 00:00:00)
-Error: Invariant NoFreeWhilePending is violated.
-Error: The behavior up to this point is:
-State 1: <Initial predicate>
-/\\ x = 0
-/\\ act = <<"Init">>
-
-State 2: <ToolStart line 168, col 5 to line 214, col 45 of module ToolKV>
-/\\ x = 1
-/\\ act = <<"ToolStart", s1>>
-
-110 states generated, 55 distinct states found, 41 states left on queue.
-The depth of the complete state graph search is 5.
-Finished in 01s at (2026-01-01 00:00:01)
-"""
-
-LIVENESS_VIOLATION = """\
-Error: Temporal properties were violated.
-
-Error: The following behavior constitutes a counter-example:
-
-State 1: <Initial predicate>
-x = 0
-
-State 2: <Tick line 3, col 1 to line 3, col 20 of module M>
-x = 1
-
-Back to state 2: <Tick line 3, col 1 to line 3, col 20 of module M>
-
-Finished checking temporal properties in 00s at (2026-01-01 00:00:02)
-1,234 states generated, 1,000 distinct states found, 0 states left on queue.
-"""
-
-SUCCESS = """\
-Progress(5) at 2026-01-01: 50 states generated, 20 distinct states found, 3 states left on queue.
-Model checking completed. No error has been found.
-  Estimates of the probability that TLC did not check all reachable states
-12,345 states generated, 6,789 distinct states found, 0 states left on queue.
-The depth of the complete state graph search is 19.
-Finished in 02s at (2026-01-01 00:00:02)
-"""
+M = "@!@!@"
 
 
-def test_parse_success_stats() -> None:
-    r = tla.parse_tlc_output(SUCCESS, 0)
-    assert (r.outcome, r.generated, r.distinct, r.left, r.depth) == ("pass", 12345, 6789, 0, 19)
-    assert r.trace is None
+def _msg(code: int, sev: int, body: str) -> str:
+    return f"{M}STARTMSG {code}:{sev} {M}\n{body}\n{M}ENDMSG {code} {M}\n"
 
 
-def test_parse_invariant_violation_and_trace() -> None:
-    r = tla.parse_tlc_output(SAFETY_VIOLATION, 12)
-    assert (r.outcome, r.violated, r.distinct, r.depth) == ("invariant", "NoFreeWhilePending", 55, 5)
-    assert r.trace is not None
-    assert [s.action for s in r.trace.states] == [None, "ToolStart"]
-    assert r.trace.states[1].values == {"x": 1, "act": ("ToolStart", MV("s1"))}
-    assert "of module ToolKV" in r.trace.states[1].location
-
-
-def test_parse_liveness_lasso() -> None:
-    r = tla.parse_tlc_output(LIVENESS_VIOLATION, 13)
-    assert r.outcome == "temporal" and r.violated is None
-    assert r.trace is not None and r.trace.loop_to == 2 and not r.trace.stuttering
-    assert [s.values for s in r.trace.states] == [{"x": 0}, {"x": 1}]
-    assert r.distinct == 1000
-
-
-def test_parse_stuttering_and_action_property() -> None:
-    text = SAFETY_VIOLATION.replace("Invariant NoFreeWhilePending", "Action property StaleEpochNoop")
-    r = tla.parse_tlc_output(text)
-    assert (r.outcome, r.violated) == ("action_property", "StaleEpochNoop")
-    stut = LIVENESS_VIOLATION.replace(
-        "Back to state 2: <Tick line 3, col 1 to line 3, col 20 of module M>", "State 3: Stuttering"
+def test_messages_nest_and_keep_their_order() -> None:
+    text = (
+        "Parsing file /x/Toy.tla\n"
+        + f"{M}STARTMSG 2111:1 {M}\nEvaluating invariant Boom failed.\n"
+        + _msg(2132, 0, 'The first argument of Assert evaluated to FALSE; the second argument was:\n"boom"')
+        + f"{M}ENDMSG 2111 {M}\n"
+        + _msg(2186, 0, "Finished in 1s")
     )
-    t = tla.parse_tlc_output(stut).trace
-    assert t is not None and t.stuttering and t.loop_to is None and len(t.states) == 2
+    msgs = tlctool.parse_messages(text)
+    assert [(m.code, m.severity) for m in msgs] == [(2111, 1), (2132, 0), (2186, 0)]
+    assert msgs[0].body.startswith("Evaluating invariant Boom failed.")
+    assert '"boom"' in msgs[1].body
 
 
-def test_parse_unknown_failure_is_error() -> None:
-    r = tla.parse_tlc_output("Error: TLC threw an unexpected exception.\n", 75)
-    assert r.outcome == "error"
+def test_verdict_needs_the_exit_code_to_agree() -> None:
+    text = _msg(2110, 1, "Invariant Small is violated.")
+    assert tla.parse_tool_output(text, 12).outcome == "invariant"
+    assert tla.parse_tool_output(text, 12).violated == "Small"
+    bad = tla.parse_tool_output(text, 0)
+    assert bad.outcome == "error" and any("exited 0" in e for e in bad.error_lines)
+    assert tla.parse_tool_output("no messages at all", 150).outcome == "parse"
+    assert tla.parse_tool_output("", None).outcome == "error"
 
 
 def test_cfg_sections() -> None:
@@ -275,12 +214,12 @@ def test_spec_check_list_needs_no_java(capsys: pytest.CaptureFixture[str]) -> No
     assert "mut_HostLockLeak" in out and "safety" not in out
 
 
-def test_jar_hash_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_that_is_not_a_jar_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "tla2tools.jar"
     fake.write_bytes(b"not a jar")
     monkeypatch.setenv("TOOLKV_TLA_JAR", str(fake))
-    with pytest.raises(tla.TlaToolError, match="sha256"):
-        tla.find_jar()
+    with pytest.raises(tla.TlaToolError, match="not a readable"):
+        tla.Toolchain.locate()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,34 +258,14 @@ def test_real_liveness_counterexample(tools: tla.Toolchain) -> None:
     assert any(p != MV("NoNode") for p in res.trace.states[-1].values["prot"].values())
 
 
-TINY_DUMP_CFG = """\
-CONSTANTS
-    Nodes = {n1}
-    Sessions = {s1}
-    Root = Root
-    NoNode = NoNode
-    DevSlots = 1
-    HostSlots = 1
-    MaxEpoch = 1
-    MaxTime = 1
-    TTL = 1
-    MaxResets = 1
-    EnvLocks = TRUE
-    EnvWrites = TRUE
-    Hist = TRUE
-    BUG = "none"
-INIT Init
-NEXT Next
-INVARIANT LockAccounting
-"""
-
-
 @pytest.mark.tlc
 def test_real_dot_dump_edges_match_history(tools: tla.Toolchain, tmp_path: Path) -> None:
     for f in ("ToolKV.tla",):
         shutil.copy(SPEC_DIR / f, tmp_path / f)
     cfg = tmp_path / "Tiny.cfg"
-    cfg.write_text(TINY_DUMP_CFG)
+    cfg.write_text(
+        tla.with_constants((SPEC_DIR / "MC_dump.cfg").read_text(), {"Nodes": "{n1}", "Sessions": "{s1}"})
+    )
     dump = tmp_path / "graph"
     res = tla.run_tlc(tools, tmp_path / "ToolKV.tla", cfg, dump_dot=dump)
     assert res.outcome == "pass", res.output[-2000:]
@@ -386,3 +305,76 @@ def test_full_spec_check(tools: tla.Toolchain) -> None:
     summary = json.loads(buf.getvalue())
     bad = [c for c in summary["configs"] if not c["ok"]]
     assert rc == 0 and summary["ok"], bad
+
+
+# ---------------------------------------------------------------------------------------------
+# One real TLC run per verdict kind (a toy module: each run is one JVM start, ~1.5 s)
+
+TOY = """---- MODULE Toy ----
+EXTENDS Naturals, TLC
+CONSTANT Bug
+VARIABLE x
+Init == x = 0
+Inc == x < 3 /\\ x' = x + 1
+Back == Bug = "back" /\\ x = 3 /\\ x' = 0
+Next == Inc \\/ Back
+Spec == Init /\\ [][Next]_x /\\ WF_x(Inc)
+Cycle == Init /\\ [][Next]_x /\\ WF_x(Next)
+Small == x < 2
+Mono == [][x' >= x]_x
+Reaches == <>(x = 5)
+Boom == x < 2 \\/ Assert(FALSE, "boom")
+ASSUME Bug \\in {"none", "back", "assume"} /\\ Bug # "assume"
+====
+"""
+
+# kind -> (Bug, cfg body, -deadlock?, expected outcome, expected name, expected exit code)
+VERDICTS: dict[str, tuple[str, str, bool, str, str | None, int]] = {
+    "pass": ("none", "SPECIFICATION Spec\nPROPERTY Mono", True, "pass", None, 0),
+    "invariant": ("none", "INIT Init\nNEXT Next\nINVARIANT Small", True, "invariant", "Small", 12),
+    "action_property": ("back", "INIT Init\nNEXT Next\nPROPERTY Mono", True, "action_property", "Mono", 13),
+    "temporal_stuttering": ("none", "SPECIFICATION Spec\nPROPERTY Reaches", True, "temporal", None, 13),
+    "temporal_lasso": ("back", "SPECIFICATION Cycle\nPROPERTY Reaches", True, "temporal", None, 13),
+    "deadlock": ("none", "INIT Init\nNEXT Next", False, "deadlock", None, 11),
+    "assumption": ("assume", "INIT Init\nNEXT Next", True, "assumption", None, 10),
+    "evaluation": ("none", "INIT Init\nNEXT Next\nINVARIANT Boom", True, "evaluation", None, 76),
+    "config": ("none", "INIT Init\nNEXT Next\nINVARIANT Nope", True, "config", None, 151),
+    "parse": ("none", "INIT Init\nNEXT Next", True, "parse", None, 150),
+}
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("kind", sorted(VERDICTS))
+def test_verdict_kind_from_a_real_run(tools: tla.Toolchain, tmp_path: Path, kind: str) -> None:
+    bug, body, no_deadlock, outcome, name, code = VERDICTS[kind]
+    module = tmp_path / "Toy.tla"
+    module.write_text(TOY if kind != "parse" else TOY.replace("Inc == x < 3", "Inc == (x < 3"))
+    cfg = tmp_path / "Toy.cfg"
+    cfg.write_text(f'CONSTANT Bug = "{bug}"\n{body}\n')
+    res = tla.run_tlc(tools, module, cfg, deadlock=no_deadlock)
+    assert (res.outcome, res.violated, res.exit_code) == (outcome, name, code), res.output[-1500:]
+    assert res.version in tla.KNOWN_TLC and tla.KNOWN_TLC[res.version] == res.revision
+    if outcome in ("invariant", "action_property", "deadlock", "evaluation"):
+        assert res.trace is not None and res.trace.states[0].action is None
+        assert res.trace.states[0].values == {"x": 0}
+    if kind == "temporal_stuttering":
+        assert res.trace is not None and res.trace.stuttering and res.trace.states[-1].values == {"x": 3}
+    if kind == "temporal_lasso":
+        assert res.trace is not None and res.trace.loop_to is not None and not res.trace.stuttering
+    if outcome == "pass":
+        assert res.distinct == 4 and res.depth == 4
+
+
+@pytest.mark.tlc
+def test_the_bundled_jar_is_a_known_release(tools: tla.Toolchain) -> None:
+    assert tools.known, f"{tools.jar} is not one of {tla.KNOWN_TLC}"
+
+
+@pytest.mark.tlc
+def test_coverage_lists_every_action_of_next(tools: tla.Toolchain, tmp_path: Path) -> None:
+    (tmp_path / "Toy.tla").write_text(TOY)
+    cfg = tmp_path / "Toy.cfg"
+    cfg.write_text('CONSTANT Bug = "none"\nINIT Init\nNEXT Next\n')
+    res = tla.run_tlc(tools, tmp_path / "Toy.tla", cfg, coverage=True)
+    assert res.coverage is not None
+    assert res.coverage["Inc"][0] == 3 and res.coverage["Back"] == (0, 0)  # listed though never enabled

@@ -36,8 +36,11 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--examples", type=int, default=200, help="Hypothesis examples per campaign")
-    p.add_argument("--steps", type=int, default=80, help="max steps per example")
+    p.add_argument(
+        "--profile", default=None, help="Hypothesis settings profile: dev (default), ci, long, gpu"
+    )
+    p.add_argument("--examples", type=int, default=None, help="override the profile's examples")
+    p.add_argument("--steps", type=int, default=None, help="override the profile's steps per example")
     p.add_argument("--mutants", action="store_true", help="run the kill table over every caveat switch")
     p.add_argument("--only", action="append", default=[], help="with --mutants: only these mutants")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -47,12 +50,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every", type=int, default=25, help="progress line every N examples")
     p.add_argument("--json", type=Path, help="write the summary as JSON to this file")
     p.add_argument("--no-shrink", action="store_true", help="stop at the first failure (kill detection only)")
+    p.add_argument(
+        "--reproduce",
+        metavar="BLOB",
+        help="replay one failing example from the @reproduce_failure blob a failure printed",
+    )
 
 
 def campaign(
     *,
-    examples: int,
-    steps: int,
+    examples: int | None = None,
+    steps: int | None = None,
+    profile: str | None = None,
     caveats: frozenset[str] = frozenset(),
     env_bugs: frozenset[str] = frozenset(),
     device: str = "cpu",
@@ -62,81 +71,92 @@ def campaign(
     every: int = 0,
     label: str = "correct",
     shrink: bool = True,
+    reproduce: str | None = None,
 ) -> dict[str, Any]:
-    """Run one campaign; returns a summary (``failure`` is None when nothing was found)."""
-    from hypothesis import HealthCheck, settings
+    """Run one campaign under a Hypothesis profile; returns a summary (``failure`` is None when
+    nothing was found). Statistics come from Hypothesis: each example reports its action counts as
+    ``event``s, read here through Hypothesis's observability callbacks (one per test case)."""
+    from hypothesis import Phase, reproduce_failure, settings
+    from hypothesis import __version__ as hypothesis_version
+    from hypothesis.internal.observability import with_observability_callback
     from hypothesis.stateful import run_state_machine_as_test
 
+    from toolkv.verify import profiles
     from toolkv.verify.fuzzing import machine_class
 
-    cls = machine_class(
+    profiles.register()
+    base = settings.get_profile(profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT)
+    cls: Any = machine_class(
         caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir
     )
-    stats = cls.stats
+    if reproduce is not None:
+        cls = reproduce_failure(hypothesis_version, reproduce.encode())(cls)
     t0 = time.monotonic()
-    orig_init = cls.__init__
+    seen: dict[str, Any] = {"examples": 0, "steps": 0, "actions": {}, "kv": 0, "first_failure": None}
 
-    def init(self: Any) -> None:
-        orig_init(self)
-        if every and stats.examples % every == 0:
+    def observe(obs: Any) -> None:
+        if getattr(obs, "type", None) != "test_case" or obs.status == "gave_up":
+            return
+        seen["examples"] += 1
+        for name, payload in obs.features.items():
+            if name.startswith("action ") and isinstance(payload, int):
+                key = name[len("action ") :]
+                seen["actions"][key] = seen["actions"].get(key, 0) + payload
+                seen["steps"] += payload
+            elif name == "kv bytes checked" and isinstance(payload, int):
+                seen["kv"] += payload
+        if obs.status == "failed" and seen["first_failure"] is None:
+            seen["first_failure"] = seen["examples"]
+        if every and seen["examples"] % every == 0:
             print(
-                f"  [{label}] {stats.examples} examples, {stats.steps} steps, {time.monotonic() - t0:.0f}s",
+                f"  [{label}] {seen['examples']} examples, {seen['steps']} steps, {time.monotonic() - t0:.0f}s",
                 file=sys.stderr,
                 flush=True,
             )
 
-    cls.__init__ = init  # type: ignore[method-assign]
-    failure: str | None = None
-    detail: str | None = None
-    shrunk_len: int | None = None
-    from hypothesis import Phase
-
     # Without shrinking the campaign stops at the first failure (kill detection); with it, Hypothesis
     # minimises the failing sequence (up to its own time limit). One bug per campaign either way.
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    s = settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=seed is not None,
-        print_blob=False,
-        phases=phases,
-        report_multiple_bugs=False,
-    )
-    try:
-        if seed is not None:
-            from hypothesis import seed as hseed
+    over: dict[str, Any] = {"phases": phases}
+    if examples is not None:
+        over["max_examples"] = examples
+    if steps is not None:
+        over["stateful_step_count"] = steps
+    if seed is not None:
+        over["derandomize"] = True
+    s = settings(base, **over)
+    failure: str | None = None
+    detail: str | None = None
+    shrunk_len: int | None = None
+    with with_observability_callback(observe):
+        try:
+            if seed is not None:
+                from hypothesis import seed as hseed
 
-            def run() -> None:
+                hseed(seed)(lambda: run_state_machine_as_test(cls, settings=s))()
+            else:
                 run_state_machine_as_test(cls, settings=s)
-
-            hseed(seed)(run)()
-        else:
-            run_state_machine_as_test(cls, settings=s)
-    except BaseException as exc:  # a found failure: the campaign's result, not a crash of the tool
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        text = str(exc)
-        first = text.strip().splitlines()[0] if text.strip() else ""
-        failure = f"{type(exc).__name__}: {first}"[:300]
-        detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:]
-        shrunk_len = stats.last_example_steps
-        m = re.findall(r"^state\.step\(", text, re.M)
-        if m:
-            shrunk_len = len(m)
+        except BaseException as exc:  # a found failure: the campaign's result, not a crash of the tool
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            text = str(exc)
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            failure = f"{type(exc).__name__}: {first}"[:300]
+            detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:]
+            m = re.findall(r"^state\.step\(", text, re.M)
+            shrunk_len = len(m) or None
     return {
         "label": label,
-        "examples": stats.examples,
-        "steps": stats.steps,
+        "profile": profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT,
+        "examples": seen["examples"],
+        "steps": seen["steps"],
         "seconds": round(time.monotonic() - t0, 1),
         "failure": failure,
         "detail": detail,
-        "examples_to_kill": stats.first_failure_example,
+        "examples_to_kill": seen["first_failure"],
         "shrunk_steps": shrunk_len if shrink else None,
-        "actions": dict(sorted(stats.actions.items())),
-        "kv_bytes_checked": stats.bytes_checked,
+        "actions": dict(sorted(seen["actions"].items())),
+        "kv_bytes_checked": seen["kv"],
         "device": device,
     }
 
@@ -156,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             r = campaign(
                 examples=args.examples,
                 steps=args.steps,
+                profile=args.profile,
                 caveats=cav,
                 env_bugs=env,
                 device=args.device,
@@ -163,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 every=args.every,
                 label=name,
+                shrink=not args.no_shrink,
             )
             r["caveat"] = caveat
             r["killed"] = r["failure"] is not None
@@ -187,11 +209,14 @@ def run(args: argparse.Namespace) -> int:
         r = campaign(
             examples=args.examples,
             steps=args.steps,
+            profile=args.profile,
             device=args.device,
             page_size=args.page_size,
             trace_dir=args.trace_dir,
             seed=args.seed,
             every=args.every,
+            shrink=not args.no_shrink,
+            reproduce=args.reproduce,
         )
         results.append(r)
         rc = 1 if r["failure"] else 0

@@ -1,488 +1,383 @@
-"""Spec ↔ code conformance: replay TLC's state graph on the real manager + HiRadixCache.
+"""Spec ↔ code conformance: replay TLC's state graph on the real caches.
 
 TLC dumps the full state graph of a small model (``-dump dot,actionlabels``; every state carries
-the history variable ``act`` with the action's parameters). :class:`Replayer` executes one spec
-action at a time on the implementation — manager actions through ``ToolKVManager``, environment
-actions through the real sglang calls the scheduler would make — and after every step compares the
-implementation's abstract state (``refinement.abstract_state``) with the spec state the edge leads
-to. :func:`cover` walks the graph until every edge was replayed.
+the history variable ``act`` with the action's parameters). The walks of a path cover planned once
+(:mod:`toolkv.verify.pathcover`) are executed on a real cache stack by a
+:class:`~toolkv.verify.replayer.Replayer`, and after every step the implementation's state is
+compared with the spec state the edge leads to:
 
-The environment is the replayer's to choose, as it is TLC's: which node sglang evicts (by making it
-the least recently used), when a copy finishes (the controllable copy engine), and how much memory
-other requests hold ("ballast" allocations that make a ToolStart find the host full, or a ToolEnd
-find no device memory, exactly when the spec's slot counters say so). Spec slots are node-sized;
-token capacity is mapped onto them only at those two decisions.
+* on a HiRadixCache (``backend="hiradix"``) every spec variable, through the refinement mapping
+  (``refinement.abstract_state``): a missing mapping for a spec variable is an error;
+* on a plain RadixCache (``pin``, ``shadow``) the sessions' view — phase, epoch, deadline, whether
+  a runnable session's KV is readable, whether an offloaded session holds its protection — because
+  those backends have no host tier: the spec's in-flight phases collapse onto the settled ones
+  (``Offloading`` → ``Offloaded``, ``Restoring`` → ``Runnable``), and the steps they cannot share
+  (:func:`radix_shares`) are left out before planning, with the reason counted.
 
-sglang processes acknowledgements in issue order (``writing_check``/``loading_check`` stop at the
-first unfinished ack); the spec lets acks arrive in any order. An edge that acknowledges a later
-transfer first cannot happen in sglang: the replayer reports it as *unrealizable* instead of
-pretending, and :func:`cover` looks for another path to the same edge.
+An edge that cannot happen in sglang (an ack out of issue order) or that a backend cannot share at
+run time is retried along another walk before it is reported. Per-action edge counts are reported
+so that an action the graph never enables, or the replay never reached, shows.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
+import shutil
 import time
-from collections import deque
+import tomllib
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import torch
-
-from toolkv.core.manager import ManagerConfig, ToolKVManager
-from toolkv.core.treeops import TreeNode, attached, path_to, walk
-from toolkv.errors import ToolKVError
-from toolkv.testing.harness import CacheHarness, HarnessConfig, rkey
-from toolkv.verify.refinement import (
-    CORE,
-    NO_NODE,
-    ROOT,
-    Bounds,
-    NodeMap,
-    abstract_state,
-    check_invariants,
-    check_step,
+from toolkv.core.treeops import attached, walk
+from toolkv.verify import specstep
+from toolkv.verify.pathcover import Cover, Edge
+from toolkv.verify.refinement import HISTORY, NO_NODE, Bounds, check_invariants, check_step
+from toolkv.verify.replayer import BACKENDS, NotApplicable, Replayer, StepResult, Unrealizable
+from toolkv.verify.tla import (
+    StateGraph,
+    Toolchain,
+    cfg_constants,
+    read_dot,
+    run_tlc,
+    to_plain,
+    with_constants,
 )
-from toolkv.verify.tla import StateGraph, to_plain
 
-CORE_VARS = CORE
-
-
-class Unrealizable(Exception):
-    """The spec step cannot happen in sglang (e.g. an ack out of issue order)."""
+__all__ = [
+    "NO_NODE",
+    "Bounds",
+    "CoverReport",
+    "GraphConfig",
+    "Replayer",
+    "StepResult",
+    "Unrealizable",
+    "cfg_constants",
+    "dump_graph",
+    "load_conformance",
+    "load_graph",
+    "radix_shares",
+    "replay_graph",
+    "replay_trace",
+    "spec_actions",
+]
 
 
 class Mismatch(AssertionError):
-    """The implementation's abstract state differs from the spec state after a step."""
+    """The implementation's state differs from the spec state after a step."""
 
 
-@dataclass
-class StepResult:
-    action: tuple[Any, ...]
-    error: str | None  # the typed error the manager answered with, if any
-    violations: list[str]
-
-    @property
-    def fits(self) -> bool:
-        """The capacity decision the implementation took (for trace validation)."""
-        return self.error not in ("host_memory_full", "device_memory_full")
+def load_graph(dot: Path) -> StateGraph:
+    """A dumped graph with plain (JSON-like) state values, as the replay compares them."""
+    return read_dot(dot, plain=True)
 
 
-class Replayer:
-    """One real cache stack driven by spec actions. Create a fresh one per path."""
-
-    def __init__(
-        self,
-        bounds: Bounds,
-        *,
-        caveats: frozenset[str] = frozenset(),
-        env_bugs: frozenset[str] = frozenset(),
-        page_size: int = 1,
-        seed: int = 0,
-        capacity: str = "spec",
-        device_tokens: int | None = None,
-        host_ratio: float = 1.0,
-        device: str = "cpu",
-        io_backend: str = "direct",
-        ttl: float | None = None,
-        kv_shape: tuple[int, int, int] = (2, 2, 4),
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        """``capacity="spec"`` maps the spec's node-granular slots onto the token pools with ballast
-        (conformance replay); ``capacity="real"`` leaves the pools alone: refusals happen when the
-        real pools are full, and the step result reports the decision (fuzzing, trace validation)."""
-        self.b = bounds
-        self.capacity = capacity
-        # Environment defects: what a misconfigured sglang does. "OrphanHost": a backed-up leaf is
-        # deleted with its host copy still allocated (SessionRadixCache's release path + HiCache,
-        # which the plugin refuses to run with).
-        self.env_bugs = env_bugs
-        self.ps = page_size
-        self.unit = 4 * max(16, page_size)  # tokens per spec node: halves of splits stay >= 10 (load_back)
-        cap = device_tokens or (len(bounds.nodes) + bounds.dev_slots + 4) * self.unit
-        self.h = CacheHarness(
-            HarnessConfig(
-                page_size=page_size,
-                device_tokens=cap,
-                host_ratio=host_ratio,
-                write_policy="write_through",
-                device=device,
-                io_backend=io_backend,
-                layers=kv_shape[0],
-                heads=kv_shape[1],
-                head_dim=kv_shape[2],
-                dtype=dtype,
-            ),
-            seed=seed,
-        )
-        # HiCache's own write-through is the spec's explicit WriteThrough action here.
-        self.h.tree.write_through_threshold = 10**9
-        self.mgr = ToolKVManager(
-            self.h.tree,
-            config=ManagerConfig(ttl_s=float(ttl if ttl is not None else bounds.ttl)),
-            caveats=caveats,
-        )
-        self.nodes = NodeMap()
-        self.ext: set[str] = set()
-        self.resets = 0
-        self._fresh = 1
-        self._ballast_dev: torch.Tensor | None = None
-        self._ballast_host: torch.Tensor | None = None
-        self.env_host_slots: set[int] = set()  # host slots held by other requests (fuzz memory pressure)
-
-    def close(self) -> None:
-        self.h.close()
-
-    # ---- state ----------------------------------------------------------------------------------------
-    def abstract(self) -> dict[str, Any]:
-        st = abstract_state(
-            self.mgr,
-            self.nodes,
-            self.b,
-            ext_locks=self.ext,
-            resets=self.resets,
-            env_host_slots=self.env_host_slots,
-        )
-        st["extLock"] = {n: n in self.ext for n in self.b.nodes}
-        return st
-
-    def _obj(self, name: str) -> TreeNode:
-        return self.nodes.obj[name]
-
-    def _tokens_of(self, node: TreeNode) -> list[int]:
-        out: list[int] = []
-        for m in path_to(self.h.tree, node):
-            out.extend(m.key.token_ids)
-        return out
-
-    # ---- ballast: how much memory other requests hold ------------------------------------------------
-    def _release_ballast(self) -> None:
-        if self._ballast_dev is not None:
-            self.h.allocator.free(self._ballast_dev)
-            self._ballast_dev = None
-        if self._ballast_host is not None:
-            self.h.host_pool.free(self._ballast_host)
-            self._ballast_host = None
-
-    def _device_free_exactly(self, tokens: int) -> None:
-        if self.capacity != "spec":
-            return
-        extra = self.h.allocator.available_size() - max(tokens, 0)
-        if extra > 0:
-            self._ballast_dev = self.h.allocator.alloc(extra)
-            assert self._ballast_dev is not None
-
-    def _host_free_exactly(self, tokens: int) -> None:
-        if self.capacity != "spec":
-            return
-        extra = self.h.host_pool.available_size() - max(tokens, 0)
-        if extra > 0:
-            self._ballast_host = self.h.host_pool.alloc(extra)
-            assert self._ballast_host is not None
-
-    # ---- acks ------------------------------------------------------------------------------------------
-    def _complete_ack(self, queue: list[Any], name: str) -> None:
-        rid = self._obj(name).id
-        pending = [a for a in queue if not a.finish_event.query()]
-        for i, ack in enumerate(queue):
-            if rid in ack.node_ids:
-                if any(a is not ack for a in queue[:i]):
-                    raise Unrealizable(f"ack for {name} is not the oldest one in flight")
-                ack.finish_event.synchronize()
-                return
-        raise Unrealizable(f"no ack in flight for {name} ({len(pending)} pending)")
-
-    # ---- one spec action -------------------------------------------------------------------------------
-    def apply(self, act: Sequence[Any], pre: Mapping[str, Any] | None = None) -> StepResult:
-        """Execute spec action ``act`` (e.g. ``("ToolStart", "s1")``). ``pre`` is the abstract state
-        before it (computed if not given): the environment's memory choices depend on it."""
-        pre = pre if pre is not None else self.abstract()
-        name, args = str(act[0]), [str(a) for a in act[1:]]
-        self._release_ballast()
-        error: str | None = None
-        tree, mgr = self.h.tree, self.mgr
-        try:
-            if name == "Insert":
-                self._insert(args[0], args[1], args[2])
-            elif name == "ToolStart":
-                s = args[0]
-                rec = mgr.sessions.get(s)
-                if rec is not None and rec.node is not None and attached(tree, rec.node):
-                    w = [m for m in path_to(tree, rec.node) if m.host_value is None]
-                    if len(w) > pre["hostFree"]:
-                        self._host_free_exactly(sum(len(m.key) for m in w) - self.ps)
-                mgr.tool_start(s)
-            elif name == "WriteAck":
-                self._complete_ack(tree.cache_controller.ack_write_queue, args[0])
-                tree.writing_check()
-                mgr.process_write_acks()
-            elif name == "ToolEnd":
-                s, e = args[0], int(args[1])
-                rec = mgr.sessions.get(s)
-                if rec is not None and rec.node is not None and attached(tree, rec.node):
-                    c = [m for m in path_to(tree, rec.node) if m.value is None]
-                    if len(c) > pre["devFree"]:
-                        self._device_free_exactly(sum(len(m.key) for m in c) - self.ps)
-                mgr.tool_end(s, e)
-            elif name == "LoadAck":
-                self._complete_ack(tree.cache_controller.ack_load_queue, args[0])
-                tree.loading_check()
-                mgr.process_load_acks()
-            elif name == "TtlSweep":
-                if pre["now"] >= self.b.max_time:
-                    # the spec's clock saturates at MaxTime ("MaxTime or later") and clamps deadlines to
-                    # it: every armed deadline is due there. Real time simply moves on that far.
-                    due = [
-                        r.deadline
-                        for r in mgr.sessions.values()
-                        if r.state in ("Offloading", "Offloaded", "Restoring")
-                    ]
-                    mgr.set_clock(max([mgr.now, *due]))
-                mgr.ttl_sweep()
-            elif name == "Close":
-                mgr.close(args[0])
-            elif name == "Lock":
-                tree.inc_lock_ref(self._obj(args[0]))
-                self.ext.add(args[0])
-            elif name == "Unlock":
-                tree.dec_lock_ref(self._obj(args[0]))
-                self.ext.discard(args[0])
-            elif (
-                name == "GpuEvict"
-                and "OrphanHost" in self.env_bugs
-                and self._obj(args[0]).host_value is not None
-            ):
-                o = self._obj(args[0])
-                tree.cache_controller.mem_pool_device_allocator.free(o.value)
-                tree._delete_leaf(o)
-            elif name == "GpuEvict":
-                o = self._obj(args[0])
-                o.last_access_time = -1e18  # the environment picks the victim: make it the LRU leaf
-                self.h.evict_device(len(o.key))
-                if o.value is not None and attached(tree, o):
-                    raise Unrealizable(f"sglang would not GPU-evict {args[0]}")
-            elif name == "HostEvict":
-                o = self._obj(args[0])
-                o.last_access_time = -1e18
-                self.h.evict_host(len(o.key))
-                if attached(tree, o):
-                    raise Unrealizable(f"sglang would not host-evict {args[0]}")
-            elif name == "WriteThrough":
-                o = self._obj(args[0])
-                if tree.write_backup(o) != len(o.key):
-                    raise Unrealizable("host pool full: sglang skips the write-through")
-            elif name == "Split":
-                self._split(args[0], args[1])
-            elif name == "TreeReset":
-                # flush_cache only runs when the scheduler is fully idle, which counts sglang's in-flight
-                # writes and loads as busy: they have finished and been retired (reset() itself does not
-                # clear ongoing_write_through / ongoing_load_back).
-                self.h.synchronize()
-                tree.writing_check()
-                tree.loading_check()
-                tree.reset()
-                self.h.allocator.clear()
-                self.resets += 1
-                mgr.on_tree_reset()
-            elif name == "Tick":
-                mgr.set_clock(mgr.now + 1)
-            else:
-                raise ValueError(f"unknown spec action {name}")
-        except ToolKVError as exc:
-            error = exc.code
-        finally:
-            self._release_ballast()
-        post = self.abstract()
-        return StepResult(
-            tuple(act), error, check_invariants(post, self.b) + check_step(pre, post, self.b, tuple(act))
-        )
-
-    def _insert(self, s: str, p: str, n: str) -> None:
-        tree = self.h.tree
-        prefix_tokens: list[int] = [] if p == ROOT else self._tokens_of(self._obj(p))
-        fresh = list(range(self._fresh, self._fresh + self.unit))
-        self._fresh += self.unit
-        tokens = prefix_tokens + fresh
-        new = self.h.allocator.alloc(self.unit)
-        if new is None:
-            if self.capacity == "spec":
-                raise AssertionError("the replayer sized the device pool too small")
-            raise Unrealizable("no device memory for the turn")
-        self.h.fill_kv(new, fresh)
-        prefix_idx = (
-            torch.cat([m.value for m in path_to(tree, self._obj(p))]).to(new.device) if p != ROOT else new[:0]
-        )
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
-        res = tree.insert(InsertParams(key=rkey(tokens), value=torch.cat([prefix_idx, new])))
-        assert int(res.prefix_len) == len(prefix_tokens), "insert matched more than the parent path"
-        leaf, matched = walk(tree, tokens)
-        assert matched == len(tokens)
-        self.nodes.add(n, leaf, self.mgr.tree_gen)
-        self.mgr.record_turn(s, tokens)
-
-    def _split(self, n: str, m: str) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-        o = self._obj(n)
-        half = (len(o.key) // 2) // self.ps * self.ps
-        assert half > 0, "node too short to split"
-        tokens = self._tokens_of(o.parent) if o.parent is not self.h.tree.root_node else []
-        tokens += list(o.key.token_ids[:half])
-        self.h.tree.match_prefix(MatchPrefixParams(key=rkey(tokens)))
-        assert len(o.key) == len(o.key.token_ids) and o.parent is not None
-        self.nodes.add(m, o.parent, self.mgr.tree_gen)
-
-
-# ---- comparing states --------------------------------------------------------------------------------
-def spec_core(state: Mapping[str, Any]) -> dict[str, Any]:
-    plain = to_plain(dict(state))
-    return {k: plain[k] for k in CORE_VARS}
-
-
-def diff(spec: Mapping[str, Any], impl: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    out = {}
-    for k in CORE_VARS:
-        if spec[k] != impl[k]:
-            if isinstance(spec[k], dict):
+# ---- what is compared --------------------------------------------------------------------------------
+def _diff(spec: Mapping[str, Any], impl: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in keys:
+        want, have = spec[k], impl[k]
+        if want != have:
+            if isinstance(want, dict) and isinstance(have, dict):
                 out[k] = (
-                    {x: v for x, v in spec[k].items() if impl[k].get(x) != v},
-                    {x: v for x, v in impl[k].items() if spec[k].get(x) != v},
+                    {x: v for x, v in want.items() if have.get(x) != v},
+                    {x: v for x, v in have.items() if want.get(x) != v},
                 )
             else:
-                out[k] = (spec[k], impl[k])
+                out[k] = (want, have)
     return out
 
 
-# ---- covering the graph --------------------------------------------------------------------------------
+MERGED = {"Offloading": "Offloaded", "Restoring": "Runnable"}
+
+
+def radix_view_spec(st: Mapping[str, Any], b: Bounds) -> dict[str, Any]:
+    """The sessions' view of a spec state, as a synchronous backend (no transfers) must show it."""
+    view: dict[str, Any] = {"now": st["now"], "resets": st["resets"]}
+    for s in b.sessions:
+        ph = MERGED.get(st["phase"][s], st["phase"][s])
+        row: dict[str, Any] = {"phase": ph, "epoch": st["epoch"][s]}
+        if ph == "Offloaded":
+            row["deadline"] = st["deadline"][s]
+        if st["phase"][s] in ("Running", "Runnable"):  # not Restoring: its loads are still in flight
+            row["kv"] = st["ref"][s] != NO_NODE and specstep.path_valid(st, st["ref"][s], len(b.nodes))
+        view[s] = row
+    return view
+
+
+def radix_view_impl(r: Replayer) -> dict[str, Any]:
+    """The same view read off the manager and the real tree."""
+    mgr, tree, b = r.mgr, r.h.tree, r.b
+    view: dict[str, Any] = {"now": int(min(mgr.now, b.max_time)), "resets": r.resets}
+    known = {**mgr._closed, **mgr.sessions}
+    for s in b.sessions:
+        rec = known.get(s)
+        if rec is None:
+            view[s] = {"phase": "New", "epoch": 0}
+            continue
+        row: dict[str, Any] = {"phase": rec.state, "epoch": rec.epoch}
+        if rec.state == "Offloaded":
+            row["deadline"] = int(min(rec.deadline, b.max_time))
+        if rec.state in ("Running", "Runnable"):
+            node, matched = walk(tree, rec.tokens, rec.extra_key) if rec.tokens else (None, 0)
+            row["kv"] = bool(rec.tokens) and matched == len(rec.tokens) and attached(tree, node)
+        view[s] = row
+    return view
+
+
+def radix_invariants(r: Replayer) -> list[str]:
+    """Backend accounting a view cannot show: every offloaded session holds exactly its own
+    protection (pin: one path lock on its leaf; shadow: one snapshot), nothing else does, and every
+    lock on the tree is one the environment or a pin took."""
+    bad: list[str] = []
+    holding = {
+        s: (rec.protected is not None if r.backend_name == "pin" else rec.backend_state is not None)
+        for s, rec in r.mgr.sessions.items()
+    }
+    for s, rec in r.mgr.sessions.items():
+        if holding[s] != (rec.state == "Offloaded"):
+            bad.append(f"ProtectionOwned({s})")
+    locks: Counter[int] = Counter()
+    for name in r.ext:
+        o = r.resolve(name)
+        if o is not None:
+            for m in _up(r, o):
+                locks[id(m)] += 1
+    if r.backend_name == "pin":
+        for rec in r.mgr.sessions.values():
+            if rec.protected is not None:
+                for m in _up(r, rec.protected):
+                    locks[id(m)] += 1
+    for node in r.h.iter_nodes():
+        if node is not r.h.tree.root_node and node.lock_ref != locks[id(node)]:
+            bad.append("LockAccounting")
+            break
+    return bad
+
+
+def _up(r: Replayer, node: Any) -> Iterable[Any]:
+    root = r.h.tree.root_node
+    while node is not None and node is not root:
+        yield node
+        node = node.parent
+
+
+def radix_shares(u: Mapping[str, Any], v: Mapping[str, Any], b: Bounds) -> str | None:
+    """Why a plain RadixCache backend cannot share spec step ``u -> v`` (None: it can).
+
+    These are the places where a synchronous backend without a host tier differs by design: a
+    backed-up node that the spec keeps host-only is deleted; a session the spec still has
+    ``Restoring`` is already runnable, so a sweep or a reset that the spec applies to it does not."""
+    act = v["act"]
+    name = act[0]
+    restoring = [s for s in b.sessions if u["phase"][s] == "Restoring"]
+    if name == "GpuEvict" and u["host"][act[1]]:
+        return "eviction keeps a host copy"
+    if name == "TtlSweep" and any(u["deadline"][s] <= u["now"] for s in restoring):
+        return "sweep expires a restoring session"
+    if name == "TreeReset" and restoring:
+        return "reset loses a restoring session"
+    return None
+
+
+# ---- the report --------------------------------------------------------------------------------------
 @dataclass
 class CoverReport:
+    backend: str = "hiradix"
     states: int = 0
-    edges: int = 0
+    edges: int = 0  # distinct edges of the graph
+    todo: int = 0  # edges this replay had to take (all, or the focus)
     covered: int = 0
-    unrealizable: int = 0
+    unrealizable: int = 0  # edges no walk could take on the real stack (failed, or behind one)
+    failed: dict[str, int] = field(default_factory=dict)  # why a step could not run -> edges
+    not_shared: dict[str, int] = field(default_factory=dict)  # reason -> edges left out
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     violations: list[dict[str, Any]] = field(default_factory=list)
-    paths: int = 0
+    walks: int = 0
     steps: int = 0
+    rounds: int = 0
     seconds: float = 0.0
-    by_action: dict[str, list[int]] = field(default_factory=dict)  # action -> [edges, covered]
+    by_action: dict[str, list[int]] = field(default_factory=dict)  # action -> [edges in todo, covered]
 
     @property
     def coverage(self) -> float:
-        realizable = self.edges - self.unrealizable
+        realizable = self.todo - self.unrealizable
         return self.covered / realizable if realizable else 1.0
 
+    @property
+    def edges_per_s(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
 
-def _edge_key(src: int, dst: int) -> tuple[int, int]:
-    return (src, dst)
+    def summary(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "states": self.states,
+            "edges": self.edges,
+            "todo": self.todo,
+            "covered": self.covered,
+            "unrealizable": self.unrealizable,
+            "failed": self.failed,
+            "not_shared": self.not_shared,
+            "mismatches": len(self.mismatches),
+            "violations": len(self.violations),
+            "walks": self.walks,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 1),
+            "steps_per_s": round(self.edges_per_s),
+            "by_action": self.by_action,
+        }
 
 
-def cover(
+# ---- the replay ----------------------------------------------------------------------------------------
+def replay_graph(
     graph: StateGraph,
     bounds: Bounds,
     *,
+    backend: str = "hiradix",
+    focus: Sequence[str] = (),
     caveats: frozenset[str] = frozenset(),
     page_size: int = 1,
-    max_path: int = 40,
     seed: int = 0,
+    rounds: int = 4,
     budget_s: float | None = None,
     progress: Callable[[CoverReport], None] | None = None,
+    fresh_every: int = 2000,
 ) -> CoverReport:
-    """Replay walks through ``graph`` until every edge was taken once (or proven unrealizable)."""
-    rng = random.Random(seed)
-    t0 = time.monotonic()
-    out_edges: dict[int, list[tuple[int, str]]] = {}
-    all_edges: set[tuple[int, int]] = set()
-    for src, dst, label in graph.edges:
-        if (src, dst) in all_edges:
-            continue
-        all_edges.add((src, dst))
-        out_edges.setdefault(src, []).append((dst, label))
-    rep = CoverReport(states=len(graph.states), edges=len(all_edges))
-    for _, _, label in graph.edges:
-        rep.by_action.setdefault(label, [0, 0])
-    for _, dst in all_edges:
-        rep.by_action[_label(graph, dst)][0] += 1
-    uncovered = set(all_edges)
-    failed_attempts: dict[tuple[int, int], int] = {}
-    core_cache: dict[int, dict[str, Any]] = {}
+    """Replay every edge of ``graph`` (or, with ``focus``, every edge of those actions and every
+    edge leaving their targets) on a real ``backend`` stack, comparing states after every step.
 
-    def core(sid: int) -> dict[str, Any]:
-        c = core_cache.get(sid)
-        if c is None:
-            c = core_cache[sid] = spec_core(graph.states[sid])
-        return c
+    Stops at the first mismatch. Edges that fail as unrealizable (or not shareable at run time) are
+    re-planned along other walks for ``rounds`` rounds, then counted as unrealizable."""
 
-    def route(start: int) -> list[int] | None:
-        """Shortest path of states from ``start`` to a state with an uncovered out-edge."""
-        prev: dict[int, int | None] = {start: None}
-        q = deque([start])
-        while q:
-            u = q.popleft()
-            if any((u, d) in uncovered for d, _ in out_edges.get(u, ())):
-                path = [u]
-                while prev[path[-1]] is not None:
-                    path.append(prev[path[-1]])  # type: ignore[arg-type]
-                return path[::-1]
-            for d, _ in out_edges.get(u, ()):
-                if d not in prev:
-                    prev[d] = u
-                    q.append(d)
-        return None
+    def stack(seed: int) -> Replayer:
+        return Replayer(bounds, backend=backend, caveats=caveats, page_size=page_size, seed=seed, fill=False)
 
-    init = sorted(graph.initial)
-    while uncovered:
-        if budget_s is not None and time.monotonic() - t0 > budget_s:
-            break
-        start = rng.choice(init)
-        r = Replayer(bounds, caveats=caveats, page_size=page_size, seed=rep.paths)
-        rep.paths += 1
-        try:
-            impl0 = r.abstract()
-            if diff(core(start), impl0):
-                rep.mismatches.append(
-                    {"edge": None, "state": start, "diff": _jsonable(diff(core(start), impl0))}
-                )
+    r = stack(seed)
+    t0 = time.monotonic()  # after the first stack: importing sglang is not the replay's cost
+    states = graph.states
+    label = {sid: str(st["act"][0]) for sid, st in states.items()}
+    all_edges = {(u, v) for u, v, _ in graph.edges}
+    rep = CoverReport(backend=backend, states=len(states), edges=len(all_edges))
+    allowed = set(all_edges)
+    if backend != "hiradix":
+        for u, v in all_edges:
+            why = radix_shares(states[u], states[v], bounds)
+            if why is not None:
+                allowed.discard((u, v))
+                rep.not_shared[why] = rep.not_shared.get(why, 0) + 1
+    if focus:
+        hit = {(u, v) for u, v in allowed if label[v] in focus}
+        targets = {v for _, v in hit}
+        todo = hit | {(u, v) for u, v in allowed if u in targets}
+    else:
+        todo = set(allowed)
+    cover = Cover(allowed, graph.initial, seed=seed)
+    for e in [e for e in todo if e[0] not in cover.dist]:  # not reachable along shareable edges
+        todo.discard(e)
+        rep.not_shared["unreachable"] = rep.not_shared.get("unreachable", 0) + 1
+    rep.todo = len(todo)
+    for _, v in todo:
+        rep.by_action.setdefault(label[v], [0, 0])[0] += 1
+
+    keys = [k for k in states[next(iter(graph.initial))] if k not in HISTORY]
+    failures: Counter[Edge] = Counter()
+    reasons: dict[Edge, str] = {}
+    done: set[Edge] = set()
+    try:
+        for rnd in range(rounds):
+            left = todo - done - {e for e, k in failures.items() if k >= rounds}
+            if not left:
                 break
-            cur, steps, pre = start, 0, impl0
-            while steps < max_path:
-                travel = route(cur)
-                if travel is None:
-                    break
-                # walk to the state that has an uncovered edge (replaying covered edges on the way)
-                moved: dict[str, Any] | None = pre
-                for a, b in itertools.pairwise(travel):
-                    moved = _replay_edge(r, graph, a, b, pre, rep, uncovered, core)
-                    if moved is None:
-                        break
-                    pre = moved
-                    steps += 1
-                if moved is None:
-                    break
-                u = travel[-1]
-                choices = [d for d, _ in out_edges[u] if (u, d) in uncovered]
-                d = rng.choice(choices)
-                res = _replay_edge(r, graph, u, d, pre, rep, uncovered, core)
-                steps += 1
-                if res is None:
-                    if rep.mismatches and rep.mismatches[-1].get("edge") == [u, d]:
-                        return _finish(rep, t0)
-                    failed_attempts[(u, d)] = failed_attempts.get((u, d), 0) + 1
-                    if failed_attempts[(u, d)] >= 3:
-                        uncovered.discard((u, d))
-                        rep.unrealizable += 1
-                    break
-                pre, cur = res, d
-        finally:
-            r.close()
-        if progress is not None:
-            progress(rep)
-        if rep.mismatches:
-            break
+            rep.rounds = rnd + 1
+            plan = cover.plan(left, randomize=rnd > 0)
+            for walk_states in plan.walks:
+                if budget_s is not None and time.monotonic() - t0 > budget_s:
+                    return _finish(rep, t0)
+                if rep.walks and rep.walks % fresh_every == 0:  # bound the copy engine's history
+                    r.close()
+                    r = stack(rep.walks)
+                else:
+                    r.restart()
+                rep.walks += 1
+                if not _walk(r, walk_states, states, keys, bounds, rep, done, failures, reasons):
+                    return _finish(rep, t0)
+                if progress is not None:
+                    progress(rep)
+        rep.unrealizable = len(todo - done)
+        rep.covered = len(todo & done)
+        for e, why in reasons.items():
+            if e not in done:
+                rep.failed[why] = rep.failed.get(why, 0) + 1
+        for _, v in todo & done:
+            rep.by_action[label[v]][1] += 1
+    finally:
+        r.close()
     return _finish(rep, t0)
+
+
+def _walk(
+    r: Replayer,
+    walk_states: list[int],
+    states: Mapping[int, Mapping[str, Any]],
+    keys: list[str],
+    b: Bounds,
+    rep: CoverReport,
+    done: set[Edge],
+    failures: Counter[Edge],
+    reasons: dict[Edge, str],
+) -> bool:
+    """Execute one walk; False on a mismatch (the replay stops there)."""
+    hi = r.backend_name == "hiradix"
+    first = states[walk_states[0]]
+    if not _matches(r, first, keys, b, rep, None, walk_states[:1]):
+        return False
+    for i, (u, v) in enumerate(itertools.pairwise(walk_states)):
+        act = states[v]["act"]
+        try:
+            res = r.apply(act, states[u], check=False)
+        except (Unrealizable, NotApplicable) as exc:
+            failures[(u, v)] += 1
+            reasons[(u, v)] = f"{type(exc).__name__}: {exc.args[0] if exc.args else ''}"
+            return True
+        rep.steps += 1
+        if not _matches(r, states[v], keys, b, rep, act, walk_states[: i + 2]):
+            if hi:  # the spec's properties on the implementation's state, to say what broke
+                post = r.abstract()
+                rep.mismatches[-1]["violations"] = check_invariants(post, b) + check_step(
+                    states[u], post, b, tuple(act)
+                )
+            return False
+        if res.error is not None and act[0] not in ("ToolStart", "ToolEnd", "Close"):
+            rep.violations.append({"edge": [u, v], "action": act, "error": res.error})
+        done.add((u, v))
+    return True
+
+
+def _matches(
+    r: Replayer,
+    spec: Mapping[str, Any],
+    keys: list[str],
+    b: Bounds,
+    rep: CoverReport,
+    act: Any,
+    walk_states: list[int],
+) -> bool:
+    if r.backend_name == "hiradix":
+        d = _diff(spec, r.abstract(), keys)
+    else:
+        want, have = radix_view_spec(spec, b), radix_view_impl(r)
+        for s in b.sessions:  # compare what the spec's view says (a restoring session: no kv yet)
+            have[s] = {k: have[s].get(k) for k in want[s]}
+        d = _diff(want, have, ["now", "resets", *b.sessions])
+        bad = radix_invariants(r)
+        if bad:
+            d["invariants"] = bad
+    if d:
+        rep.mismatches.append({"action": act, "diff": to_plain(d), "walk": walk_states})
+        return False
+    return True
 
 
 def _finish(rep: CoverReport, t0: float) -> CoverReport:
@@ -490,45 +385,64 @@ def _finish(rep: CoverReport, t0: float) -> CoverReport:
     return rep
 
 
-def _label(graph: StateGraph, dst: int) -> str:
-    act = graph.states[dst].get("act")
-    return str(to_plain(act)[0]) if act is not None else "?"
+# ---- the graphs: which models are replayed on which backends (spec/configs.toml) ----------------------
+@dataclass(frozen=True)
+class GraphConfig:
+    """One ``[[conformance]]`` entry of ``spec/configs.toml``."""
+
+    name: str
+    cfg: str
+    constants: tuple[tuple[str, str], ...]
+    backends: tuple[str, ...]
+
+    def cfg_text(self, spec_dir: Path) -> str:
+        return with_constants((spec_dir / self.cfg).read_text(), dict(self.constants))
 
 
-def _jsonable(x: Any) -> Any:
-    return to_plain(x) if not isinstance(x, dict) else {str(k): _jsonable(v) for k, v in x.items()}
+def load_conformance(spec_dir: Path) -> tuple[list[GraphConfig], dict[str, str]]:
+    """The graphs to replay and the actions not replayed yet (action -> reason)."""
+    with (spec_dir / "configs.toml").open("rb") as fh:
+        data = tomllib.load(fh)
+    out = []
+    for raw in data.get("conformance", []):
+        backends = tuple(str(x) for x in raw["backends"])
+        unknown = set(backends) - set(BACKENDS)
+        if unknown:
+            raise ValueError(f"conformance {raw['name']}: unknown backends {sorted(unknown)}")
+        consts = tuple((str(k), str(v)) for k, v in raw.get("constants", {}).items())
+        out.append(GraphConfig(str(raw["name"]), str(raw["cfg"]), consts, backends))
+    pending = {str(k): str(v) for k, v in data.get("conformance_pending", {}).items()}
+    return out, pending
 
 
-def _replay_edge(
-    r: Replayer,
-    graph: StateGraph,
-    u: int,
-    v: int,
-    pre: dict[str, Any],
-    rep: CoverReport,
-    uncovered: set[tuple[int, int]],
-    core: Callable[[int], dict[str, Any]],
-) -> dict[str, Any] | None:
-    act = to_plain(graph.states[v]["act"])
-    try:
-        res = r.apply(act, pre)
-    except Unrealizable:
-        return None
-    rep.steps += 1
-    post = r.abstract()
-    d = diff(core(v), post)
-    if d:
-        rep.mismatches.append({"edge": [u, v], "action": act, "diff": _jsonable(d)})
-        return None
-    if res.violations:
-        rep.violations.append({"edge": [u, v], "action": act, "violations": res.violations})
-    if (u, v) in uncovered:
-        uncovered.discard((u, v))
-        rep.covered += 1
-        rep.by_action[str(act[0])][1] += 1
-    return post
+def dump_graph(tools: Toolchain, spec_dir: Path, gc: GraphConfig, work: Path) -> tuple[StateGraph, Bounds]:
+    """TLC's full state graph of ``gc`` (its modules copied into ``work``) and its bounds."""
+    for f in spec_dir.glob("*.tla"):
+        shutil.copy(f, work / f.name)
+    text = gc.cfg_text(spec_dir)
+    cfg = work / f"{gc.name}.cfg"
+    cfg.write_text(text)
+    res = run_tlc(tools, work / "ToolKV.tla", cfg, dump_dot=work / f"{gc.name}-graph")
+    if res.outcome != "pass":
+        raise RuntimeError(f"TLC on conformance graph {gc.name}: {res.outcome} {res.error_lines[-3:]}")
+    return load_graph(work / f"{gc.name}-graph"), Bounds.from_cfg(cfg_constants(text))
 
 
+def spec_actions(tools: Toolchain, spec_dir: Path, work: Path) -> list[str]:
+    """Every action of the spec's next-state relation, as TLC lists it (``-coverage``), on the
+    smallest model: TLC lists an action even when the model never enables it."""
+    for f in spec_dir.glob("*.tla"):
+        shutil.copy(f, work / f.name)
+    tiny = with_constants((spec_dir / "MC_dump.cfg").read_text(), {"Nodes": "{n1}", "Sessions": "{s1}"})
+    cfg = work / "actions.cfg"
+    cfg.write_text(tiny)
+    res = run_tlc(tools, work / "ToolKV.tla", cfg, coverage=True)
+    if res.outcome != "pass" or not res.coverage:
+        raise RuntimeError(f"TLC listed no actions: {res.outcome} {res.error_lines[-3:]}")
+    return list(res.coverage)
+
+
+# ---- replaying one trace (TLC error traces of the mutants) -----------------------------------------
 def replay_trace(
     states: Iterable[Mapping[str, Any]],
     bounds: Bounds,
@@ -541,14 +455,15 @@ def replay_trace(
     """Replay a TLC error trace (states with ``act``) on the implementation; returns every step's
     result and the per-step state differences (empty where the implementation matched). ``then``
     runs after the last step (e.g. a liveness check) and may add violations."""
-    sts = list(states)
+    sts = [to_plain(dict(s)) for s in states]
     r = Replayer(bounds, caveats=caveats, env_bugs=env_bugs, page_size=page_size)
     results: list[StepResult] = []
     diffs: list[dict[str, Any]] = []
+    keys = [k for k in sts[0] if k not in HISTORY]
     try:
         pre = r.abstract()
         for st in sts[1:]:
-            act = to_plain(st["act"])
+            act = st["act"]
             try:
                 res = r.apply(act, pre)
             except Unrealizable as exc:  # the implementation's world refuses this step: the trace ends
@@ -557,32 +472,13 @@ def replay_trace(
             except Exception as exc:  # a crash inside sglang is a failure of the broken variant
                 results.append(StepResult(tuple(act), f"crash: {type(exc).__name__}: {exc}", ["Crash"]))
                 break
-            pre = r.abstract()
+            assert res.post is not None
+            pre = res.post
             results.append(res)
-            diffs.append(_jsonable(diff(spec_core(st), pre)))
+            diffs.append(to_plain(_diff(st, pre, keys)))
         else:
             if then is not None:
                 results.append(StepResult(("then",), None, then(r)))
     finally:
         r.close()
     return results, diffs
-
-
-__all__ = ["NO_NODE", "Bounds", "CoverReport", "Replayer", "cover", "replay_trace"]
-
-
-def cfg_constants(cfg_text: str) -> dict[str, Any]:
-    """``NAME = value`` assignments of a TLC config, values parsed as TLA+ (model values stay names)."""
-    import re
-
-    from toolkv.verify.tla import parse_value
-
-    out: dict[str, Any] = {}
-    for line in re.sub(r"\\\*.*", "", cfg_text).splitlines():
-        m = re.match(r"^\s*([A-Za-z_]\w*)\s*=\s*(.+?)\s*$", line)
-        if m:
-            try:
-                out[m.group(1)] = to_plain(parse_value(m.group(2)))
-            except Exception:
-                out[m.group(1)] = m.group(2)
-    return out

@@ -10,6 +10,10 @@ node splits, tree resets and close.
 
 After every step:
 
+* step-level refinement: the implementation's state equals the spec's successor of its previous
+  state for that action and parameters (``specstep.successor``; e.g. exactly the nodes a write
+  acknowledgement frees), with the capacity decision the implementation took as the oracle — a
+  step that breaks no invariant but is not a spec step fails here;
 * the spec's invariants and step properties on the refinement mapping (``refinement.py``);
 * sglang's own accounting: allocator + evictable == capacity when nothing is locked, host pool
   slots == host copies in the tree (no orphan), ``host_ref_counter`` == protections held;
@@ -18,7 +22,11 @@ After every step:
   every unreferenced device slot scribbled over first, so a premature read or an early free shows.
 
 At teardown every session is closed and all memory drained: every counter returns to its initial
-value. Each step can be written to an action-level JSONL trace for ``toolkv trace-check``.
+value — unless a check already failed in this example: then teardown only frees the stack, so the
+report names the first violation, not the leak that follows from it. Per-example action counts
+and KV bytes checked are Hypothesis ``event``s (``--hypothesis-show-statistics``; ``toolkv fuzz``
+sums them through Hypothesis's observability callbacks). Each step can be written to an
+action-level JSONL trace for ``toolkv trace-check``.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from toolkv.core.treeops import attached
-from toolkv.verify.conformance import Replayer, StepResult, Unrealizable
-from toolkv.verify.refinement import NO_NODE, ROOT, Bounds
+from toolkv.verify.refinement import NO_NODE, ROOT, Bounds, check_refinement_step
+from toolkv.verify.replayer import Replayer, StepResult, Unrealizable
 
 SESSIONS = ("s1", "s2", "s3")
 OPTIONAL = frozenset(
@@ -56,14 +65,11 @@ class FuzzFailure(AssertionError):
     """An invariant, accounting or integrity check failed (the message says which)."""
 
 
-@dataclasses.dataclass
-class FuzzStats:
-    examples: int = 0
-    steps: int = 0
-    actions: dict[str, int] = dataclasses.field(default_factory=dict)
-    bytes_checked: int = 0
-    last_example_steps: int = 0
-    first_failure_example: int | None = None  # the generated example that first failed (examples to kill)
+UNBORN: dict[str, Any] = {
+    "status": "Unborn", "parent": ROOT, "dev": False, "host": False, "lockRef": 0, "hostRef": 0,
+    "writeKey": NO_NODE, "loadKey": NO_NODE, "loadAcks": 0, "extLock": False,
+}  # fmt: skip
+BIG = 10**6  # "unbounded" spec constants: the real pools bound the campaign, not node slots
 
 
 class ToolKVMachine(RuleBasedStateMachine):
@@ -75,15 +81,26 @@ class ToolKVMachine(RuleBasedStateMachine):
     io_backend: ClassVar[str] = "direct"
     page_size: ClassVar[int] = 1
     trace_dir: ClassVar[Path | None] = None
-    stats: ClassVar[FuzzStats] = FuzzStats()
     ttl: ClassVar[int] = 4
+    examples: ClassVar[int] = 0  # examples built by this class (names the trace files)
 
     def __init__(self) -> None:
         super().__init__()
-        self.stats.examples += 1
-        self.stats.last_example_steps = 0
+        type(self).examples += 1
+        self.example = type(self).examples
+        self.steps = 0
+        self.counts: dict[str, int] = {}
+        self.bytes_checked = 0
+        self.failed = False
         self.bounds = Bounds(
-            nodes=(), sessions=SESSIONS, dev_slots=10**6, host_slots=10**6, max_time=10**6, ttl=self.ttl
+            nodes=(),
+            sessions=SESSIONS,
+            dev_slots=BIG,
+            host_slots=BIG,
+            max_time=BIG,
+            ttl=self.ttl,
+            max_epoch=BIG,
+            max_resets=BIG,
         )
         unit = 4 * max(16, self.page_size)
         self.r = Replayer(
@@ -97,7 +114,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             device=self.device,
             io_backend=self.io_backend,
             ttl=self.ttl,
-            seed=self.stats.examples,
+            seed=self.example,
             # on a GPU: a shape sgl-kernel's transfer kernels accept, in bf16 as served models are
             kv_shape=(2, 2, 4) if self.device == "cpu" else (2, 2, 64),
             dtype=torch.float32 if self.device == "cpu" else torch.bfloat16,
@@ -120,23 +137,33 @@ class ToolKVMachine(RuleBasedStateMachine):
         except Unrealizable:  # sglang's world refused the step (e.g. no memory for the turn)
             self.state = self.r.abstract()
             return None
-        self.state = self.r.abstract()
-        self.stats.steps += 1
-        self.stats.last_example_steps += 1
+        assert res.post is not None
+        self.state = res.post
+        self.steps += 1
         key = str(act[0]) + (f"!{res.error}" if res.error else "")
-        self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
+        self.counts[key] = self.counts.get(key, 0) + 1
         if res.violations:
-            raise FuzzFailure(f"{act}: spec properties violated on the refinement mapping: {res.violations}")
+            self._fail(f"{act}: spec properties violated on the refinement mapping: {res.violations}")
+        mismatch = check_refinement_step(pre, self.state, act, self.bounds, fits=res.fits, slots=False)
+        if mismatch:
+            self._fail(f"{act} is not a spec step: (spec successor, implementation) differ in {mismatch}")
         if self.trace_dir is not None:
             self.trace.append({"act": act, "fits": res.fits, "state": self.state, "error": res.error})
         return res
 
     def _fresh_node(self) -> str:
+        """A new spec node name, Unborn in the current state (the spec's functions range over it)."""
         self.names += 1
         name = f"n{self.names}"
         self.bounds = dataclasses.replace(self.bounds, nodes=(*self.bounds.nodes, name))
         self.r.b = self.bounds
+        for var, v in UNBORN.items():
+            self.state[var] = {**self.state[var], name: v}
         return name
+
+    def _fail(self, message: str) -> None:
+        self.failed = True
+        raise FuzzFailure(message)
 
     def _in_tree(self) -> list[str]:
         return [n for n in self.bounds.nodes if self.state["status"][n] == "InTree"]
@@ -180,12 +207,8 @@ class ToolKVMachine(RuleBasedStateMachine):
         try:
             getattr(self, action)(data)
         except Exception:
-            self._note_failure()
+            self.failed = True
             raise
-
-    def _note_failure(self) -> None:
-        if self.stats.first_failure_example is None:
-            self.stats.first_failure_example = self.stats.examples
 
     # ---- actions: sessions and the manager ----------------------------------------------------------
     def insert(self, data: st.DataObject) -> None:
@@ -323,7 +346,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         try:
             self._sglang_accounting()
         except Exception:
-            self._note_failure()
+            self.failed = True
             raise
 
     def _sglang_accounting(self) -> None:
@@ -359,7 +382,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         try:
             self._kv_integrity()
         except Exception:
-            self._note_failure()
+            self.failed = True
             raise
 
     def _kv_integrity(self) -> None:
@@ -381,22 +404,26 @@ class ToolKVMachine(RuleBasedStateMachine):
                     raise FuzzFailure(
                         f"device KV of a readable node differs from its computed bytes ({tokens[:3]}…)"
                     )
-                self.stats.bytes_checked += got.numel() * 4
+                self.bytes_checked += got.numel() * 4
             if node.host_value is not None and node.write_through_pending_id is None:
                 exp = exp if exp is not None else h.expected_kv(tokens)
                 if not torch.equal(h.host_kv(node.host_value).float(), exp):
                     raise FuzzFailure(f"host KV differs from the offloaded bytes ({tokens[:3]}…)")
 
     def teardown(self) -> None:
+        """Close every session, drain, and require every counter back at its initial value — only
+        when no check failed in this example (a leak after a violation is its consequence, and
+        raising it here would replace the first violation in Hypothesis's report)."""
+        for key, n in sorted(self.counts.items()):
+            event(f"action {key}", payload=n)
+        event("kv bytes checked", payload=self.bytes_checked)
         try:
-            self._drain_and_check_leaks()
-        except Exception:
-            self._note_failure()
-            raise
+            if not self.failed:
+                self._drain_and_check_leaks()
         finally:
             self.r.close()
             if self.trace_dir is not None and self.trace:
-                self.write_trace(self.trace_dir / f"trace-{self.stats.examples:05d}.jsonl")
+                self.write_trace(self.trace_dir / f"trace-{self.example:05d}.jsonl")
 
     def _drain_and_check_leaks(self) -> None:
         h, mgr = self.r.h, self.r.mgr
@@ -450,9 +477,9 @@ def machine_class(
             "io_backend": "kernel" if device.startswith("cuda") else "direct",
             "page_size": page_size,
             "trace_dir": trace_dir,
-            "stats": FuzzStats(),
+            "examples": 0,
         },
     )
 
 
-__all__ = ["SESSIONS", "FuzzFailure", "FuzzStats", "ToolKVMachine", "attached", "machine_class"]
+__all__ = ["SESSIONS", "FuzzFailure", "ToolKVMachine", "attached", "machine_class"]

@@ -22,11 +22,12 @@ correspondence in a :class:`NodeMap`. Everything else is read off the real objec
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from toolkv.core.treeops import TreeNode, attached, path_to
+from toolkv.verify.specstep import Rules, successor
 
 NO_NODE = "NoNode"
 ROOT = "Root"
@@ -34,7 +35,7 @@ ROOT = "Root"
 
 @dataclass(frozen=True)
 class Bounds:
-    """The spec constants a mapping needs."""
+    """The spec constants a mapping (and the Python copy of the spec's actions) needs."""
 
     nodes: tuple[str, ...]
     sessions: tuple[str, ...]
@@ -43,6 +44,11 @@ class Bounds:
     max_time: int
     ttl: int
     max_epoch: int = 1
+    max_resets: int = 1
+    env_locks: bool = True
+    env_writes: bool = True
+    ring: int = 0
+    sys_loads: bool = False
 
     @classmethod
     def from_cfg(cls, consts: Mapping[str, Any]) -> Bounds:
@@ -57,6 +63,31 @@ class Bounds:
             max_time=int(consts["MaxTime"]),
             ttl=int(consts["TTL"]),
             max_epoch=int(consts.get("MaxEpoch", 1)),
+            max_resets=int(consts.get("MaxResets", 1)),
+            env_locks=bool(consts.get("EnvLocks", True)),
+            env_writes=bool(consts.get("EnvWrites", True)),
+            ring=int(consts.get("Ring", 0)),
+            sys_loads=bool(consts.get("SysLoads", False)),
+        )
+
+    def rules(self, *, bug: str = "none", fits: bool | None = None, slots: bool = True) -> Rules:
+        """These constants as :class:`toolkv.verify.specstep.Rules` (for ``successor``)."""
+        return Rules(
+            nodes=self.nodes,
+            sessions=self.sessions,
+            dev_slots=self.dev_slots,
+            host_slots=self.host_slots,
+            max_epoch=self.max_epoch,
+            max_time=self.max_time,
+            ttl=self.ttl,
+            max_resets=self.max_resets,
+            env_locks=self.env_locks,
+            env_writes=self.env_writes,
+            ring=self.ring,
+            sys_loads=self.sys_loads,
+            bug=bug,
+            fits=fits,
+            slots=slots,
         )
 
 
@@ -81,6 +112,10 @@ class NodeMap:
         return NO_NODE
 
 
+class NotMapped(NotImplementedError):
+    """The spec model has a variable this mapping cannot yet read off the implementation."""
+
+
 def abstract_state(
     mgr: Any,
     nodes: NodeMap,
@@ -97,10 +132,11 @@ def abstract_state(
     tree = mgr.tree
     by_id = {id(o): n for n, o in nodes.obj.items()}
     gen = mgr.tree_gen
-    roots = {id(tree.root_node)}
+    root_id = id(tree.root_node)
+    names = bounds.nodes
 
     status: dict[str, str] = {}
-    for n in bounds.nodes:
+    for n in names:
         o = nodes.obj.get(n)
         if o is None:
             status[n] = "Unborn"
@@ -108,21 +144,29 @@ def abstract_state(
             status[n] = "InTree"
         else:
             status[n] = "Gone"
-
-    in_tree = [n for n in bounds.nodes if status[n] == "InTree"]
-    owned_host: set[int] = set(env_host_slots or ())
-    for n in in_tree:
-        hv = nodes.obj[n].host_value
-        if hv is not None:
-            owned_host.update(int(x) for x in hv.tolist())
+    in_tree = [n for n in names if status[n] == "InTree"]
 
     def parent(n: str) -> str:
         o = nodes.obj.get(n)
-        if o is None or o.parent is None or id(o.parent) in roots or id(o.parent) not in by_id:
+        if o is None or o.parent is None or id(o.parent) == root_id:
             return ROOT
-        return by_id[id(o.parent)]
+        return by_id.get(id(o.parent), ROOT)
 
     host_pool = getattr(tree, "token_to_kv_pool_host", None)
+    orphan_candidates = [
+        n
+        for n in names
+        if status[n] == "Gone"
+        and nodes.gen[n] == gen
+        and getattr(nodes.obj[n], "host_value", None) is not None
+    ]
+    owned_host: set[int] = set()
+    if orphan_candidates:  # only then is it worth collecting every slot the live tree owns
+        owned_host = set(env_host_slots or ())
+        for n in in_tree:
+            hv = nodes.obj[n].host_value
+            if hv is not None:
+                owned_host.update(hv.tolist())
 
     def host(n: str) -> bool:
         o = nodes.obj.get(n)
@@ -130,12 +174,12 @@ def abstract_state(
             return False
         if status[n] == "InTree":
             return True
-        if status[n] == "Gone" and nodes.gen[n] == gen and host_pool is not None:
-            idx = [int(x) for x in o.host_value.tolist()]
-            return bool(host_pool.slot_used[idx].all()) and not owned_host.intersection(idx)
+        if n in orphan_candidates and host_pool is not None:
+            idx = o.host_value.tolist()
+            return bool(host_pool.slot_used[idx].all()) and owned_host.isdisjoint(idx)
         return False
 
-    real_id_to_name = {o.id: n for n, o in nodes.obj.items() if nodes.gen[n] == gen and status[n] == "InTree"}
+    real_id_to_name = {nodes.obj[n].id: n for n in in_tree}
     chains = mgr.backend.loading_chains() if hasattr(mgr.backend, "loading_chains") else []
     load_key: dict[str, str] = {}
     for leaf, filled in chains:
@@ -143,11 +187,13 @@ def abstract_state(
             if id(m) in by_id:
                 load_key[by_id[id(m)]] = by_id.get(id(leaf), NO_NODE)
     ack_q = tree.cache_controller.ack_load_queue if hasattr(tree, "cache_controller") else []
-    pending_ids = [i for ack in ack_q for i in ack.node_ids]
+    pending_ids: dict[int, int] = {}
+    for ack in ack_q:
+        for i in ack.node_ids:
+            pending_ids[i] = pending_ids.get(i, 0) + 1
 
-    dev = {n: status[n] == "InTree" and nodes.obj[n].value is not None for n in bounds.nodes}
-    hst = {n: host(n) for n in bounds.nodes}
-    alive_gen = {n: n in nodes.obj and nodes.gen[n] == gen for n in bounds.nodes}
+    dev = {n: status[n] == "InTree" and nodes.obj[n].value is not None for n in names}
+    hst = {n: host(n) for n in names}
 
     sessions = {**getattr(mgr, "_closed", {}), **mgr.sessions}
     phase, ref, epoch, prot, deadline = {}, {}, {}, {}, {}
@@ -162,26 +208,25 @@ def abstract_state(
         prot[s] = by_id.get(id(rec.protected), NO_NODE) if rec.protected is not None else NO_NODE
         deadline[s] = 0 if rec.deadline_seq == 0 else int(min(rec.deadline, bounds.max_time))
 
-    return {
+    if bounds.ring > 0:
+        raise NotMapped("the load-slot ring (Ring > 0) has no refinement mapping yet: map queued and ring")
+    out: dict[str, Any] = {
         "status": status,
-        "parent": {n: parent(n) for n in bounds.nodes},
+        "parent": {n: parent(n) for n in names},
         "dev": dev,
         "host": hst,
-        "lockRef": {n: nodes.obj[n].lock_ref if status[n] == "InTree" else 0 for n in bounds.nodes},
+        "lockRef": {n: nodes.obj[n].lock_ref if status[n] == "InTree" else 0 for n in names},
         "hostRef": {
-            n: nodes.obj[n].host_ref_counter if (n in nodes.obj and alive_gen[n]) else 0 for n in bounds.nodes
+            n: nodes.obj[n].host_ref_counter if (n in nodes.obj and nodes.gen[n] == gen) else 0 for n in names
         },
         "writeKey": {
             n: real_id_to_name.get(nodes.obj[n].write_through_pending_id, NO_NODE)
             if status[n] == "InTree" and nodes.obj[n].write_through_pending_id is not None
             else NO_NODE
-            for n in bounds.nodes
+            for n in names
         },
-        "loadKey": {n: load_key.get(n, NO_NODE) if status[n] == "InTree" else NO_NODE for n in bounds.nodes},
-        "loadAcks": {
-            n: sum(1 for i in pending_ids if status[n] == "InTree" and i == nodes.obj[n].id)
-            for n in bounds.nodes
-        },
+        "loadKey": {n: load_key.get(n, NO_NODE) if status[n] == "InTree" else NO_NODE for n in names},
+        "loadAcks": {n: pending_ids.get(nodes.obj[n].id, 0) if status[n] == "InTree" else 0 for n in names},
         "devFree": bounds.dev_slots - sum(dev.values()),
         "hostFree": bounds.host_slots - sum(hst.values()),
         "phase": phase,
@@ -191,7 +236,11 @@ def abstract_state(
         "deadline": deadline,
         "now": int(min(mgr.now, bounds.max_time)),  # the spec's clock saturates: MaxTime means "or later"
         "resets": resets,
+        # Ring = 0: the spec does not model the load-slot ring; both stay empty.
+        "queued": [],
+        "ring": [],
     }
+    return out
 
 
 # ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
@@ -283,13 +332,16 @@ CORE = (
     "status", "parent", "dev", "host", "lockRef", "hostRef", "writeKey", "loadKey", "loadAcks", "extLock",
     "devFree", "hostFree", "phase", "ref", "epoch", "prot", "deadline", "now", "resets",
 )  # fmt: skip
+HISTORY = ("act", "tgt")  # the spec's history variables: not part of the implementation's state
 
 
 def check_step(
     pre: Mapping[str, Any], post: Mapping[str, Any], b: Bounds, act: tuple[Any, ...] | None = None
 ) -> list[str]:
     """The spec's action properties over one step: ``RunnableOnlyWhenLoaded``, ``EpochMonotone``,
-    and (given the action) ``StaleEpochNoop``."""
+    and (given the action) ``StaleEpochNoop``; and the TTL both ways: after a sweep no protection is
+    past its deadline (``ProtectionReleased``, made checkable on a finite run), and no session ever
+    expires before its deadline (``NoEarlyExpiry``)."""
     bad: list[str] = []
     stale_end = act is not None and act[0] == "ToolEnd" and int(act[2]) != pre["epoch"][str(act[1])]
     if stale_end and any(pre[k] != post[k] for k in CORE if k in pre and k in post):
@@ -306,16 +358,60 @@ def check_step(
                 break
     if any(post["epoch"][s] < pre["epoch"][s] for s in b.sessions):
         bad.append("EpochMonotone")
-    # Caveat 6, made checkable on a finite run: right after a sweep no protection is past its
-    # deadline (the spec's TtlSweep releases every due one; liveness ProtectionReleased follows
-    # under fair sweeps).
     if (
         act is not None
         and act[0] == "TtlSweep"
         and any(post["phase"][s] in PROTECTING and post["deadline"][s] <= post["now"] for s in b.sessions)
     ):
         bad.append("ProtectionReleased")
+    if any(
+        pre["phase"][s] in PROTECTING and post["phase"][s] == "Expired" and pre["deadline"][s] > pre["now"]
+        for s in b.sessions
+    ):
+        bad.append("NoEarlyExpiry")
     return bad
+
+
+def spec_successor(
+    pre: Mapping[str, Any], act: Sequence[Any], b: Bounds, *, fits: bool | None = None, slots: bool = True
+) -> dict[str, Any]:
+    """The spec's successor of ``pre`` under ``act``; a call the spec does not enable changes nothing."""
+    nxt = successor(pre, act, b.rules(fits=fits, slots=slots))
+    return dict(pre) if nxt is None else nxt
+
+
+def step_mismatch(expected: Mapping[str, Any], got: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Variables (history excluded) where the implementation's state differs from the spec's:
+    ``{var: (spec, implementation)}``, restricted to the differing entries of functions."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for k, want in expected.items():
+        if k in HISTORY:
+            continue
+        have = got[k]
+        if want != have:
+            if isinstance(want, dict) and isinstance(have, dict):
+                out[k] = (
+                    {x: v for x, v in want.items() if have.get(x) != v},
+                    {x: v for x, v in have.items() if want.get(x) != v},
+                )
+            else:
+                out[k] = (want, have)
+    return out
+
+
+def check_refinement_step(
+    pre: Mapping[str, Any],
+    post: Mapping[str, Any],
+    act: Sequence[Any],
+    b: Bounds,
+    *,
+    fits: bool | None = None,
+    slots: bool = True,
+) -> dict[str, tuple[Any, Any]]:
+    """Step-level refinement: the implementation's state after ``act`` equals the spec's successor
+    of its state before (``specstep.successor``). Empty when it does. ``fits`` is the capacity
+    decision the implementation took (its pools count tokens, the spec's count nodes)."""
+    return step_mismatch(spec_successor(pre, act, b, fits=fits, slots=slots), post)
 
 
 def path_names(nodes: NodeMap, tree: Any, node: TreeNode) -> list[str]:

@@ -1,0 +1,591 @@
+"""One real cache stack driven by spec actions: ``Replayer.apply(["ToolStart", "s1"])``.
+
+Each spec action has an *executor*: what the scheduler, sglang and the client would do on the real
+cache for that step — manager actions through ``ToolKVManager``, environment actions through the
+real sglang calls. Executors live in a table per cache kind (:data:`HIRADIX`, :data:`RADIX`), so a
+new spec action is one function and one table row. An action without an executor is an error, not
+a skipped step.
+
+The environment is the replayer's to choose, as it is TLC's: which node sglang evicts (by making it
+the least recently used), when a copy finishes (the controllable copy engine), and how much memory
+other requests hold ("ballast" allocations that make a ToolStart find the host full, or a ToolEnd
+find no device memory, exactly when the spec's slot counters say so). Spec slots are node-sized;
+token capacity is mapped onto them only at those two decisions.
+
+sglang processes acknowledgements in issue order (``writing_check``/``loading_check`` stop at the
+first unfinished ack); the spec lets acks arrive in any order. An edge that acknowledges a later
+transfer first cannot happen in sglang: the executor raises :class:`Unrealizable`. A plain
+``RadixCache`` backend (pin, shadow) shares only part of the spec's world — it has no host tier and
+no transfers in flight — and an executor raises :class:`NotApplicable` for a step it cannot share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from toolkv.core.backends.base import Backend
+from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.treeops import TreeNode, attached, path_to, walk
+from toolkv.errors import ToolKVError
+from toolkv.testing.harness import CacheHarness, HarnessConfig, rkey
+from toolkv.verify import specstep
+from toolkv.verify.refinement import ROOT, Bounds, NodeMap, abstract_state, check_invariants, check_step
+
+BACKENDS = ("hiradix", "pin", "shadow")
+
+
+class Unrealizable(Exception):
+    """The spec step cannot happen in sglang (e.g. an ack out of issue order)."""
+
+
+class NotApplicable(Exception):
+    """The backend does not share this spec step (a plain RadixCache has no host tier)."""
+
+
+class UnknownAction(KeyError):
+    """A spec action without an executor: add one to the table of its cache kind."""
+
+
+@dataclass
+class StepResult:
+    action: tuple[Any, ...]
+    error: str | None  # the typed error the manager answered with, if any
+    violations: list[str]
+    post: dict[str, Any] | None = field(default=None, repr=False)  # abstract state after the step
+
+    @property
+    def fits(self) -> bool:
+        """The capacity decision the implementation took (for trace validation)."""
+        return self.error not in ("host_memory_full", "device_memory_full")
+
+
+Executor = Callable[["Replayer", list[str], Mapping[str, Any]], None]
+
+
+class Replayer:
+    """One real cache stack plus a manager, driven one spec action at a time.
+
+    ``capacity="spec"`` maps the spec's node-granular slots onto the token pools with ballast
+    (conformance replay); ``capacity="real"`` leaves the pools alone: refusals happen when the real
+    pools are full, and the step result reports the decision (fuzzing, trace validation).
+    ``backend`` is ``hiradix`` (HiRadixCache), or ``pin`` / ``shadow`` (plain RadixCache)."""
+
+    def __init__(
+        self,
+        bounds: Bounds,
+        *,
+        backend: str = "hiradix",
+        caveats: frozenset[str] = frozenset(),
+        env_bugs: frozenset[str] = frozenset(),
+        page_size: int = 1,
+        seed: int = 0,
+        capacity: str = "spec",
+        device_tokens: int | None = None,
+        host_ratio: float = 1.0,
+        device: str = "cpu",
+        io_backend: str = "direct",
+        ttl: float | None = None,
+        kv_shape: tuple[int, int, int] = (2, 2, 4),
+        dtype: torch.dtype = torch.float32,
+        fill: bool = True,
+    ) -> None:
+        """``fill=False`` skips writing each turn's KV bytes (the conformance replay compares states,
+        not bytes; the fuzz campaign checks bytes and needs them)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.b = bounds
+        self.backend_name = backend
+        self.capacity = capacity
+        self.caveats = caveats
+        # Environment defects: what a misconfigured sglang does. "OrphanHost": a backed-up leaf is
+        # deleted with its host copy still allocated (SessionRadixCache's release path + HiCache,
+        # which the plugin refuses to run with).
+        self.env_bugs = env_bugs
+        self.ps = page_size
+        self.fill = fill
+        self.ttl = float(ttl if ttl is not None else bounds.ttl)
+        self.unit = 4 * max(16, page_size)  # tokens per spec node: halves of splits stay >= 10 (load_back)
+        cap = device_tokens or (len(bounds.nodes) + bounds.dev_slots + 4) * self.unit
+        self.h = CacheHarness(
+            HarnessConfig(
+                kind="hiradix" if backend == "hiradix" else "radix",
+                page_size=page_size,
+                device_tokens=cap,
+                host_ratio=host_ratio,
+                write_policy="write_through",
+                device=device,
+                io_backend=io_backend,
+                layers=kv_shape[0],
+                heads=kv_shape[1],
+                head_dim=kv_shape[2],
+                dtype=dtype,
+            ),
+            seed=seed,
+        )
+        if self.h.is_hi:  # HiCache's own write-through is the spec's explicit WriteThrough action here
+            self.h.tree.write_through_threshold = 10**9
+        self.executors: Mapping[str, Executor] = HIRADIX if self.h.is_hi else RADIX
+        self._fresh = 1
+        self.env_host_slots: set[int] = set()  # host slots held by other requests (fuzz memory pressure)
+        self._start()
+
+    def _start(self) -> None:
+        """A fresh manager and name map over the (empty) tree."""
+        tree = self.h.tree
+        backend: Backend | None = None
+        if self.backend_name == "pin":
+            from toolkv.core.backends.pin import PinBackend
+
+            backend = PinBackend(tree)
+        elif self.backend_name == "shadow":
+            from toolkv.core.backends.shadow import ShadowBackend
+
+            backend = ShadowBackend(tree)
+        self.mgr = ToolKVManager(
+            tree, backend=backend, config=ManagerConfig(ttl_s=self.ttl), caveats=self.caveats
+        )
+        self.nodes = NodeMap()
+        self.tokens: dict[str, list[int]] = {}  # spec node -> tokens from the root to its end
+        self.ext: set[str] = set()
+        self.resets = 0
+        self._ballast_dev: torch.Tensor | None = None
+        self._ballast_host: torch.Tensor | None = None
+
+    def restart(self) -> None:
+        """Back to the spec's initial state on the same stack: let every copy finish and retire it
+        (as a fully idle scheduler would), reset the tree, pools and load-slot ring, new manager.
+        Cheaper than a new stack by two orders of magnitude; the conformance replay starts every
+        walk from here."""
+        h, tree = self.h, self.h.tree
+        self._release_ballast()
+        h.synchronize()
+        if h.is_hi:
+            tree.writing_check()
+            tree.loading_check()
+            tree.ongoing_write_through.clear()
+            tree.ongoing_load_back.clear()
+            tree.cache_controller.layer_done_counter.reset()
+        tree.reset()
+        h.allocator.clear()
+        self.env_host_slots.clear()
+        self._start()
+
+    def close(self) -> None:
+        self.h.close()
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def abstract(self) -> dict[str, Any]:
+        st = abstract_state(
+            self.mgr,
+            self.nodes,
+            self.b,
+            ext_locks=self.ext,
+            resets=self.resets,
+            env_host_slots=self.env_host_slots,
+        )
+        st["extLock"] = {n: n in self.ext for n in self.b.nodes}
+        return st
+
+    def obj(self, name: str) -> TreeNode:
+        return self.nodes.obj[name]
+
+    def tokens_of(self, node: TreeNode) -> list[int]:
+        out: list[int] = []
+        for m in path_to(self.h.tree, node):
+            out.extend(m.key.token_ids)
+        return out
+
+    def resolve(self, name: str) -> TreeNode | None:
+        """The live node for a spec name: its object if attached, else (a backend that re-inserts
+        KV, i.e. shadow) the node whose key ends exactly at the name's last token."""
+        o = self.nodes.obj.get(name)
+        if o is not None and attached(self.h.tree, o):
+            return o
+        toks = self.tokens.get(name)
+        if not toks or self.backend_name != "shadow":
+            return None
+        node, matched = walk(self.h.tree, toks)
+        if matched != len(toks) or node is self.h.tree.root_node:
+            return None
+        self.nodes.obj[name], self.nodes.gen[name] = node, self.mgr.tree_gen
+        return node
+
+    # ---- ballast: how much memory other requests hold ------------------------------------------------
+    def _release_ballast(self) -> None:
+        if self._ballast_dev is not None:
+            self.h.allocator.free(self._ballast_dev)
+            self._ballast_dev = None
+        if self._ballast_host is not None:
+            self.h.host_pool.free(self._ballast_host)
+            self._ballast_host = None
+
+    def device_free_exactly(self, tokens: int) -> None:
+        if self.capacity != "spec":
+            return
+        extra = self.h.allocator.available_size() - max(tokens, 0)
+        if extra > 0:
+            self._ballast_dev = self.h.allocator.alloc(extra)
+            assert self._ballast_dev is not None
+
+    def host_free_exactly(self, tokens: int) -> None:
+        if self.capacity != "spec":
+            return
+        extra = self.h.host_pool.available_size() - max(tokens, 0)
+        if extra > 0:
+            self._ballast_host = self.h.host_pool.alloc(extra)
+            assert self._ballast_host is not None
+
+    # ---- one spec action -------------------------------------------------------------------------------
+    def apply(
+        self, act: Sequence[Any], pre: Mapping[str, Any] | None = None, *, check: bool = True
+    ) -> StepResult:
+        """Execute spec action ``act`` (e.g. ``("ToolStart", "s1")``). ``pre`` is the state before it
+        in the spec's variables (the spec's own state in a conformance replay; computed from the
+        implementation if not given): the environment's memory choices depend on it. ``check``
+        evaluates the spec's invariants and step properties on the implementation's state after."""
+        pre = pre if pre is not None else self.abstract()
+        name, args = str(act[0]), [str(a) for a in act[1:]]
+        exe = self.executors.get(name)
+        if exe is None:
+            raise UnknownAction(f"no executor for spec action {name!r} on a {self.h.cfg.kind} cache")
+        self._release_ballast()
+        error: str | None = None
+        try:
+            exe(self, args, pre)
+        except ToolKVError as exc:
+            error = exc.code
+        finally:
+            self._release_ballast()
+        if not check:
+            return StepResult(tuple(act), error, [])
+        post = self.abstract()
+        return StepResult(
+            tuple(act),
+            error,
+            check_invariants(post, self.b) + check_step(pre, post, self.b, tuple(act)),
+            post,
+        )
+
+    # ---- helpers shared by executors ---------------------------------------------------------------
+    def insert(self, s: str, p: str, n: str) -> None:
+        """Session ``s`` finishes a turn: fresh tokens under ``p``'s path land as node ``n``."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        tree = self.h.tree
+        parent = None if p == ROOT else self.resolve(p)
+        if p != ROOT and parent is None:
+            raise NotApplicable("the node is not in this backend's tree")
+        prefix_tokens: list[int] = [] if parent is None else self.tokens_of(parent)
+        fresh = list(range(self._fresh, self._fresh + self.unit))
+        self._fresh += self.unit
+        tokens = prefix_tokens + fresh
+        new = self.h.allocator.alloc(self.unit)
+        if new is None:
+            if self.capacity == "spec":
+                raise AssertionError("the replayer sized the device pool too small")
+            raise Unrealizable("no device memory for the turn")
+        if self.fill:
+            self.h.fill_kv(new, fresh)
+        prefix_idx = torch.cat([m.value for m in path_to(tree, parent)]).to(new.device) if parent else new[:0]
+        res = tree.insert(InsertParams(key=rkey(tokens), value=torch.cat([prefix_idx, new])))
+        assert int(res.prefix_len) == len(prefix_tokens), "insert matched more than the parent path"
+        leaf, matched = walk(tree, tokens)
+        assert matched == len(tokens)
+        self.nodes.add(n, leaf, self.mgr.tree_gen)
+        self.tokens[n] = tokens
+        self.mgr.record_turn(s, tokens)
+
+    def split(self, n: str, m: str) -> None:
+        """A request diverges inside ``n``: sglang's ``_split_node`` (via ``match_prefix``) makes the
+        fresh prefix ``m``; ``n`` keeps its identity."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        o = self.resolve(n)
+        if o is None:
+            raise NotApplicable("the node is not in this backend's tree")
+        half = (len(o.key) // 2) // self.ps * self.ps
+        assert half > 0, "node too short to split"
+        tokens = self.tokens_of(o.parent) if o.parent is not self.h.tree.root_node else []
+        tokens += list(o.key.token_ids[:half])
+        self.h.tree.match_prefix(MatchPrefixParams(key=rkey(tokens)))
+        assert len(o.key) == len(o.key.token_ids) and o.parent is not None
+        self.nodes.add(m, o.parent, self.mgr.tree_gen)
+        self.tokens[m] = tokens
+
+    def evict(self, name: str, host: bool = False) -> bool:
+        """Make ``name`` the least recently used node and let sglang evict (device or host) as much as
+        it holds; True when it left the tree."""
+        o = self.resolve(name)
+        if o is None:
+            return True
+        o.last_access_time = -1e18  # the environment picks the victim
+        if host:
+            self.h.evict_host(len(o.key))
+        else:
+            self.h.evict_device(len(o.key))
+        return not attached(self.h.tree, o)
+
+
+# ---- executors on a HiRadixCache -------------------------------------------------------------------
+def _complete_ack(r: Replayer, queue: list[Any], name: str) -> None:
+    rid = r.obj(name).id
+    for i, ack in enumerate(queue):
+        if rid in ack.node_ids:
+            if i:
+                raise Unrealizable("ack out of issue order (sglang retires acks oldest first)")
+            ack.finish_event.synchronize()
+            return
+    raise Unrealizable("no ack in flight for this key")
+
+
+def hi_insert(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.insert(a[0], a[1], a[2])
+
+
+def hi_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    rec = r.mgr.sessions.get(a[0])
+    tree = r.h.tree
+    if rec is not None and rec.node is not None and attached(tree, rec.node):
+        w = [m for m in path_to(tree, rec.node) if m.host_value is None]
+        if len(w) > pre["hostFree"]:
+            r.host_free_exactly(sum(len(m.key) for m in w) - r.ps)
+    r.mgr.tool_start(a[0])
+
+
+def hi_write_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    tree = r.h.tree
+    _complete_ack(r, tree.cache_controller.ack_write_queue, a[0])
+    tree.writing_check()
+    r.mgr.process_write_acks()
+
+
+def hi_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    rec = r.mgr.sessions.get(a[0])
+    tree = r.h.tree
+    if rec is not None and rec.node is not None and attached(tree, rec.node):
+        c = [m for m in path_to(tree, rec.node) if m.value is None]
+        if len(c) > pre["devFree"]:
+            r.device_free_exactly(sum(len(m.key) for m in c) - r.ps)
+    r.mgr.tool_end(a[0], int(a[1]))
+
+
+def hi_load_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    tree = r.h.tree
+    _complete_ack(r, tree.cache_controller.ack_load_queue, a[0])
+    tree.loading_check()
+    r.mgr.process_load_acks()
+
+
+def ttl_sweep(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    mgr = r.mgr
+    if pre["now"] >= r.b.max_time:
+        # the spec's clock saturates at MaxTime ("MaxTime or later") and clamps deadlines to it:
+        # every armed deadline is due there. Real time simply moves on that far.
+        due = [x.deadline for x in mgr.sessions.values() if x.state in specstep.PROTECTING]
+        mgr.set_clock(max([mgr.now, *due]))
+    mgr.ttl_sweep()
+
+
+def close(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.mgr.close(a[0])
+
+
+def lock(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    o = r.resolve(a[0])
+    if o is None:
+        raise NotApplicable("the node is not in this backend's tree")
+    r.h.tree.inc_lock_ref(o)
+    r.ext.add(a[0])
+
+
+def unlock(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    o = r.resolve(a[0])
+    if o is None:
+        raise NotApplicable("the node is not in this backend's tree")
+    r.h.tree.dec_lock_ref(o)
+    r.ext.discard(a[0])
+
+
+def hi_gpu_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    tree = r.h.tree
+    o = r.obj(a[0])
+    if "OrphanHost" in r.env_bugs and o.host_value is not None:
+        tree.cache_controller.mem_pool_device_allocator.free(o.value)
+        tree._delete_leaf(o)
+        return
+    o.last_access_time = -1e18  # the environment picks the victim: make it the LRU leaf
+    r.h.evict_device(len(o.key))
+    if o.value is not None and attached(tree, o):
+        raise Unrealizable("sglang would not GPU-evict this node")
+
+
+def hi_host_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    if not r.evict(a[0], host=True):
+        raise Unrealizable("sglang would not host-evict this node")
+
+
+def hi_write_through(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    o = r.obj(a[0])
+    if r.h.tree.write_backup(o) != len(o.key):
+        raise Unrealizable("host pool full: sglang skips the write-through")
+
+
+def split(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.split(a[0], a[1])
+
+
+def hi_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    # flush_cache only runs when the scheduler is fully idle, which counts sglang's in-flight writes
+    # and loads as busy: they have finished and been retired (reset() itself does not clear
+    # ongoing_write_through / ongoing_load_back).
+    tree = r.h.tree
+    r.h.synchronize()
+    tree.writing_check()
+    tree.loading_check()
+    tree.reset()
+    r.h.allocator.clear()
+    r.resets += 1
+    r.mgr.on_tree_reset()
+
+
+def tick(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.mgr.set_clock(r.mgr.now + 1)
+
+
+#: spec action -> executor on a HiRadixCache (the spec's own world).
+HIRADIX: dict[str, Executor] = {
+    "Insert": hi_insert,
+    "ToolStart": hi_tool_start,
+    "WriteAck": hi_write_ack,
+    "ToolEnd": hi_tool_end,
+    "LoadAck": hi_load_ack,
+    "TtlSweep": ttl_sweep,
+    "Close": close,
+    "Lock": lock,
+    "Unlock": unlock,
+    "GpuEvict": hi_gpu_evict,
+    "HostEvict": hi_host_evict,
+    "WriteThrough": hi_write_through,
+    "Split": split,
+    "TreeReset": hi_tree_reset,
+    "Tick": tick,
+}
+
+
+# ---- executors on a plain RadixCache (pin, shadow) -------------------------------------------------
+def _spec_path(pre: Mapping[str, Any], r: Replayer, n: str) -> list[str]:
+    return specstep.path(pre, n, len(r.b.nodes))
+
+
+def _budget_refuses(r: Replayer, need: int) -> None:
+    """Make the backend's budget one token short of ``need`` (the environment's choice, as ballast
+    is for the host pool): the spec's ToolStart finds no room."""
+    if need <= 0:
+        raise NotApplicable("this backend moves nothing here, so it cannot run out of room")
+    be: Any = r.mgr.backend
+    used = be.pinned_tokens if r.backend_name == "pin" else be.host_tokens
+    be.budget_tokens = used + need - 1
+
+
+def rx_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    s = a[0]
+    n = pre["ref"][s]
+    rec = r.mgr.sessions.get(s)
+    refused = (
+        pre["phase"][s] == "Running"
+        and n != specstep.NO
+        and pre["status"][n] == "InTree"
+        and len([m for m in _spec_path(pre, r, n) if not pre["host"][m]]) > pre["hostFree"]
+    )
+    be: Any = r.mgr.backend
+    if refused and rec is not None and rec.node is not None and attached(r.h.tree, rec.node):
+        if r.backend_name == "pin":
+            need = sum(len(m.key) for m in path_to(r.h.tree, rec.node))
+        else:
+            need = sum(len(m.key) for m in be._exclusive(rec.node))
+        _budget_refuses(r, need)
+    try:
+        r.mgr.tool_start(s)
+    finally:
+        be.budget_tokens = None
+
+
+def rx_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    s, e = a[0], int(a[1])
+    n = pre["ref"][s]
+    refused = (
+        pre["phase"][s] in ("Offloading", "Offloaded")
+        and e == pre["epoch"][s]
+        and len([m for m in _spec_path(pre, r, n) if not pre["dev"][m]]) > pre["devFree"]
+    )
+    if refused:
+        if r.backend_name == "pin":
+            raise NotApplicable("pin needs no device memory to restore: it cannot be refused")
+        rec = r.mgr.sessions[s]
+        need = rec.backend_state.tokens if rec.backend_state is not None else 0
+        if need == 0:
+            raise NotApplicable("shadow has nothing to copy back here: it cannot be refused")
+        r.device_free_exactly(need - r.ps)
+    r.mgr.tool_end(s, e)
+
+
+def rx_acks(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """A synchronous backend finished every copy inside the call: the manager's ack hooks find
+    nothing to do (the spec's in-flight phases collapse onto the settled ones)."""
+    r.mgr.process_write_acks()
+    r.mgr.process_load_acks()
+
+
+def rx_gpu_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    if pre["host"][a[0]]:
+        raise NotApplicable("a plain RadixCache has no host copy to keep: eviction deletes")
+    if not r.evict(a[0]):
+        raise NotApplicable("this backend still holds a descendant on the device")
+
+
+def rx_host_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    # the spec deletes an unprotected host-only leaf; here its KV is on the device (pin never
+    # frees it) or already gone (shadow removed it): delete it, or nothing to do
+    if not r.evict(a[0]):
+        raise NotApplicable("this backend still holds the node on the device")
+
+
+def rx_write_through(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """No host tier, no write-through: nothing happens."""
+
+
+def rx_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.h.tree.reset()
+    r.h.allocator.clear()
+    r.resets += 1
+    r.mgr.on_tree_reset()
+
+
+#: spec action -> executor on a plain RadixCache (the pin and shadow backends).
+RADIX: dict[str, Executor] = {
+    **HIRADIX,
+    "ToolStart": rx_tool_start,
+    "WriteAck": rx_acks,
+    "ToolEnd": rx_tool_end,
+    "LoadAck": rx_acks,
+    "GpuEvict": rx_gpu_evict,
+    "HostEvict": rx_host_evict,
+    "WriteThrough": rx_write_through,
+    "TreeReset": rx_tree_reset,
+}
+
+
+__all__ = [
+    "BACKENDS",
+    "HIRADIX",
+    "RADIX",
+    "NotApplicable",
+    "Replayer",
+    "StepResult",
+    "UnknownAction",
+    "Unrealizable",
+]

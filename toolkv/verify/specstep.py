@@ -1,0 +1,528 @@
+"""The spec's next-state relation, action by action, in Python: ``successor(state, act)``.
+
+Why a second copy of ``spec/ToolKV.tla``'s actions: the fuzz campaign checks, after *every* step,
+that the implementation moved exactly as the spec would have — the same successor for the same
+action and parameters, e.g. the same set of nodes freed by a write acknowledgement — at sizes no
+TLC graph reaches, thousands of steps a second. TLC cannot be asked per step. This copy is kept
+honest by ``model_tests/test_specstep.py``: on every edge of TLC's dumped state graphs,
+``successor(u, act) == v``.
+
+States are the plain form of :func:`toolkv.verify.tlavalues.to_plain` (functions as dicts keyed by
+names, sets as sorted lists). ``Rules`` carries the spec constants and the capacity decisions:
+``fits`` replaces ``HostFits``/``DevFits`` with the decision the implementation took (token pools
+decide capacity, not node slots), and ``slots=False`` makes the other node-slot guards true, as
+trace validation does. Adding a spec action is one function in :data:`ACTIONS`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+NO = "NoNode"
+ROOT = "Root"
+PROTECTING = ("Offloading", "Offloaded", "Restoring")
+State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The constants of one model plus the capacity oracle."""
+
+    nodes: tuple[str, ...]
+    sessions: tuple[str, ...]
+    dev_slots: int
+    host_slots: int
+    max_epoch: int
+    max_time: int
+    ttl: int
+    max_resets: int
+    env_locks: bool = True
+    env_writes: bool = True
+    ring: int = 0
+    sys_loads: bool = False
+    bug: str = "none"
+    fits: bool | None = None  # HostFits/DevFits decided by the implementation (None: the spec's)
+    slots: bool = True  # False: InsertFits, WriteFits, SplitFits are TRUE (token pools decide)
+
+    @classmethod
+    def from_cfg(cls, c: Mapping[str, Any]) -> Rules:
+        return cls(
+            nodes=tuple(sorted(str(x) for x in c["Nodes"])),
+            sessions=tuple(sorted(str(x) for x in c["Sessions"])),
+            dev_slots=int(c["DevSlots"]),
+            host_slots=int(c["HostSlots"]),
+            max_epoch=int(c["MaxEpoch"]),
+            max_time=int(c["MaxTime"]),
+            ttl=int(c["TTL"]),
+            max_resets=int(c["MaxResets"]),
+            env_locks=bool(c.get("EnvLocks", True)),
+            env_writes=bool(c.get("EnvWrites", True)),
+            ring=int(c.get("Ring", 0)),
+            sys_loads=bool(c.get("SysLoads", False)),
+            bug=str(c.get("BUG", "none")),
+        )
+
+
+# ---- definitions of the spec ---------------------------------------------------------------------
+def path(st: Mapping[str, Any], n: str, limit: int) -> list[str]:
+    """``Path(n)``: n and its ancestors, excluding the root (bounded, as in the spec)."""
+    out: list[str] = []
+    while n not in (ROOT, NO) and limit > 0:
+        out.append(n)
+        n = st["parent"][n]
+        limit -= 1
+    return out
+
+
+def in_tree(st: Mapping[str, Any]) -> list[str]:
+    return [n for n, s in st["status"].items() if s == "InTree"]
+
+
+def kids(st: Mapping[str, Any], n: str) -> list[str]:
+    return [c for c in in_tree(st) if st["parent"][c] == n]
+
+
+def through(paths: Mapping[str, set[str]], m: str, keys: Iterable[str]) -> int:
+    return sum(1 for k in keys if m in paths.get(k, ()))
+
+
+def path_valid(st: Mapping[str, Any], n: str, limit: int) -> bool:
+    if n == ROOT:
+        return True
+    return st["status"][n] == "InTree" and all(
+        st["dev"][m] and st["loadKey"][m] == NO for m in path(st, n, limit)
+    )
+
+
+def free_set(
+    st: Mapping[str, Any],
+    leaves: Iterable[str],
+    d: Mapping[str, bool],
+    wk: Mapping[str, str],
+    lk: Mapping[str, str],
+    lr: Mapping[str, int],
+    limit: int,
+    no_ack: bool = False,
+) -> set[str]:
+    """``FreeSet`` (or ``FreeSetNoAck`` for the FreeBeforeAck mutant): bottom-up fixpoint."""
+    ls = set(leaves)
+    cand = {m for leaf in ls for m in path(st, leaf, limit)}
+    kid = {m: kids(st, m) for m in cand}
+    free: set[str] = set()
+    for _ in range(limit):
+        step = set(free)
+        for m in cand:
+            ok = d[m] and st["host"][m] and all((not d[c]) or c in free for c in kid[m])
+            if not no_ack:
+                ok = ok and wk[m] == NO and lk[m] == NO and lr[m] == 0
+            if ok and (m in ls or any(st["parent"][c] == m for c in free)):
+                step.add(m)
+        free = step
+    return free
+
+
+def _paths(st: Mapping[str, Any], r: Rules) -> dict[str, set[str]]:
+    return {k: set(path(st, k, len(r.nodes))) for k in st["status"]}
+
+
+def _locked(
+    st: Mapping[str, Any], r: Rules, lr: Mapping[str, int], keys: Iterable[str], d: int
+) -> dict[str, int]:
+    ps = _paths(st, r)
+    ks = list(keys)
+    return {m: lr[m] + d * through(ps, m, ks) for m in lr}
+
+
+def _in_flight(st: Mapping[str, Any], k: str) -> bool:
+    if k in st.get("queued", ()):
+        return True
+    return any(k in slot["keys"] for slot in st.get("ring", ()))
+
+
+def _start_load(s: State, who: str) -> None:
+    s["ring"] = [*s["ring"], {"keys": sorted(s["queued"]), "who": who}]
+    s["queued"] = []
+
+
+# ---- actions: each returns the successor, or None when the action is not enabled ------------------
+def tool_start(st: State, r: Rules, sid: str) -> State | None:
+    n = st["ref"][sid]
+    if not (st["phase"][sid] == "Running" and n != NO and st["epoch"][sid] < r.max_epoch):
+        return None
+    s = copy.deepcopy(st)
+    s["tgt"] = []
+    if st["status"][n] != "InTree" and r.bug != "StaleNode":
+        s["ref"][sid] = NO
+        return s
+    lim = len(r.nodes)
+    pn = path(st, n, lim)
+    w = [m for m in pn if not st["host"][m]]
+    fits = r.fits if r.fits is not None else len(w) <= st["hostFree"]
+    if not fits:
+        return s
+    wk2 = {m: (m if m in w else st["writeKey"][m]) for m in st["writeKey"]}
+    lr2 = _locked(st, r, st["lockRef"], w, 1)
+    clean = all(wk2[m] == NO for m in pn)
+    if r.bug == "FreeBeforeAck":
+        f = free_set(st, [n], st["dev"], wk2, st["loadKey"], lr2, lim, no_ack=True)
+    else:
+        f = free_set(st, [n], st["dev"], wk2, st["loadKey"], lr2, lim) if clean else set()
+    for m in w:
+        s["host"][m] = True
+    s["hostFree"] -= len(w)
+    s["writeKey"] = wk2
+    s["lockRef"] = lr2
+    s["hostRef"][n] += 1
+    for m in f:
+        s["dev"][m] = False
+    s["devFree"] += len(f)
+    s["prot"][sid] = n
+    s["epoch"][sid] += 1
+    s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
+    s["phase"][sid] = "Offloaded" if clean or r.bug == "FreeBeforeAck" else "Offloading"
+    s["tgt"] = [n]
+    return s
+
+
+def write_ack(st: State, r: Rules, k: str) -> State | None:
+    if not any(v == k for v in st["writeKey"].values()):
+        return None
+    lim = len(r.nodes)
+    s = copy.deepcopy(st)
+    wk2 = {m: (NO if v == k else v) for m, v in st["writeKey"].items()}
+    lr2 = _locked(st, r, st["lockRef"], [k], -1)
+    done = [
+        x
+        for x in r.sessions
+        if st["phase"][x] == "Offloading" and all(wk2[m] == NO for m in path(st, st["ref"][x], lim))
+    ]
+    f = free_set(st, [st["ref"][x] for x in done], st["dev"], wk2, st["loadKey"], lr2, lim)
+    s["writeKey"], s["lockRef"] = wk2, lr2
+    for m in f:
+        s["dev"][m] = False
+    s["devFree"] += len(f)
+    for x in done:
+        s["phase"][x] = "Offloaded"
+    s["tgt"] = sorted({st["ref"][x] for x in done})
+    return s
+
+
+def tool_end(st: State, r: Rules, sid: str, e: Any) -> State | None:
+    e = int(e)
+    ph = st["phase"][sid]
+    if ph not in ("Offloading", "Offloaded", "Restoring", "Expired", "Lost") or not 0 <= e <= r.max_epoch:
+        return None
+    lim = len(r.nodes)
+    n = st["ref"][sid]
+    pn = path(st, n, lim)
+    c = [m for m in pn if not st["dev"][m]]
+    s = copy.deepcopy(st)
+    s["tgt"] = []
+    if ph in ("Offloading", "Offloaded") and (e == st["epoch"][sid] or r.bug == "NoEpochCheck"):
+        s["tgt"] = [n]
+        fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
+        overrun = r.bug == "RingOverrun" and bool(c) and len(st.get("ring", ())) >= r.ring
+        if not fits or overrun:
+            if r.bug == "HostLockLeak":
+                s["phase"][sid] = "Expired"
+            return s
+        lk2 = {m: (n if m in c else v) for m, v in st["loadKey"].items()}
+        loads = 1 if c else 0
+        runnable = all(lk2[m] == NO for m in pn) or r.bug == "EarlyRunnable"
+        pin = 0 if runnable else 1
+        for m in c:
+            s["dev"][m] = True
+        s["devFree"] -= len(c)
+        s["loadKey"] = lk2
+        s["loadAcks"][n] += loads
+        s["lockRef"] = _locked(st, r, st["lockRef"], [n], loads + pin)
+        s["phase"][sid] = "Runnable" if runnable else "Restoring"
+        s["prot"][sid] = NO if runnable else n
+        if runnable:
+            s["hostRef"][n] -= 1
+        if r.ring > 0 and c:
+            if r.bug == "RingOverrun":
+                s["queued"] = sorted({*st["queued"], n})
+                _start_load(s, "tkv")
+            else:
+                s["queued"] = sorted({*st["queued"], n})
+        return s
+    if r.bug == "DoubleLoad" and ph == "Restoring" and e == st["epoch"][sid] and st["loadKey"][n] != NO:
+        s["tgt"] = [n]
+        s["loadAcks"][n] += 1
+        s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
+    return s
+
+
+def load_ack(st: State, r: Rules, k: str) -> State | None:
+    if not (st["loadAcks"][k] > 0 and not _in_flight(st, k)):
+        return None
+    lim = len(r.nodes)
+    s = copy.deepcopy(st)
+    la2 = dict(st["loadAcks"])
+    la2[k] -= 1
+    lk2 = {m: (NO if v == k else v) for m, v in st["loadKey"].items()} if la2[k] == 0 else st["loadKey"]
+    done = [
+        x
+        for x in r.sessions
+        if st["phase"][x] == "Restoring"
+        and all(st["dev"][m] and lk2[m] == NO for m in path(st, st["ref"][x], lim))
+    ]
+    ps = _paths(st, r)
+    s["loadAcks"] = la2
+    s["loadKey"] = dict(lk2)
+    s["lockRef"] = {
+        m: st["lockRef"][m] - through(ps, m, [k]) - sum(1 for x in done if m in ps[st["ref"][x]])
+        for m in st["lockRef"]
+    }
+    for x in done:
+        s["phase"][x] = "Runnable"
+        s["prot"][x] = NO
+    s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in done if st["prot"][x] == m) for m in st["hostRef"]}
+    s["tgt"] = sorted({st["ref"][x] for x in done})
+    return s
+
+
+def start_loads(st: State, r: Rules) -> State | None:
+    ring = st.get("ring", [])
+    guard = len(ring) <= r.ring - 2 if r.bug == "RingTwoFree" else not ring
+    if not (r.ring > 0 and st.get("queued") and guard):
+        return None
+    s = copy.deepcopy(st)
+    _start_load(s, "tkv")
+    s["tgt"] = []
+    return s
+
+
+def sys_start(st: State, r: Rules) -> State | None:
+    if not (r.sys_loads and sum(1 for x in st.get("ring", ()) if x["who"] == "sys") <= 1):
+        return None
+    s = copy.deepcopy(st)
+    _start_load(s, "sys")
+    s["tgt"] = []
+    return s
+
+
+def ring_done(st: State, r: Rules) -> State | None:
+    if not st.get("ring"):
+        return None
+    s = copy.deepcopy(st)
+    s["ring"] = s["ring"][1:]
+    s["tgt"] = []
+    return s
+
+
+def _released(st: State, s: State, r: Rules, who: Sequence[str]) -> None:
+    ps = _paths(st, r)
+    for x in who:
+        s["prot"][x] = NO
+    s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in who if st["prot"][x] == m) for m in st["hostRef"]}
+    s["lockRef"] = {
+        m: st["lockRef"][m]
+        - sum(1 for x in who if st["phase"][x] == "Restoring" and m in ps.get(st["ref"][x], ()))
+        for m in st["lockRef"]
+    }
+
+
+def ttl_sweep(st: State, r: Rules) -> State | None:
+    due = [x for x in r.sessions if st["phase"][x] in PROTECTING and st["deadline"][x] <= st["now"]]
+    if r.bug == "NoTtl" or not due:
+        return None
+    s = copy.deepcopy(st)
+    _released(st, s, r, due)
+    for x in due:
+        s["phase"][x] = "Expired"
+        if r.bug == "EpochReuse":
+            s["epoch"][x] = 0
+    s["tgt"] = sorted({st["prot"][x] for x in due})
+    return s
+
+
+def close(st: State, r: Rules, sid: str) -> State | None:
+    if st["phase"][sid] in ("New", "Closed"):
+        return None
+    s = copy.deepcopy(st)
+    _released(st, s, r, [sid])
+    s["phase"][sid] = "Closed"
+    s["tgt"] = [st["prot"][sid]] if st["prot"][sid] != NO else []
+    return s
+
+
+def lock(st: State, r: Rules, n: str) -> State | None:
+    if not (r.env_locks and st["status"][n] == "InTree" and not st["extLock"][n]):
+        return None
+    if not path_valid(st, n, len(r.nodes)):
+        return None
+    s = copy.deepcopy(st)
+    s["extLock"][n] = True
+    s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
+    s["tgt"] = []
+    return s
+
+
+def unlock(st: State, r: Rules, n: str) -> State | None:
+    if not st["extLock"][n]:
+        return None
+    s = copy.deepcopy(st)
+    s["extLock"][n] = False
+    s["lockRef"] = _locked(st, r, st["lockRef"], [n], -1)
+    s["tgt"] = []
+    return s
+
+
+def gpu_evict(st: State, r: Rules, n: str) -> State | None:
+    ok = st["status"][n] == "InTree" and st["dev"][n] and st["lockRef"][n] == 0
+    ok = ok and st["writeKey"][n] == NO and st["loadKey"][n] == NO
+    ks = kids(st, n)
+    if not (ok and not any(st["dev"][c] for c in ks)):
+        return None
+    s = copy.deepcopy(st)
+    s["dev"][n] = False
+    s["devFree"] += 1
+    if not st["host"][n] or (r.bug == "OrphanHost" and not ks):
+        s["status"][n] = "Gone"
+    s["tgt"] = []
+    return s
+
+
+def host_evict(st: State, r: Rules, n: str) -> State | None:
+    ok = st["status"][n] == "InTree" and st["host"][n] and not st["dev"][n] and not kids(st, n)
+    ok = ok and st["lockRef"][n] == 0 and (r.bug == "EvictProtected" or st["hostRef"][n] == 0)
+    if not ok:
+        return None
+    s = copy.deepcopy(st)
+    s["status"][n] = "Gone"
+    s["host"][n] = False
+    s["hostFree"] += 1
+    s["tgt"] = []
+    return s
+
+
+def write_through(st: State, r: Rules, n: str) -> State | None:
+    ok = r.env_writes and st["status"][n] == "InTree" and st["dev"][n] and not st["host"][n]
+    ok = ok and st["loadKey"][n] == NO
+    p = st["parent"][n]
+    ok = ok and (p == ROOT or st["host"][p]) and (not r.slots or st["hostFree"] >= 1)
+    if not ok:
+        return None
+    s = copy.deepcopy(st)
+    s["host"][n] = True
+    s["hostFree"] -= 1
+    s["writeKey"][n] = n
+    s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
+    s["tgt"] = []
+    return s
+
+
+def split(st: State, r: Rules, n: str, m: str) -> State | None:
+    if not (st["status"][n] == "InTree" and st["status"][m] == "Unborn"):
+        return None
+    fits = (not st["dev"][n] or st["devFree"] >= 1) and (not st["host"][n] or st["hostFree"] >= 1)
+    if r.slots and not fits:
+        return None
+    s = copy.deepcopy(st)
+    s["status"][m] = "InTree"
+    s["parent"][m] = st["parent"][n]
+    s["parent"][n] = m
+    for var in ("dev", "host", "lockRef", "writeKey", "loadKey"):
+        s[var][m] = st[var][n]
+    s["hostRef"][m] = st["hostRef"][n] if r.bug == "SplitCopiesHostRef" else 0
+    s["devFree"] -= 1 if st["dev"][n] else 0
+    s["hostFree"] -= 1 if st["host"][n] else 0
+    s["tgt"] = []
+    return s
+
+
+def insert(st: State, r: Rules, sid: str, p: str, n: str) -> State | None:
+    ok = st["phase"][sid] in ("New", "Running", "Runnable", "Expired", "Lost")
+    ok = ok and st["status"][n] == "Unborn" and path_valid(st, p, len(r.nodes))
+    if not (ok and (not r.slots or st["devFree"] >= 1)):
+        return None
+    s = copy.deepcopy(st)
+    s["status"][n] = "InTree"
+    s["parent"][n] = p
+    s["dev"][n] = True
+    s["devFree"] -= 1
+    s["ref"][sid] = n
+    s["phase"][sid] = "Running"
+    s["tgt"] = []
+    return s
+
+
+def tree_reset(st: State, r: Rules) -> State | None:
+    if not (st["resets"] < r.max_resets and not any(st["extLock"].values()) and not st.get("ring")):
+        return None
+    s = copy.deepcopy(st)
+    if "queued" in s:
+        s["queued"] = []
+    s["status"] = {n: ("Gone" if v == "InTree" else v) for n, v in st["status"].items()}
+    for var, v0 in (("dev", False), ("host", False), ("lockRef", 0), ("hostRef", 0)):
+        s[var] = dict.fromkeys(st[var], v0)
+    for var in ("writeKey", "loadKey"):
+        s[var] = dict.fromkeys(st[var], NO)
+    s["loadAcks"] = dict.fromkeys(st["loadAcks"], 0)
+    s["devFree"], s["hostFree"] = r.dev_slots, r.host_slots
+    s["phase"] = {x: ("Lost" if v in PROTECTING else v) for x, v in st["phase"].items()}
+    s["prot"] = dict.fromkeys(st["prot"], NO)
+    s["resets"] += 1
+    s["tgt"] = []
+    return s
+
+
+def tick(st: State, r: Rules) -> State | None:
+    if st["now"] >= r.max_time:
+        return None
+    s = copy.deepcopy(st)
+    s["now"] += 1
+    s["tgt"] = []
+    return s
+
+
+Action = Callable[..., State | None]
+
+#: spec action name -> its successor function (parameters follow the state and the rules).
+ACTIONS: dict[str, Action] = {
+    "ToolStart": tool_start,
+    "WriteAck": write_ack,
+    "ToolEnd": tool_end,
+    "LoadAck": load_ack,
+    "StartLoads": start_loads,
+    "TtlSweep": ttl_sweep,
+    "Close": close,
+    "Lock": lock,
+    "Unlock": unlock,
+    "GpuEvict": gpu_evict,
+    "HostEvict": host_evict,
+    "WriteThrough": write_through,
+    "Split": split,
+    "Insert": insert,
+    "TreeReset": tree_reset,
+    "SysStart": sys_start,
+    "RingDone": ring_done,
+    "Tick": tick,
+}
+
+
+class UnknownAction(KeyError):
+    """The spec has an action this port does not know (add it to :data:`ACTIONS`)."""
+
+
+def successor(st: Mapping[str, Any], act: Sequence[Any], r: Rules) -> State | None:
+    """The spec state after ``act`` (e.g. ``["ToolEnd", "s1", 1]``) from ``st``; None if not enabled.
+
+    ``st`` needs every spec variable but ``act``/``tgt``; the result carries ``act`` and ``tgt``."""
+    name = str(act[0])
+    fn = ACTIONS.get(name)
+    if fn is None:
+        raise UnknownAction(f"no Python successor for spec action {name!r}: add it to specstep.ACTIONS")
+    base = {k: v for k, v in st.items() if k not in ("act", "tgt")}
+    out = fn(base, r, *[a if isinstance(a, int) else str(a) for a in act[1:]])
+    if out is not None:
+        out["act"] = [name, *act[1:]]
+    return out
+
+
+__all__ = ["ACTIONS", "Rules", "UnknownAction", "free_set", "path", "path_valid", "successor"]
