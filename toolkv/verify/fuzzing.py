@@ -246,7 +246,8 @@ class ToolKVMachine(RuleBasedStateMachine):
 
     def _ack(self, which: str) -> None:
         ctrl = self.r.h.tree.cache_controller
-        q = ctrl.ack_write_queue if which == "write" else ctrl.ack_load_queue
+        # the oldest started transfer, else (loads) the oldest queued one: its LoadAck starts it first
+        q = ctrl.ack_write_queue if which == "write" else [*ctrl.ack_load_queue, *ctrl.load_queue]
         if not q:
             return
         by_real = {self.r.nodes.obj[n].id: n for n in self._in_tree()}

@@ -14,7 +14,8 @@ correspondence in a :class:`NodeMap`. Everything else is read off the real objec
 | ``lockRef[n]``, ``hostRef[n]`` | ``node.lock_ref``, ``node.host_ref_counter`` (0 once the node's tree was reset) |
 | ``writeKey[n]`` | name of the node whose id is ``node.write_through_pending_id`` |
 | ``loadKey[n]`` | the manager's own loads: ``backend.loading_chains()`` |
-| ``loadAcks[k]`` | acks in the controller's ``ack_load_queue`` carrying ``k``'s id |
+| ``loadAcks[k]`` | loads carrying ``k``'s id that are started (``ack_load_queue``) or queued (``load_queue``) |
+| ``queued``, ``ring`` | empty while the spec does not model the load-slot ring (``Ring = 0``): a queued load is in flight, its start an internal step |
 | ``phase[s]``, ``ref[s]``, ``epoch[s]``, ``prot[s]``, ``deadline[s]`` | the ``SessionRecord`` (``state``, ``node``, ``epoch``, ``protected``, ``min(deadline, MaxTime)``) |
 | ``devFree``, ``hostFree`` | ``DevSlots``/``HostSlots`` minus the nodes holding a copy (slots are node-granular in the spec; token capacity is an environment choice, see ``conformance.py``) |
 | ``now``, ``resets`` | ``manager.now``, resets seen |
@@ -186,10 +187,12 @@ def abstract_state(
         for m in filled:
             if id(m) in by_id:
                 load_key[by_id[id(m)]] = by_id.get(id(leaf), NO_NODE)
-    ack_q = tree.cache_controller.ack_load_queue if hasattr(tree, "cache_controller") else []
+    # In-flight loads: started (an ack in ack_load_queue) or queued by load_back and not started yet
+    # (load_queue). With Ring = 0 the spec does not model the start: a queued load is in flight.
+    ctrl = getattr(tree, "cache_controller", None)
     pending_ids: dict[int, int] = {}
-    for ack in ack_q:
-        for i in ack.node_ids:
+    for op in [*getattr(ctrl, "ack_load_queue", ()), *getattr(ctrl, "load_queue", ())]:
+        for i in op.node_ids:
             pending_ids[i] = pending_ids.get(i, 0) + 1
 
     dev = {n: status[n] == "InTree" and nodes.obj[n].value is not None for n in names}

@@ -162,10 +162,8 @@ class Replayer:
         walk from here."""
         h, tree = self.h, self.h.tree
         self._release_ballast()
-        h.synchronize()
+        _drain(self)
         if h.is_hi:
-            tree.writing_check()
-            tree.loading_check()
             tree.ongoing_write_through.clear()
             tree.ongoing_load_back.clear()
             tree.cache_controller.layer_done_counter.reset()
@@ -373,8 +371,30 @@ def hi_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.mgr.tool_end(a[0], int(a[1]))
 
 
+def _start_queued(r: Replayer, name: str) -> None:
+    """A load that ``load_back`` only queued is started by the scheduler tick's ``start_loads``
+    (spec ``StartLoads``; with ``Ring = 0`` an internal step of the load) before it can finish."""
+    ctrl = r.h.tree.cache_controller
+    rid = r.obj(name).id
+    if any(rid in op.node_ids for op in ctrl.load_queue) and not r.mgr.backend.start_loads():
+        raise Unrealizable("the load ring is busy: the queued load cannot start yet")
+
+
+def _drain(r: Replayer) -> None:
+    """What a fully idle scheduler has: every transfer finished and retired, no load queued."""
+    h, tree = r.h, r.h.tree
+    h.synchronize()
+    if h.is_hi:
+        while tree.cache_controller.load_queue:
+            r.mgr.backend.start_loads()
+            h.synchronize()
+        tree.writing_check()
+        tree.loading_check()
+
+
 def hi_load_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     tree = r.h.tree
+    _start_queued(r, a[0])
     _complete_ack(r, tree.cache_controller.ack_load_queue, a[0])
     tree.loading_check()
     r.mgr.process_load_acks()
@@ -443,9 +463,7 @@ def hi_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     # and loads as busy: they have finished and been retired (reset() itself does not clear
     # ongoing_write_through / ongoing_load_back).
     tree = r.h.tree
-    r.h.synchronize()
-    tree.writing_check()
-    tree.loading_check()
+    _drain(r)
     tree.reset()
     r.h.allocator.clear()
     r.resets += 1
