@@ -1,24 +1,32 @@
 """TP=2 on CPU: two gloo ranks, each with its own real DecodeKVCacheOffloadManager, driven by the
 same seeded scheduler while rank 0's copy engine and backup thread run eagerly and rank 1's
-lazily. With sglang's all_reduce(MIN) the ranks stay identical; with each rank using its own
-counts (mutant ``LocalAckCounts``, patched into the real class) they drift apart.
+lazily. With sglang's all_reduce(MIN) the ranks stay identical and the two-rank trace is a
+behaviour of the spec; with each rank using its own counts (mutant ``LocalAckCounts``, patched
+into the real class) they drift apart and the trace is refused.
 (``toolkv.verify.decode_tp`` is the rank program.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from toolkv.verify.decode_tp import spawn
+from toolkv.verify.decode_tracecheck import check_trace
 
 STEPS = 120
 
 
 @pytest.fixture(scope="module")
-def episodes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("decode-tp")
+
+
+@pytest.fixture(scope="module")
+def episodes(out: Path) -> dict[str, list[dict[str, Any]]]:
     """Both episodes in one pair of processes (each process imports sglang once)."""
-    return spawn(tmp_path_factory.mktemp("decode-tp"), seed=3, steps=STEPS, mutants=(None, "LocalAckCounts"))
+    return spawn(out, seed=3, steps=STEPS, mutants=(None, "LocalAckCounts"))
 
 
 def test_skewed_ranks_stay_identical(episodes: dict[str, list[dict[str, Any]]]) -> None:
@@ -34,3 +42,12 @@ def test_skewed_ranks_stay_identical(episodes: dict[str, list[dict[str, Any]]]) 
 def test_local_ack_counts_make_the_ranks_diverge(episodes: dict[str, list[dict[str, Any]]]) -> None:
     r0, r1 = episodes["LocalAckCounts"]
     assert not r0["ok"] and r0["diverged_at"] is not None and r0["diverged_at"] == r1["diverged_at"], (r0, r1)
+
+
+def test_the_two_rank_traces_against_the_spec(episodes: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    """The whole TP system as one trace (lockstep steps, then each rank's engine steps) is a
+    behaviour of the spec with Ranks = {k1, k2}; the mutant's is refused at the diverging check."""
+    ok = check_trace(out / "0-none" / "trace.jsonl")
+    assert ok.ok, ok.message
+    bad = check_trace(out / "1-LocalAckCounts" / "trace.jsonl")
+    assert not bad.ok and bad.action == ["Check"], bad

@@ -8,7 +8,9 @@ write and backup acks with an ``all_reduce(MIN)`` over the TP group before actin
 scheduler step the ranks exchange (``all_gather_object``) the lockstep part of their abstract
 state (everything except per-rank engine progress and storage) and stop at the first difference.
 
-Run by ``fuzz/test_decode_tp.py`` in two spawned processes; each writes ``rank{r}.json``.
+Rank 0 also writes the whole run as one trace for ``toolkv.verify.decode_tracecheck`` (with
+``Ranks = {k1, k2}``). Run by ``fuzz/test_decode_tp.py`` in two spawned processes; each writes
+``rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -79,23 +81,28 @@ def episode(rank: int, world: int, out_dir: str, seed: int, steps: int, mutant: 
     eager = 0.8 if rank == 0 else 0.15
     cfg = DecodeHarnessConfig(device_tokens=24, host_ratio=0.25)
     group = dist.group.WORLD
+    tracer: _Tracer | None = None
+    host_size = 0
     with decode_mutants.apply(mutant):
         h = DecodeOffloadHarness(
             cfg, group=group, rank=rank, world=world, storage_dir=Path(out_dir) / "store"
         )
         try:
             w = DecodeWorld(h, RIDS, prompt_len=3, max_new=12, rank_name=f"k{rank + 1}")
+            host_size = int(h.host_pool.size)
+            tracer = _Tracer(rank, world, w)
             for i in range(steps):
                 action = sched.choice(GLOBAL)
                 rid = sched.choice(RIDS)
                 if action in ("admit", "decode", "offload", "finish"):
-                    getattr(w, action)(rid)
+                    tracer.step(getattr(w, action)(rid))
                 else:
-                    w.check()
-                while local.random() < eager and w.copy().changed:
+                    tracer.step(w.check())
+                while local.random() < eager and tracer.step(w.copy()):
                     pass
-                while local.random() < eager and w.store().changed:
+                while local.random() < eager and tracer.step(w.store()):
                     pass
+                tracer.gather()
                 w.check_real()
                 mine = lockstep_view(w.abstract())
                 views: list[Any] = [None] * world
@@ -125,6 +132,70 @@ def episode(rank: int, world: int, out_dir: str, seed: int, steps: int, mutant: 
             h.close()
     result["progress"] = progress
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0 and tracer is not None:
+        tracer.write(Path(out_dir, "trace.jsonl"), h.cfg.device_tokens, int(host_size))
+
+
+class _Tracer:
+    """Builds one trace of the whole TP system for ``toolkv.verify.decode_tracecheck``: per
+    scheduler step, the lockstep action (recorded once, with every rank's per-rank fields), then
+    rank 0's engine steps, then rank 1's (they touch only their own rank's fields, so this order
+    is a valid interleaving of what ran in parallel)."""
+
+    PER_RANK = ("odata", "stored", "freed", "hostFree", "store")
+
+    def __init__(self, rank: int, world: int, w: Any) -> None:
+        self.rank, self.world, self.w = rank, world, w
+        self.mine: list[dict[str, Any]] = [{"act": ["Init"], "fits": True, "s": w.abstract()}]
+        self.records: list[dict[str, Any]] = []
+        self.gather()
+
+    def step(self, res: Any) -> bool:
+        """Record a step that changed something or was refused (as the fuzz machine does)."""
+        if res.changed or not res.fits:
+            self.mine.append({"act": res.act, "fits": res.fits, "s": self.w.abstract()})
+        return bool(res.changed)
+
+    def gather(self) -> None:
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, self.mine)
+        self.mine = []
+        if self.rank != 0:
+            return
+        lockstep = [r for r in every[0] if r["act"][0] not in ("Copy", "Store")]
+        for g in lockstep:  # the same lockstep records on every rank
+            s = dict(g["s"])
+            prev = self.records[-1]["s"] if self.records else g["s"]
+            for f in self.PER_RANK:
+                s[f] = {}
+                for k, recs in enumerate(every):
+                    # a rank whose step changed nothing it records (only when ranks already
+                    # disagree) keeps its fields from the previous record
+                    name = f"k{k + 1}"
+                    mine = next((r["s"] for r in recs if r["act"] == g["act"]), None)
+                    s[f][name] = mine[f][name] if mine is not None else prev[f][name]
+            self.records.append({**g, "s": s})
+        for recs in every:
+            for r in recs:
+                if r["act"][0] in ("Copy", "Store"):
+                    s = dict(self.records[-1]["s"])
+                    for f in self.PER_RANK:
+                        s[f] = {**s[f], **r["s"][f]}
+                    self.records.append({**r, "s": s})
+
+    def write(self, path: Path, dev_slots: int, host_slots: int) -> None:
+        header = {
+            "reqs": list(RIDS),
+            "ranks": [f"k{r + 1}" for r in range(self.world)],
+            "pre": 3,
+            "max_len": 15,
+            "stride": 1,
+            "dev_slots": dev_slots,
+            "host_slots": host_slots,
+        }
+        path.write_text("\n".join(json.dumps(x) for x in [{"header": header}, *self.records]) + "\n")
 
 
 def _free_port() -> int:
