@@ -8,7 +8,7 @@ STAMP := $(VENV)/.toolkv-installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test model lint type lock clean venv-0523 test-0523
+.PHONY: venv demo test test-long model lint type lock clean venv-0523 test-0523
 
 venv: $(STAMP)
 
@@ -31,10 +31,18 @@ demo: $(STAMP)
 # conformance replay of TLC's state graph on the real HiRadixCache, mutant traces, the quick fuzz
 # campaign and the mutant kill table. GPU tests skip without CUDA.
 test: $(STAMP)
-	$(VENV)/bin/toolkv spec-check
-	$(VENV)/bin/toolkv spec-check --spec-dir spec/decode
-	$(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
+	$(VENV)/bin/toolkv spec-check --jobs 2
+	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
 	$(MAKE) -s test-0523
+
+# The longer campaign (one command): every CPU test including the slow ones, with Hypothesis's
+# `long` profile (2,000 examples of up to 80 steps, example database on), then the mutant kill table
+# with shrinking. See docs/testing.md.
+test-long: $(STAMP)
+	$(VENV)/bin/toolkv spec-check --jobs 2
+	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest -m "not gpu" -v -p no:cacheprovider --durations=25
+	$(VENV)/bin/toolkv fuzz --profile long --mutants --every 100
 
 # The second CPU environment: sglang 0.5.23 (UnifiedRadixCache) next to .venv's 0.5.16, same torch.
 # Built from scratch in about 4 minutes on 2 cores; its tests skip in .venv and run here.

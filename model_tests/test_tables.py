@@ -1,8 +1,8 @@
 """The lifecycle tables in ``toolkv/lifecycle.py`` equal the spec's transition relations.
 
-1. Dump TLC's full state graph of ``MC_dump.cfg`` and extract, for every edge, each session's
-   phase change and each node's tier change, labelled with the action (snake_case): that relation
-   must be contained in the tables.
+1. From TLC's full state graphs of the conformance models (``dump``, ``split``), extract for every
+   edge each session's phase change and each node's tier change, labelled with the action
+   (snake_case): that relation must be contained in the tables.
 2. At the safety bounds (3 nodes, 2 sessions) TLC checks an action property generated from the
    tables: every phase and tier change is a table row. Rows the small dump cannot reach must be
    reached there (a witness TLC must refute).
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from toolkv.core import lifecycle
-from toolkv.verify.tla import Toolchain, read_dot, run_tlc, to_plain
+from toolkv.verify.tla import Toolchain, run_tlc
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 
@@ -59,28 +59,25 @@ def _toolchain() -> Toolchain:
 
 
 @pytest.fixture(scope="module")
-def dumped(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
-    tools = _toolchain()
-    out = tmp_path_factory.mktemp("dump") / "graph.dot"
-    res = run_tlc(tools, SPEC / "ToolKV.tla", SPEC / "MC_dump.cfg", dump_dot=out)
-    assert res.outcome == "pass", res.output[-2000:]
-    g = read_dot(out)
-    states = {k: to_plain(v) for k, v in g.states.items()}
+def dumped(graphs: Any) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
+    """Phase and tier changes on every edge of the conformance graphs (``dump``: two sessions;
+    ``split``: two slots per tier, where splits happen), shared with the conformance replay."""
     sess: set[tuple[str, str, str]] = set()
     tiers: set[tuple[str, str, str]] = set()
-    for u, v, label in g.edges:
-        a, b = states[u], states[v]
-        assert b["act"][0] == label, "the act history variable names the edge's action"
-        act = snake(label)
-        for s in a["phase"]:
-            if a["phase"][s] != b["phase"][s]:
-                sess.add((a["phase"][s], b["phase"][s], act))
-        for n in a["status"]:
-            t1, t2 = spec_tier(a, n), spec_tier(b, n)
-            if t1 != t2:
-                tiers.add((t1, t2, act))
+    for name in ("dump", "split"):
+        g, _ = graphs.get(name)
+        states = g.states
+        for u, v, label in g.edges:
+            a, b = states[u], states[v]
+            assert b["act"][0] == label, "the act history variable names the edge's action"
+            act = snake(label)
+            for s in a["phase"]:
+                if a["phase"][s] != b["phase"][s]:
+                    sess.add((a["phase"][s], b["phase"][s], act))
+            for n in a["status"]:
+                t1, t2 = spec_tier(a, n), spec_tier(b, n)
+                if t1 != t2:
+                    tiers.add((t1, t2, act))
     return sess, tiers
 
 

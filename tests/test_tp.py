@@ -22,7 +22,7 @@ from toolkv.core.backends.base import LocalAgreement
 from toolkv.sglang.tp import AgreedClock, ProcessGroupAgreement
 
 WORLD = 2
-TTL = 5.0
+TTL = 6.0  # long enough for the offload and restore round trip of session a (9 iterations)
 BASE = 1_000_000.0
 
 
@@ -115,6 +115,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         iteration("nothing")
         iteration("rank1 writes done", writes_on=(1,))  # now both free, same iteration
         record("tool_end a", tk.handle("tool_end", {"session_id": "a", "epoch": 1}))
+        iteration("loads start")  # tool_end only queues the load: the next tick starts it (ring idle)
         iteration("rank0 loads done", loads_on=(0,))
         iteration("rank1 loads done", loads_on=(1,))
 
@@ -124,7 +125,9 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         status, body = tk.handle("tool_end", {"session_id": "b", "epoch": 1})
         if hog is not None:
             h.allocator.free(hog)
-        body.pop("device_free_tokens", None)  # a local diagnostic reading; the decision is agreed
+        # local diagnostics (this rank's free memory, and so the reason in words); the decision is agreed
+        body.pop("device_free_tokens", None)
+        body.pop("message", None)
         record("tool_end b (rank 1 full)", (status, body))
         for i in range(int(TTL) + 2):  # clocks are skewed: the agreed MAX decides expiry for both
             iteration(f"idle {i}")
@@ -160,6 +163,7 @@ def test_two_gloo_ranks_take_identical_decisions(tmp_path: Path) -> None:
     assert by["rank0 writes done"]["sessions"]["a"]["state"] == "Offloading", "rank 0 must wait for rank 1"
     assert by["rank1 writes done"]["sessions"]["a"]["state"] == "Offloaded"
     assert by["tool_end a"]["reply"][1]["state"] == "Restoring"
+    assert by["loads start"]["loads"] == 1 and by["loads start"]["sessions"]["a"]["state"] == "Restoring"
     assert by["rank0 loads done"]["sessions"]["a"]["state"] == "Restoring"
     assert by["rank1 loads done"]["sessions"]["a"]["state"] == "Runnable"
     refused = by["tool_end b (rank 1 full)"]

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -175,6 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run only configs whose name matches (fnmatch pattern; repeatable; e.g. 'mut_*')",
     )
     parser.add_argument("--workers", type=int, default=1, help="TLC worker threads (default 1)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="TLC runs at a time, one JVM each (default 1; CI uses its cores)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TLC run (default 600)")
     parser.add_argument("--spec-dir", type=Path, default=None, help="directory holding configs.toml")
     parser.add_argument("--list", action="store_true", help="list the configs and exit")
@@ -219,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
             print(s.output, file=sys.stderr)
     results: list[ConfigResult] = []
     if sany_ok:
-        for i, entry in enumerate(configs, 1):
-            r = check_config(tools, spec_dir, entry, args.workers, args.timeout)
-            results.append(r)
+        jobs = max(1, int(getattr(args, "jobs", 1) or 1))
+
+        def report(i: int, r: ConfigResult) -> None:
             print(
                 f"[{i}/{len(configs)}] {r.name}: {r.result} (expected {r.expected}) "
                 f"{_fmt(r.distinct)} states, depth {_fmt(r.depth)}, {r.seconds:.1f}s {'ok' if r.ok else 'FAIL'}",
@@ -230,6 +234,20 @@ def run(args: argparse.Namespace) -> int:
             )
             if not r.ok and r.detail:
                 print(f"    {r.detail}", file=progress, flush=True)
+
+        # Longest first when running several at once: the big safety and liveness runs start early.
+        order = sorted(configs, key=lambda c: c.kind not in ("safe", "live")) if jobs > 1 else configs
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # each job waits on its own JVM
+            futures = {
+                pool.submit(check_config, tools, spec_dir, entry, args.workers, args.timeout): entry
+                for entry in order
+            }
+            done: dict[str, ConfigResult] = {}
+            for n, fut in enumerate(as_completed(futures), 1):
+                r = fut.result()
+                done[r.name] = r
+                report(n, r)
+        results = [done[c.name] for c in configs]
     total = time.monotonic() - t0
     ok = sany_ok and all(r.ok for r in results) and len(results) == len(configs)
     if json_mode:
