@@ -185,7 +185,7 @@ class ToolKVManager:
             self._offloading[session_id] = rec
         self.counters["tool_start"] += 1
         self.counters["offloaded_tokens"] += rec.offload_tokens
-        log.info(
+        log.debug(
             "tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens
         )
         return self._meta(rec)
@@ -240,7 +240,7 @@ class ToolKVManager:
             self._restoring[session_id] = rec
         self.counters["tool_end"] += 1
         self.counters["restored_tokens"] += rec.restored_tokens
-        log.info("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
+        log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
         return self._meta(rec)
 
     # ---- LoadAck --------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ class ToolKVManager:
             if "EpochReuse" in self.caveats:
                 rec.epoch = 0
             self.counters["expired"] += 1
-            log.warning("session %s expired after %.1fs without tool_end", sid, self.config.ttl_s)
+            log.debug("session %s expired after %.1fs without tool_end", sid, self.config.ttl_s)
             n += 1
         return n
 

@@ -300,7 +300,7 @@ def twins(url: str, k: int, w: Workload) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="toolkv bench agent", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="toolkv bench agent", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--mode", choices=MODES, default="explicit")
     ap.add_argument("--sessions", type=int, default=Workload.sessions)

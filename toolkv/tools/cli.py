@@ -37,7 +37,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "validate JSON-lines traces against the spec's next-state relation",
     ),
     "diagram": ("toolkv.tools.diagram", "Mermaid state diagrams generated from the lifecycle tables"),
-    "bench": ("toolkv.tools.bench", "benchmarks (overhead: control-path cost per call and per idle tick)"),
+    "bench": (
+        "toolkv.tools.bench",
+        "benchmarks (overhead: control-path cost per call and per idle tick; transfer: GB/s vs raw copy;"
+        " agent: agent sessions against a running server, see `toolkv bench agent --help`)",
+    ),
     "docs": ("toolkv.tools.docgen", "regenerate the generated tables in docs/ from the tools' JSON"),
 }
 
@@ -83,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "agent"]:  # the load generator keeps its own options (stdlib only)
+        from toolkv.tools import agent_bench
+
+        return agent_bench.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     sp: argparse.ArgumentParser = args._parser
