@@ -71,8 +71,8 @@ prot == s.prot          \* tree_cache.protected_size_, in pages
 treeOk == s.treeOk      \* the radix cache's prefix pages still own their device slots
 \* ---- the offload manager's per-request state (identical on every rank) ----
 hasSt == s.hasSt        \* [Reqs -> BOOLEAN]: offloaded_state[rid] exists
-inc == s.inc            \* [Reqs -> Nat]: offloaded_state.inc_len, in pages
-last == s.last          \* [Reqs -> Int]: offloaded_state.last_hash as a chain length (-1: off chain)
+inc == s.inc            \* [Reqs -> Nat]: offloaded_state.inc_len, in pages (0 without a state)
+last == s.last          \* [Reqs -> Int]: offloaded_state.last_hash as a chain length (-1: off chain; 0 without a state)
 inflight == s.inflight  \* [Reqs -> Nat]: offload_inflight[rid]
 rel == s.rel            \* [Reqs -> Nat]: releases that ran their side effects
 chain == s.chain        \* [Reqs -> Seq(Int)]: page hashes handed to write_storage, in order
