@@ -41,6 +41,7 @@ test: $(STAMP)
 # with shrinking. See docs/testing.md.
 test-long: $(STAMP)
 	$(VENV)/bin/toolkv spec-check --jobs 2
+	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
 	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest -m "not gpu" -v -p no:cacheprovider --durations=25
 	$(VENV)/bin/toolkv fuzz --profile long --mutants --every 100
 
