@@ -15,6 +15,7 @@ from typing import Any
 
 from toolkv import __version__
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.core.compat import decode_offload_reasons
 from toolkv.core.lifecycle import PROTECTING
 from toolkv.core.manager import ToolKVManager, make_backend
 from toolkv.core.treeops import Tree
@@ -62,6 +63,7 @@ def unsupported_reasons(server_args: Any) -> list[str]:
         out.append("prefill/decode disaggregation")
     if g("use_ray", False):
         out.append("Ray launch mode (--use-ray): sglang's plugin hooks are not applied there")
+    out += decode_offload_reasons(server_args)
     return out
 
 
