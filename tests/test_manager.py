@@ -292,3 +292,20 @@ def test_shadow_backend_frees_gpu_and_reinserts_identical_bytes(page_size: int) 
         m.close("b")
         h.evict_device(10**6)
         assert h.accounting() == initial
+
+
+def test_a_reused_session_id_keeps_old_epochs_stale(hh: CacheHarness) -> None:
+    """Close, then the same id starts over: an epoch handed out before the close is still refused."""
+    h = hh
+    m = ToolKVManager(h.tree)
+    turn(h, m, "a", list(range(1, 65)))
+    step(h, m, 1, writes=True)
+    old = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
+    m.close("a")
+    turn(h, m, "a", list(range(1, 65)))
+    new = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
+    assert new > old
+    with pytest.raises(StaleEpoch):
+        m.tool_end("a", old)
+    assert m.kv_meta("a")["state"] in ("Offloading", "Offloaded")
+    m.close("a")

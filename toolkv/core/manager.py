@@ -139,8 +139,12 @@ class ToolKVManager:
             raise BadRequest("session_id must be a non-empty string")
         rec = self.sessions.get(session_id)
         if rec is None:
-            self._closed.pop(session_id, None)
+            old = self._closed.pop(session_id, None)
             rec = SessionRecord(session_id=session_id)
+            if old is not None:
+                # A reused id continues the old epochs: a tool_end from before the close stays
+                # stale (spec EpochMonotone; Closed never goes back to Running under one record).
+                rec.epoch = old.epoch
         elif rec.state not in ("Running", "Runnable", "Expired", "Lost"):
             raise WrongState(
                 f"session {session_id!r} is {rec.state}; a turn cannot end while its KV is offloaded"
