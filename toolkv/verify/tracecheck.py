@@ -120,6 +120,8 @@ Trace == <<
 
 TInit == /\\ i = 1
 {init}
+         /\\ queued = {{}}
+         /\\ ring = <<>>
          /\\ act = Trace[1].act
          /\\ tgt = {{}}
 
@@ -160,6 +162,8 @@ TraceNext == TNext \\/ Done
     EnvLocks = TRUE
     EnvWrites = TRUE
     Hist = TRUE
+    Ring = 0
+    SysLoads = FALSE
     BUG = "none"
     HostFits <- THostFits
     DevFits <- TDevFits
