@@ -222,9 +222,22 @@ class SanyResult:
 
 def run_sany(tools: Toolchain, module: Path, timeout: float = 120.0) -> SanyResult:
     """Parse and check a module with SANY."""
-    rc, out, secs = _run(
-        [tools.java, "-cp", str(tools.jar), "tla2sany.SANY", module.name], module.parent, timeout
-    )
+    private_tmp = Path(tempfile.mkdtemp(prefix="toolkv-sany-"))  # see tlc_command: standard modules
+    try:
+        rc, out, secs = _run(
+            [
+                tools.java,
+                f"-Djava.io.tmpdir={private_tmp}",
+                "-cp",
+                str(tools.jar),
+                "tla2sany.SANY",
+                module.name,
+            ],
+            module.parent,
+            timeout,
+        )
+    finally:
+        shutil.rmtree(private_tmp, ignore_errors=True)
     ok = rc == 0 and not any(marker in out for marker in _SANY_ERRORS)
     return SanyResult(ok=ok, output=out, seconds=secs)
 
@@ -247,7 +260,12 @@ def tlc_command(
     legitimately quiescent states once every session is closed and the clock has saturated).
     ``coverage=True`` makes TLC report every action of the next-state relation with its counts.
     """
-    cmd = [tools.java, "-XX:+UseParallelGC"]
+    # TLC copies the standard modules (Naturals.tla, ...) into java.io.tmpdir at every start and
+    # parses them from there: runs at the same time (spec-check --jobs, other users of the machine)
+    # must not share that directory, or one reads a module another is still writing.
+    private_tmp = metadir / "tmp"
+    private_tmp.mkdir(parents=True, exist_ok=True)
+    cmd = [tools.java, "-XX:+UseParallelGC", f"-Djava.io.tmpdir={private_tmp}"]
     if heap:
         cmd.append(f"-Xmx{heap}")
     cmd += ["-cp", str(tools.jar), "tlc2.TLC", "-tool", "-workers", str(int(workers))]
