@@ -47,12 +47,12 @@ case $ACTION in
       2>&1 | grep -v -i warn | tee "$OUT/transfer.txt"
     echo "== stateful campaign on CUDA (target >= 20,000 steps)"
     timeout "${FUZZ_TIMEOUT:-330}" "$PY" -m toolkv.tools.cli fuzz --device cuda --examples "${FUZZ_EXAMPLES:-700}" \
-      --steps 80 --seed 11 --every 50 --json "$OUT/fuzz_gpu.json" > "$OUT/fuzz_gpu.log" 2>&1
+      --steps 80 --seed 11 --every 50 --out "$OUT/fuzz_gpu.json" > "$OUT/fuzz_gpu.log" 2>&1
     echo "fuzz rc=$?" | tee -a "$OUT/fuzz_gpu.log"; grep -v -i warn "$OUT/fuzz_gpu.log" | tail -4
     ;;
   mutants)
     timeout "${FUZZ_TIMEOUT:-420}" "$PY" -m toolkv.tools.cli fuzz --device cuda --mutants --no-shrink \
-      --examples "${KILL_EXAMPLES:-300}" --steps 60 --seed 7 --every 100 --json "$OUT/kill_gpu.json" \
+      --examples "${KILL_EXAMPLES:-300}" --steps 60 --seed 7 --every 100 --out "$OUT/kill_gpu.json" \
       > "$OUT/kill_gpu.log" 2>&1
     echo "mutants rc=$?" | tee -a "$OUT/kill_gpu.log"; grep -v -i warn "$OUT/kill_gpu.log" | tail -14
     ;;

@@ -5,7 +5,8 @@
     toolkv fuzz --trace-dir traces/ --examples 20    # also write JSONL traces for trace-check
     toolkv fuzz --device cuda --examples 400         # on the GPU machine: real CUDA pools
 
-Prints a progress line every ``--every`` examples and a final summary; ``--json FILE`` saves it.
+Prints a progress line every ``--every`` examples and a final summary; ``--out FILE`` saves it as
+JSON and ``--json`` prints it as JSON on stdout (as every other command's ``--json`` does).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", type=Path, help="write one JSONL trace per example here")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--every", type=int, default=25, help="progress line every N examples")
-    p.add_argument("--json", type=Path, help="write the summary as JSON to this file")
+    p.add_argument("--out", type=Path, help="write the summary as JSON to this file")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--no-shrink", action="store_true", help="stop at the first failure (kill detection only)")
     p.add_argument(
         "--reproduce",
@@ -190,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
             r["killed"] = r["failure"] is not None
             rc |= not r["killed"]
             results.append(r)
-            if args.json:  # written after every mutant, so a cut-off run still leaves its rows
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(results, indent=2))
+            if args.out:  # written after every mutant, so a cut-off run still leaves its rows
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=2))
             print(
                 f"    -> {'killed' if r['killed'] else 'SURVIVED'} after {r['examples_to_kill'] or r['examples']} "
                 f"examples: {(r['failure'] or '')[:100]}",
@@ -225,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
             f"{r['kv_bytes_checked']:,} KV bytes checked, failures: {r['failure'] or 0}"
         )
         print("actions: " + ", ".join(f"{k} {v}" for k, v in r["actions"].items()))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        print(json.dumps(results, indent=2))
     return rc
