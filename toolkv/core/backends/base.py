@@ -29,6 +29,30 @@ class LocalAgreement:
         return t
 
 
+class OwnLoads:
+    """Loads a backend issued, kept as chains: ``key -> (leaf, boundary)``, the load filling the
+    path from ``leaf`` up to, not including, ``boundary`` (the deepest ancestor already on device
+    when the load was queued). A chain, not a node list: a split while the load is in flight
+    inserts a new node into it, and that node is loading too."""
+
+    tree: Tree
+    _loads: dict[int, tuple[TreeNode, TreeNode]]
+
+    def _chain(self, leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
+        out, node = [], leaf
+        while node is not None and node is not boundary and node is not self.tree.root_node:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def loading_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
+        """Each in-flight load of this backend: (its key node, the nodes it is filling)."""
+        return [(leaf, self._chain(leaf, boundary)) for leaf, boundary in self._loads.values()]
+
+    def _in_own_load(self, m: TreeNode) -> bool:
+        return any(m in self._chain(leaf, boundary) for leaf, boundary in self._loads.values())
+
+
 class SynchronousLoads:
     """For backends whose restore finishes inside ``restore`` (pin, shadow): nothing is ever
     queued or in flight, so the asynchronous-load steps of :class:`Backend` are no-ops."""

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
@@ -38,7 +38,7 @@ def _ntok(nodes: Sequence[TreeNode]) -> int:
     return sum(len(n.key) for n in nodes)
 
 
-class HiRadixBackend:
+class HiRadixBackend(OwnLoads):
     """Host offload on a ``HiRadixCache``. ``caveats`` switches on seeded defects for mutation
     testing only (names as in ``spec/ToolKV.tla``'s BUG constant); production never sets it."""
 
@@ -99,21 +99,9 @@ class HiRadixBackend:
         assert rec.node is not None
         return any(m.write_through_pending_id is not None for m in path_to(self.tree, rec.node))
 
-    def _chain(self, leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
-        out, node = [], leaf
-        while node is not None and node is not boundary and node is not self.tree.root_node:
-            out.append(node)
-            node = node.parent
-        return out
-
-    def loading_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
-        """Each in-flight load of this manager: (its key node, the nodes it is filling)."""
-        return [(leaf, self._chain(leaf, boundary)) for leaf, boundary in self._loads.values()]
-
     def _node_loading(self, m: TreeNode) -> bool:
-        for leaf, boundary in self._loads.values():
-            if m in self._chain(leaf, boundary):
-                return True
+        if self._in_own_load(m):
+            return True
         # Loads issued by sglang itself (a request's init_load_back) are keyed by their deepest node;
         # conservatively treat every node on such a path as loading.
         # sglang's reset() does not clear ongoing_load_back: skip entries of an old tree.

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, LocalAgreement
+from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, Unsupported
@@ -86,7 +86,7 @@ class Receipts:
     pin: Any = None  # from inc_lock_ref on the restoring leaf
 
 
-class UnifiedBackend:
+class UnifiedBackend(OwnLoads):
     """Host offload on a ``UnifiedRadixCache`` with HiCache. ``caveats``: seeded defects for
     mutation testing only (names as in the spec's BUG constant)."""
 
@@ -154,21 +154,9 @@ class UnifiedBackend:
         return any(m.write_through_pending_id is not None for m in path_to(self.tree, rec.node))
 
     # ---- loads ----------------------------------------------------------------------------------------
-    def _chain(self, leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
-        out, node = [], leaf
-        while node is not None and node is not boundary and node is not self.tree.root_node:
-            out.append(node)
-            node = node.parent
-        return out
-
-    def loading_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
-        """Each in-flight load of this manager: (its anchor node, the nodes it is filling)."""
-        return [(leaf, self._chain(leaf, boundary)) for leaf, boundary in self._loads.values()]
-
     def _node_loading(self, m: TreeNode) -> bool:
-        for leaf, boundary in self._loads.values():
-            if m in self._chain(leaf, boundary):
-                return True
+        if self._in_own_load(m):
+            return True
         # Loads a request started itself (init_load_back) are keyed by their anchor only:
         # conservatively, every node on the anchor's path is loading.
         core = self.tree.tree_core
