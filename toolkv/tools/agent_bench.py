@@ -1,20 +1,26 @@
 """Agent-trace load generator for a running sglang server (``toolkv bench agent``).
 
-Many concurrent agent sessions, each a sequence of turns: send the prompt (the previous context plus
-the new tool result), generate a short answer, "run a tool" for a sampled duration, repeat. Token ids
-go straight to ``/generate`` (dummy weights, ``--skip-tokenizer-init``), so no tokenizer is needed.
+Sessions arrive open loop on the schedule of a :class:`~toolkv.tools.agent_workload.Plan` (seeded,
+identical for every configuration). Each session is a sequence of turns: send the prompt (its
+context plus the new tool result) to ``/generate`` as token ids (dummy weights,
+``--skip-tokenizer-init``, temperature 0), stream the answer, "run a tool" for the planned
+duration, repeat. A slow server does not slow the arrivals: overload shows as latency.
 
 Modes (what the agent does around each tool call):
 
-- ``stock``    nothing: plain HiCache decides what stays (the baseline).
-- ``explicit`` ``tool_start`` after the turn, ``tool_end`` with its epoch when the tool returns.
-- ``on-request`` ``tool_start`` after the turn, no ``tool_end``: the server restores the session when
-  its next request arrives (``TOOLKV_RESTORE_ON_REQUEST``, the restore half of zero-change mode).
+- ``stock``      nothing, and its requests carry no session id: the server decides what stays.
+- ``explicit``   ``tool_start`` after the turn, ``tool_end`` with its epoch when the tool returns.
+- ``on-request`` ``tool_start`` after the turn, no ``tool_end``: the session's next request restores
+  it (``TOOLKV_RESTORE_ON_REQUEST``). This is zero-change mode's server path with the trigger
+  emulated: zero-change offloads when a chat answer ends in ``tool_calls``, which a dummy-weight
+  model never produces, so the agent sends the ``tool_start`` the server would have made.
 
-It measures per resumed turn the time to first token (streaming) and the prompt tokens served from
-cache, counts every toolkv answer by status, and at the end checks that nothing is left protected or
-locked. ``--twins K`` then runs K sessions one request at a time against never-offloaded twins
-(temperature 0) and compares the resumed turn token for token.
+Measured: per turn TTFT (streaming), end-to-end time and sglang's ``cached_tokens``; every toolkv
+answer by status; the device and host pools sampled once a second (``/session/kv_meta`` when toolkv
+is loaded, sglang's ``/v1/loads``). At the end it checks that nothing is left protected or locked.
+``--twins K`` then compares K offloaded sessions token for token with never-offloaded twins, and
+``--probe`` measures resume against prefill of the same tokens and decode under a restore
+(:mod:`toolkv.tools.agent_probe`).
 
 Standard library only: it runs on a GPU machine next to the server with nothing installed.
 """
@@ -24,60 +30,144 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from toolkv.tools.agent_metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
+from toolkv.tools.agent_workload import SHAPES, Plan, SessionPlan, Workload, make_plan
 
 MODES = ("stock", "explicit", "on-request")
-# Documented refusals that change nothing: 503 device memory (retry later), 507 host pool full,
-# 409 kv lost / wrong state. Anything else >= 500 is a server fault.
-REFUSALS = ("409", "503", "507")
-
-
-def unexpected_5xx(calls: Counter[str] | dict[str, int]) -> int:
-    """toolkv answers with a status of 500 or more that is not a documented refusal."""
-    return sum(v for k, v in calls.items() if k.split()[1] >= "500" and k.split()[1] not in REFUSALS)
-
-
-@dataclass(frozen=True)
-class Workload:
-    sessions: int = 48  # concurrent sessions
-    turns: int = 6  # turns per session; a finished session is replaced by a new one
-    first_min: int = 2000
-    first_max: int = 4000
-    append_min: int = 300
-    append_max: int = 1500
-    output: int = 32
-    tool_median_s: float = 1.5  # log-normal tool duration
-    tool_sigma: float = 1.0
-    duration_s: float = 300.0  # keep starting sessions until this much time has passed
-    seed: int = 0
+__all__ = ["MODES", "REFUSALS", "unexpected_5xx", "HttpServer", "run_plan", "main"]
 
 
 @dataclass
-class Turn:
-    session: str
-    turn: int
-    prompt_tokens: int
+class Generated:
+    status: int
+    output_ids: list[int]
     cached_tokens: int
     ttft_s: float
     e2e_s: float
-    status: int
-    output_ids: list[int] = field(default_factory=list)
+
+
+class AgentServer(Protocol):
+    """What the load generator needs from a server (HTTP in production, a CPU stand-in in tests)."""
+
+    def generate(self, ids: list[int], sid: str | None, out_tokens: int) -> Generated: ...
+    def call(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
+    def kv_meta(self, sid: str | None = None) -> tuple[int, dict[str, Any]]: ...
+    def loads(self) -> dict[str, Any] | None: ...
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 600) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read() or b"{}"
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, {}
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+
+
+def _get(url: str, timeout: float = 30) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
+
+
+class HttpServer:
+    """A running sglang server with (or without) the toolkv plugin."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def generate(self, ids: list[int], sid: str | None, out_tokens: int) -> Generated:
+        return self.generate_stream(ids, sid, out_tokens, None)
+
+    def generate_stream(
+        self, ids: list[int], sid: str | None, out_tokens: int, on_tokens: Callable[[int], None] | None
+    ) -> Generated:
+        """One streamed ``/generate``; ``on_tokens(n)`` is told the output length at every chunk
+        (sglang streams the cumulative ``output_ids`` unless ``--incremental-streaming-output``)."""
+        body: dict[str, Any] = {
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": out_tokens, "ignore_eos": True},
+        }
+        if sid is not None:
+            body["session_id"] = sid
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        t0 = time.perf_counter()
+        ttft = math.nan
+        last: dict[str, Any] = {}
+        try:
+            with urllib.request.urlopen(req, timeout=1800) as r:
+                for raw in r:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    if math.isnan(ttft):
+                        ttft = time.perf_counter() - t0
+                    last = json.loads(line[5:])
+                    if on_tokens is not None:
+                        on_tokens(len(last.get("output_ids", [])))
+                status = r.status
+        except urllib.error.HTTPError as e:
+            return Generated(e.code, [], 0, math.nan, time.perf_counter() - t0)
+        meta = last.get("meta_info", {})
+        return Generated(
+            status, list(last.get("output_ids", [])), int(meta.get("cached_tokens") or 0), ttft,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def call(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return _post(f"{self.url}/session/{op}", body)
+
+    def kv_meta(self, sid: str | None = None) -> tuple[int, dict[str, Any]]:
+        q = "" if sid is None else "?" + urllib.parse.urlencode({"session_id": sid})
+        return _get(f"{self.url}/session/kv_meta{q}")
+
+    def loads(self) -> dict[str, Any] | None:
+        st, body = _get(self.url + "/v1/loads")
+        if st != 200:
+            return None
+        rows = body.get("loads", body) if isinstance(body, dict) else body
+        return rows[0] if isinstance(rows, list) and rows else (rows if isinstance(rows, dict) else None)
+
+    def flush(self) -> int:
+        return _post(self.url + "/flush_cache", {})[0]
+
+    def health(self) -> int:
+        return _get(self.url + "/health")[0]
 
 
 @dataclass
-class Stats:
+class RunRecord:
     turns: list[Turn] = field(default_factory=list)
     calls: Counter[str] = field(default_factory=Counter)  # "tool_start 200", "tool_end 503", ...
     errors: list[str] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[float, str, str]] = field(default_factory=list)  # (t, session, what)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_turn(self, t: Turn) -> None:
@@ -88,273 +178,285 @@ class Stats:
         with self.lock:
             self.calls[what] += 1
 
+    def event(self, t: float, sid: str, what: str) -> None:
+        with self.lock:
+            self.events.append((round(t, 4), sid, what))
+
     def error(self, msg: str) -> None:
         with self.lock:
             if len(self.errors) < 200:
                 self.errors.append(msg)
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 600) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except ValueError:
-            return e.code, {}
-
-
-def _get(url: str, timeout: float = 30) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-
-
-def generate(url: str, ids: list[int], sid: str, out_tokens: int) -> tuple[int, list[int], int, float, float]:
-    """One streamed ``/generate``: (status, output ids, cached tokens, TTFT s, end-to-end s)."""
-    body = {
-        "input_ids": ids,
-        "session_id": sid,
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": out_tokens, "ignore_eos": True},
-    }
-    req = urllib.request.Request(
-        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    ttft = math.nan
-    last: dict[str, Any] = {}
-    try:
-        with urllib.request.urlopen(req, timeout=900) as r:
-            for raw in r:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                if math.isnan(ttft):
-                    ttft = time.perf_counter() - t0
-                last = json.loads(line[5:])
-            status = r.status
-    except urllib.error.HTTPError as e:
-        return e.code, [], 0, math.nan, time.perf_counter() - t0
-    meta = last.get("meta_info", {})
-    return (
-        status,
-        list(last.get("output_ids", [])),
-        int(meta.get("cached_tokens") or 0),
-        ttft,
-        time.perf_counter() - t0,
-    )
-
-
-class Session:
-    """One agent: a private token range (no prefix shared with other sessions), its turns."""
-
-    def __init__(self, sid: str, index: int, w: Workload, rng: random.Random) -> None:
-        self.sid, self.w, self.rng = sid, w, rng
-        self.base = 1000 + (index * 7919) % 50_000
-        self.ctx: list[int] = self._tokens(rng.randint(w.first_min, w.first_max))
-        self.epoch: int | None = None
-
-    def _tokens(self, n: int) -> list[int]:
-        r = self.rng
-        return [self.base + r.randrange(60_000) for _ in range(n)]
-
-    def tool_seconds(self) -> float:
-        return float(self.rng.lognormvariate(math.log(self.w.tool_median_s), self.w.tool_sigma))
-
-    def append_tool_result(self) -> None:
-        self.ctx += self._tokens(self.rng.randint(self.w.append_min, self.w.append_max))
-
-
-def run_session(url: str, s: Session, mode: str, stats: Stats, stop_at: float) -> None:
-    w = s.w
-    for t in range(w.turns):
-        if t > 0 and mode == "explicit" and s.epoch is not None:
-            st, body = _post(url + "/session/tool_end", {"session_id": s.sid, "epoch": s.epoch})
-            stats.count(f"tool_end {st}")
-            if st >= 500 and st != 503:
-                stats.error(f"tool_end {s.sid}: {st} {body}")
-        status, out, cached, ttft, e2e = generate(url, s.ctx, s.sid, w.output)
-        stats.add_turn(Turn(s.sid, t, len(s.ctx), cached, ttft, e2e, status))
-        if status != 200:
-            stats.error(f"generate {s.sid} turn {t}: {status}")
-            return
-        s.ctx += out
-        if t == w.turns - 1 or time.time() > stop_at:
+def run_session(
+    server: AgentServer, sp: SessionPlan, mode: str, w: Workload, rec: RunRecord, clock: Any,
+    stop_at: float, scale: float,
+) -> None:  # fmt: skip
+    """One agent session; no turn starts after ``stop_at`` (run clock)."""
+    ctx = list(sp.first)
+    sid = sp.sid if mode != "stock" else None
+    epoch: int | None = None
+    tracked = False
+    for t in range(sp.turns):
+        restore_s = math.nan
+        if t > 0 and mode == "explicit" and epoch is not None:
+            t0 = time.perf_counter()
+            st, body = server.call("tool_end", {"session_id": sp.sid, "epoch": epoch})
+            restore_s = time.perf_counter() - t0
+            rec.count(f"tool_end {st}")
+            rec.event(clock(), sp.sid, f"tool_end {st}")
+            if st >= 500 and str(st) not in REFUSALS:
+                rec.error(f"tool_end {sp.sid}: {st} {body}")
+        start = clock()
+        g = server.generate(ctx, sid, w.output_tokens)
+        rec.add_turn(
+            Turn(sp.sid, t, start, len(ctx), g.cached_tokens, len(g.output_ids), g.ttft_s, g.e2e_s, g.status,
+                 sp.tools_s[t - 1] if t else 0.0, restore_s)
+        )  # fmt: skip
+        rec.event(start, sp.sid, f"turn {t} ttft={g.ttft_s:.3f} e2e={g.e2e_s:.3f} cached={g.cached_tokens}")
+        if g.status != 200:
+            rec.error(f"generate {sp.sid} turn {t}: {g.status}")
             break
+        tracked = tracked or sid is not None
+        ctx += g.output_ids
+        if t == sp.turns - 1:
+            break
+        epoch = None
         if mode in ("explicit", "on-request"):
-            st, body = _post(url + "/session/tool_start", {"session_id": s.sid})
-            stats.count(f"tool_start {st}")
-            s.epoch = int(body["epoch"]) if st == 200 and "epoch" in body else None
-            if st >= 500 and st not in (503, 507):
-                stats.error(f"tool_start {s.sid}: {st} {body}")
-        time.sleep(s.tool_seconds())
-        s.append_tool_result()
-    if mode != "stock":
-        st, _ = _post(url + "/session/close", {"session_id": s.sid})
-        stats.count(f"close {st}")
-
-
-def run_load(url: str, mode: str, w: Workload, progress_s: float = 10.0) -> tuple[Stats, float]:
-    """``w.sessions`` worker threads, each running sessions back to back until the duration ends."""
-    stats = Stats()
-    t0 = time.time()
-    stop_at = t0 + w.duration_s
-    counter = iter(range(10**9))
-    lock = threading.Lock()
-
-    def worker(k: int) -> None:
-        rng = random.Random(w.seed * 1_000_003 + k)
-        while time.time() < stop_at:
-            with lock:
-                i = next(counter)
-            try:
-                run_session(url, Session(f"{mode}-{i}", i, w, rng), mode, stats, stop_at)
-            except Exception as e:  # a dead server surfaces here: record and stop this worker
-                stats.error(f"session {mode}-{i}: {type(e).__name__}: {e}")
-                return
-
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(w.sessions)]
-    for th in threads:
-        th.start()
-    while any(th.is_alive() for th in threads):
-        time.sleep(progress_s)
-        with stats.lock:
-            n, e = len(stats.turns), len(stats.errors)
-            calls = dict(stats.calls)
-        print(f"[{time.time() - t0:6.0f}s] {mode}: {n} turns, {e} errors, calls {calls}", flush=True)
-        if time.time() > stop_at + 900:
-            stats.error("workers did not finish 900 s after the end of the run")
+            st, body = server.call("tool_start", {"session_id": sp.sid})
+            rec.count(f"tool_start {st}")
+            rec.event(clock(), sp.sid, f"tool_start {st}")
+            epoch = int(body["epoch"]) if st == 200 and "epoch" in body else None
+            if st >= 500 and str(st) not in REFUSALS:
+                rec.error(f"tool_start {sp.sid}: {st} {body}")
+        # a tool still running when the run ends ends the session: nobody waits ten minutes for it
+        time.sleep(max(0.0, min(sp.tools_s[t] * scale, stop_at - clock() + 0.01)))
+        if clock() > stop_at:
             break
-    return stats, time.time() - t0
+        ctx += sp.results[t]
+    if tracked:
+        st, _ = server.call("close", {"session_id": sp.sid})
+        rec.count(f"close {st}")
 
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(x for x in xs if not math.isnan(x))
-    if not xs:
-        return math.nan
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+def _sample(server: AgentServer, t: float, device_total: int | None) -> dict[str, Any]:
+    st, m = server.kv_meta()
+    ld = server.loads() or {}
+    s: dict[str, Any] = {"t": round(t, 3)}
+    if st == 200:
+        free = m.get("device_free_tokens")
+        total = device_total or ld.get("max_total_num_tokens")
+        s["device_used"] = int(total) - int(free) if free is not None and total else None
+        s["device_locked"] = m.get("device_locked_tokens")
+        s["device_evictable"] = m.get("device_evictable_tokens")
+        ht, hf = m.get("host_total_tokens"), m.get("host_free_tokens")
+        s["host_used"] = int(ht) - int(hf) if ht is not None and hf is not None else None
+        s["protected"] = m.get("protected_tokens", m.get("pinned_tokens"))
+        s["states"] = m.get("states")
+    if ld:
+        s["loads_used"] = ld.get("num_used_tokens")
+        s["running"] = ld.get("num_running_reqs")
+        s["waiting"] = ld.get("num_waiting_reqs")
+        if s.get("device_used") is None and ld.get("num_used_tokens") is not None:
+            s["device_used"] = ld.get("num_used_tokens")
+    return s
 
 
-def summarize(stats: Stats, wall_s: float) -> dict[str, Any]:
-    resumed = [t for t in stats.turns if t.turn > 0 and t.status == 200]
-    ok = [t for t in stats.turns if t.status == 200]
-    prompt = sum(t.prompt_tokens for t in resumed)
-    cached = sum(min(t.cached_tokens, t.prompt_tokens) for t in resumed)
-    ttft = [t.ttft_s for t in resumed]
-    return {
-        "turns": len(stats.turns),
-        "turns_ok": len(ok),
-        "turns_per_s": len(ok) / wall_s if wall_s else 0.0,
-        "resumed_turns": len(resumed),
-        "resumed_cache_hit": cached / prompt if prompt else 0.0,
-        "resumed_zero_cached": sum(1 for t in resumed if t.cached_tokens == 0),
-        "resumed_ttft_p50_s": pct(ttft, 50),
-        "resumed_ttft_p90_s": pct(ttft, 90),
-        "resumed_ttft_p99_s": pct(ttft, 99),
-        "first_ttft_p50_s": pct([t.ttft_s for t in ok if t.turn == 0], 50),
-        "calls": dict(stats.calls),
-        "http_5xx": unexpected_5xx(stats.calls) + sum(1 for t in stats.turns if t.status >= 500),
-        "refusals": {k: v for k, v in stats.calls.items() if k.split()[1] in REFUSALS},
-        "errors": len(stats.errors),
-        "wall_s": wall_s,
-    }
+def run_plan(
+    server: AgentServer, plan: Plan, mode: str, *, scale: float = 1.0, progress_s: float = 10.0,
+    sample_s: float = 1.0, device_total: int | None = None, drain_s: float = 900.0,
+) -> tuple[RunRecord, float]:  # fmt: skip
+    """Start each planned session at its time (times scaled by ``scale``), sample the pools while
+    they run, and wait for the last turn. Returns the record and the wall time."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    rec = RunRecord()
+    w = plan.workload
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    stop_at = w.duration_s * scale
+    done = threading.Event()
+
+    def sampler() -> None:
+        while not done.is_set():
+            try:
+                s = _sample(server, clock(), device_total)
+                with rec.lock:
+                    rec.samples.append(s)
+            except Exception as e:  # a sample is an observation: never stop the run for it
+                rec.error(f"sample: {type(e).__name__}: {e}")
+            done.wait(sample_s)
+
+    def session(sp: SessionPlan) -> None:
+        try:
+            run_session(server, sp, mode, w, rec, clock, stop_at, scale)
+        except Exception as e:  # a dead server surfaces here: record it, the others go on
+            rec.error(f"session {sp.sid}: {type(e).__name__}: {e}")
+
+    threads: list[threading.Thread] = []
+    smp = threading.Thread(target=sampler, daemon=True)
+    smp.start()
+    next_progress = progress_s
+    for sp in sorted(plan.sessions, key=lambda s: s.start_s):
+        while clock() < sp.start_s * scale:
+            time.sleep(min(0.05, sp.start_s * scale - clock()))
+        th = threading.Thread(target=session, args=(sp,), daemon=True)
+        th.start()
+        threads.append(th)
+    while any(th.is_alive() for th in threads):
+        time.sleep(min(0.2, progress_s))
+        if clock() >= next_progress:
+            next_progress += progress_s
+            with rec.lock:
+                n, e, calls = len(rec.turns), len(rec.errors), dict(rec.calls)
+            live = sum(th.is_alive() for th in threads)
+            print(f"[{clock():6.0f}s] {mode}: {live} sessions live, {n} turns, {e} errors, calls {calls}", flush=True)
+        if clock() > stop_at + drain_s:
+            rec.error(f"sessions did not finish {drain_s} s after the end of the run")
+            break
+    done.set()
+    smp.join(timeout=5)
+    return rec, clock()
 
 
-def twins(url: str, k: int, w: Workload) -> list[dict[str, Any]]:
-    """K sessions, one request at a time: turn 1, offload, restore, turn 2, against a twin with the
-    same tokens that is never offloaded. Returns one record per pair."""
+def twins(server: AgentServer, k: int, w: Workload, wait_s: float = 60.0) -> list[dict[str, Any]]:
+    """K pairs, one request at a time: turn 1, offload, restore, turn 2 of the offloaded session,
+    against a twin with the same tokens that is never offloaded. One record per pair."""
+    import random
+
     out = []
     for i in range(k):
         rng = random.Random(10_000 + i)
-        tokens = [2000 + rng.randrange(60_000) for _ in range(w.first_max)]
-        extra = [3000 + rng.randrange(60_000) for _ in range(w.append_max)]
+        tokens = [2000 + rng.randrange(60_000) for _ in range(min(w.first_tokens, 4096))]
+        extra = [3000 + rng.randrange(60_000) for _ in range(512)]
         res: dict[str, Any] = {"pair": i}
         for role in ("twin", "offloaded"):
             sid = f"twin{i}-{role}"
-            # distinct first token: the two never share a radix prefix
-            first = [7 + (role == "offloaded"), *tokens]
-            st, o1, _, _, _ = generate(url, first, sid, w.output)
+            first = [7 + (role == "offloaded"), *tokens]  # distinct first token: no shared prefix
+            g1 = server.generate(first, sid, 32)
             if role == "offloaded":
-                st_s, body = _post(url + "/session/tool_start", {"session_id": sid})
+                st_s, body = server.call("tool_start", {"session_id": sid})
                 res["tool_start"] = st_s
-                deadline = time.time() + 60
+                deadline = time.time() + wait_s
+                m: dict[str, Any] = {}
                 while time.time() < deadline:
-                    _, m = _get(url + f"/session/kv_meta?session_id={sid}")
+                    _, m = server.kv_meta(sid)
                     if m.get("state") == "Offloaded":
                         break
                     time.sleep(0.05)
                 res["device_tokens_offloaded"] = m.get("device_tokens")
-                st_e, _ = _post(url + "/session/tool_end", {"session_id": sid, "epoch": body.get("epoch", 0)})
+                st_e, _ = server.call("tool_end", {"session_id": sid, "epoch": body.get("epoch", 0)})
                 res["tool_end"] = st_e
-            st2, o2, cached, _, _ = generate(url, first + o1 + extra, sid, w.output)
-            res[role] = {"turn2": o2, "cached": cached, "status": [st, st2]}
-            _post(url + "/session/close", {"session_id": sid})
+            g2 = server.generate(first + g1.output_ids + extra, sid, 32)
+            res[role] = {"turn2": g2.output_ids, "cached": g2.cached_tokens, "status": [g1.status, g2.status]}
+            server.call("close", {"session_id": sid})
         res["identical"] = res["twin"]["turn2"] == res["offloaded"]["turn2"] and bool(res["twin"]["turn2"])
         out.append(res)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    d = Workload()
     ap = argparse.ArgumentParser(prog="toolkv bench agent", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--mode", choices=MODES, default="explicit")
-    ap.add_argument("--sessions", type=int, default=Workload.sessions)
-    ap.add_argument("--turns", type=int, default=Workload.turns)
-    ap.add_argument("--duration", type=float, default=Workload.duration_s, help="seconds of load")
-    ap.add_argument("--tool-median", type=float, default=Workload.tool_median_s)
-    ap.add_argument("--tool-sigma", type=float, default=Workload.tool_sigma)
+    ap.add_argument("--config", default=None, help="label of the server configuration (default: the mode)")
+    ap.add_argument("--sessions", type=int, default=d.initial_sessions, help="sessions at the start")
+    ap.add_argument("--arrival-rate", type=float, default=None, help="sessions/s after the ramp")
+    ap.add_argument("--turns", type=int, default=d.turns_median, help="median turns per session")
+    ap.add_argument("--first-tokens", type=int, default=d.first_tokens)
+    ap.add_argument("--growth", type=int, default=d.growth_per_turn, help="tokens added per turn")
+    ap.add_argument("--output", type=int, default=d.output_tokens, help="answer tokens per turn")
+    ap.add_argument("--max-context", type=int, default=d.max_context)
+    ap.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
+    ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals and turns")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window")
     ap.add_argument("--twins", type=int, default=0, help="token-identity pairs to run after the load")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe", action="store_true", help="resume vs prefill and decode under restore")
+    ap.add_argument("--flush", action="store_true", help="POST /flush_cache before the load")
+    ap.add_argument("--drain", type=float, default=300.0, help="seconds to wait for turns still running at the end")
+    ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", required=True, help="JSON results file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
-    if a.sessions < 1 or a.turns < 1 or a.duration <= 0:
-        ap.error("--sessions, --turns and --duration must be positive")
-    w = Workload(
-        sessions=a.sessions, turns=a.turns, duration_s=a.duration, tool_median_s=a.tool_median,
-        tool_sigma=a.tool_sigma, seed=a.seed,
-    )  # fmt: skip
-    _st0, meta0 = _get(a.url + "/session/kv_meta")
-    stats, wall = run_load(a.url, a.mode, w)
-    summary = summarize(stats, wall)
+    try:
+        w = Workload(
+            initial_sessions=a.sessions, arrival_rate=a.arrival_rate, turns_median=a.turns,
+            first_tokens=a.first_tokens, growth_per_turn=a.growth, output_tokens=a.output,
+            max_context=a.max_context, tool_shape=a.tool_shape, duration_s=a.duration, seed=a.seed,
+        )  # fmt: skip
+    except ValueError as e:
+        ap.error(str(e))
+    server = HttpServer(a.url)
+    if server.health() != 200:
+        print(f"no healthy server at {a.url}", file=sys.stderr)
+        return 2
+    if a.flush:
+        print(f"flush_cache: {server.flush()}", flush=True)
+        time.sleep(2)
+    ld = server.loads() or {}
+    device_total = ld.get("max_total_num_tokens")
+    plan = make_plan(w)
+    _st0, meta0 = server.kv_meta()
+    rec, wall = run_plan(server, plan, a.mode, device_total=device_total, drain_s=a.drain)
+    window = (w.ramp_s + a.warmup, w.duration_s)
+    summary = summarize(rec.turns, rec.calls, window_start_s=window[0], window_end_s=window[1], wall_s=wall)
+    summary["errors"] = len(rec.errors)
+    deadline = time.time() + 120  # let abandoned requests finish before anything else runs
+    while time.time() < deadline and (ld := server.loads() or {}).get("num_running_reqs", 0) + ld.get(
+        "num_waiting_reqs", 0
+    ):
+        time.sleep(1)
     time.sleep(3)  # a few idle scheduler iterations: acks land, sglang's idle memory check runs
-    _st1, meta1 = _get(a.url + "/session/kv_meta")
-    pairs = twins(a.url, a.twins, w) if a.twins else []
+    _st1, meta1 = server.kv_meta()
+    probe: dict[str, Any] = {}
+    if a.probe:
+        from toolkv.tools.agent_probe import run_probe
+
+        probe = run_probe(server)
+    pairs = twins(server, a.twins, w) if a.twins else []
     time.sleep(2)
-    st2, meta2 = _get(a.url + "/session/kv_meta")
-    health, _ = _get(a.url + "/health")
+    st2, meta2 = server.kv_meta()
     checks = {
-        "server healthy": health == 200,
-        "no 5xx other than the documented refusals (503, 507)": summary["http_5xx"] == 0,
+        "server healthy": server.health() == 200,
+        "no 5xx other than the documented refusals": summary["http_5xx"] == 0,
         "every generate answered": summary["turns"] == summary["turns_ok"],
         "nothing protected at the end": st2 != 200 or int(meta2.get("protected_tokens") or 0) == 0,
         "no device tokens locked at the end": st2 != 200 or int(meta2.get("device_locked_tokens") or 0) == 0,
         "twins token-identical": all(p["identical"] for p in pairs),
     }
     res = {
-        "workload": asdict(w),
+        "config": a.config or a.mode,
         "mode": a.mode,
+        "workload": asdict(w),
+        "plan": plan.describe(),
+        "device_total_tokens": device_total,
         "summary": summary,
+        "occupancy": occupancy(rec.samples, device_total),
         "checks": checks,
         "passed": all(checks.values()),
         "server_meta": {"before": meta0, "after_load": meta1, "end": meta2},
+        "probe": probe,
         "twins": pairs,
-        "errors": stats.errors,
-        "turns": [asdict(t) | {"output_ids": None} for t in stats.turns],
+        "errors": rec.errors,
+        "samples": rec.samples,
+        "events": rec.events,
+        "turns": [asdict(t) | {"output_ids": None} for t in rec.turns],
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
-    keys = ("turns_ok", "turns_per_s", "resumed_cache_hit", "resumed_ttft_p50_s", "resumed_ttft_p90_s",
-            "resumed_zero_cached", "http_5xx", "errors")  # fmt: skip
+    keys = ("turns_in_window", "turns_per_s", "gen_tokens_per_s", "resumed_cache_hit", "resumed_ttft_p50_s",
+            "resumed_ttft_p90_s", "http_5xx", "errors")  # fmt: skip
     print(
-        f"mode={a.mode} "
-        + " ".join(
-            f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys
-        )
+        f"config={res['config']} mode={a.mode} "
+        + " ".join(f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys)
     )
     for k, v in checks.items():
         print(("PASS " if v else "FAIL ") + k)

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The agent benchmark's configurations on one GPU machine, same workload and seed for all.
+#
+#   here, once:   bash scripts/gpu_e2e.sh stage    (bundle + toolkv's runtime deps in .gpu-bundle/)
+#   device call (carry [".gpu-bundle"]):
+#     bash scripts/gpu_agent_suite.sh REGIME SERVERS [DURATION_S]
+#   REGIME  constrained: GPU KV pool capped at 120,000 tokens (--mem-fraction-static 0.3)
+#           plentiful:   --mem-fraction-static 0.85 (about 800K tokens of 8B KV on an H200)
+#   SERVERS comma list of
+#     hicache16   --enable-hierarchical-cache --hicache-size 16: configs stock, explicit, zero-change
+#     hicache80   the same with an 80 GB host pool (the strongest stock setting here): config stock-large
+#     radix       plain RadixCache: configs radix (stock) and pin (toolkv's GPU pin, TTL 30 s, budget
+#                 half the device pool)
+# Every server: Llama-3.1-8B shape, dummy weights, 64K context, triton attention, the toolkv plugin
+# loaded (TOOLKV_ENABLE=1; the stock configs make no toolkv call and send no session id). Results:
+# $OUT/<regime>/<config>.json and server logs.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUNDLE=$ROOT/.gpu-bundle
+REGIME=${1:?regime} SERVERS=${2:?servers} DURATION=${3:-45}
+OUT=${OUT:-/tmp/toolkv_agent_out}; RES=$OUT/$REGIME; mkdir -p "$RES"
+case $REGIME in
+  constrained) MEM=(--mem-fraction-static 0.3 --max-total-tokens 120000); POOL=120000 ;;
+  plentiful) MEM=(--mem-fraction-static 0.85); POOL=800000 ;;
+  *) echo "regime must be constrained or plentiful" >&2; exit 2 ;;
+esac
+[ -d /tmp/site/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
+# shellcheck source=/dev/null
+source "$BUNDLE/env.sh"; use_flashinfer_stub
+EP=$STAGE_ROOT/toolkv_ep_suite; mkdir -p "$EP/toolkv-0.1.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: toolkv\nVersion: 0.1.0\n' > "$EP/toolkv-0.1.0.dist-info/METADATA"
+printf '[sglang.srt.plugins]\ntoolkv = toolkv.sglang.plugin:register\n' > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
+export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
+PORT=30000 FAIL=0
+
+serve() {  # $1 name, rest: launch flags
+  local name=$1; shift
+  LOG=$RES/server_$name.log
+  setsid "$PY" -m sglang.launch_server --model-path "$STAGE_ROOT/models/llama-3.1-8b" --load-format dummy \
+    --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch --grammar-backend none \
+    --context-length 65536 --disable-cuda-graph --host 127.0.0.1 --port $PORT "${MEM[@]}" "$@" > "$LOG" 2>&1 &
+  SERVER=$!
+  local t0; t0=$(date +%s)
+  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
+    kill -0 "$SERVER" 2>/dev/null || { echo "$name: server died at start"; tail -20 "$LOG"; return 1; }
+    [ $(( $(date +%s) - t0 )) -gt 300 ] && { echo "$name: not healthy after 300 s"; return 1; }
+    sleep 2
+  done
+  echo "$name: healthy after $(( $(date +%s) - t0 )) s"
+}
+stop() { kill -TERM -- -"$SERVER" 2>/dev/null || return 0
+  for _ in $(seq 30); do kill -0 -- -"$SERVER" 2>/dev/null || return 0; sleep 0.5; done
+  kill -KILL -- -"$SERVER" 2>/dev/null; sleep 2; }
+trap stop EXIT
+bench() {  # $1 config label, $2 mode, rest: extra bench flags
+  local cfg=$1 mode=$2; shift 2
+  echo "== $REGIME / $cfg ($mode) =="
+  "$PY" -m toolkv.tools.agent_bench --url "http://127.0.0.1:$PORT" --mode "$mode" --config "$cfg" \
+    --duration "$DURATION" --drain 60 --flush --out "$RES/$cfg.json" "$@" || FAIL=1
+}
+IFS=, read -ra LIST <<< "$SERVERS"
+for s in "${LIST[@]}"; do
+  case $s in
+    hicache16)
+      export TOOLKV_TTL_S=600; unset TOOLKV_HOST_BUDGET_TOKENS
+      serve hicache16 --enable-hierarchical-cache --hicache-size 16 || { FAIL=1; continue; }
+      bench stock stock
+      bench explicit explicit --twins 2 $([ "$REGIME" = constrained ] && echo --probe)
+      bench zero-change on-request
+      for p in ${POLICY_CONFIGS:-}; do bench "$p" explicit; done
+      stop ;;
+    hicache80)
+      serve hicache80 --enable-hierarchical-cache --hicache-size 80 || { FAIL=1; continue; }
+      bench stock-large stock
+      stop ;;
+    radix)
+      export TOOLKV_TTL_S=30 TOOLKV_HOST_BUDGET_TOKENS=$(( POOL / 2 ))
+      serve radix || { FAIL=1; continue; }
+      bench radix stock
+      bench pin explicit
+      stop ;;
+    *) echo "unknown server $s" >&2; FAIL=1 ;;
+  esac
+done
+for f in "$RES"/server_*.log; do grep -n "Traceback\|AssertionError\|Out of memory" "$f" | head -5 | sed "s|^|$(basename "$f"): |"; done
+exit $FAIL
