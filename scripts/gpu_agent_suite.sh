@@ -13,7 +13,8 @@
 #                 half the device pool)
 # Every server: Llama-3.1-8B shape, dummy weights, 64K context, triton attention, the toolkv plugin
 # loaded (TOOLKV_ENABLE=1; the stock configs make no toolkv call and send no session id). Results:
-# $OUT/<regime>/<config>.json and server logs.
+# $OUT/<regime>/<config>.json and server logs. TOOLKV_SRC=<dir> runs the toolkv tree found there (e.g.
+# an export of one commit) instead of this checkout.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUNDLE=$ROOT/.gpu-bundle
@@ -30,7 +31,8 @@ source "$BUNDLE/env.sh"; use_flashinfer_stub
 EP=$STAGE_ROOT/toolkv_ep_suite; mkdir -p "$EP/toolkv-0.1.0.dist-info"
 printf 'Metadata-Version: 2.1\nName: toolkv\nVersion: 0.1.0\n' > "$EP/toolkv-0.1.0.dist-info/METADATA"
 printf '[sglang.srt.plugins]\ntoolkv = toolkv.sglang.plugin:register\n' > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
+SRC=${TOOLKV_SRC:-$ROOT}
+export PYTHONPATH=$SRC:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
 PORT=30000 FAIL=0
 
 serve() {  # $1 name, rest: launch flags
@@ -55,8 +57,8 @@ trap stop EXIT
 bench() {  # $1 config label, $2 mode, rest: extra bench flags
   local cfg=$1 mode=$2; shift 2
   echo "== $REGIME / $cfg ($mode) =="
-  "$PY" -m toolkv.tools.agent_bench --url "http://127.0.0.1:$PORT" --mode "$mode" --config "$cfg" \
-    --duration "$DURATION" --drain 60 --flush --out "$RES/$cfg.json" "$@" || FAIL=1
+  (cd "$SRC" && "$PY" -m toolkv.tools.agent_bench --url "http://127.0.0.1:$PORT" --mode "$mode" --config "$cfg" \
+    --duration "$DURATION" --drain 60 --flush --out "$RES/$cfg.json" "$@") || FAIL=1
 }
 IFS=, read -ra LIST <<< "$SERVERS"
 for s in "${LIST[@]}"; do
