@@ -25,7 +25,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as ei:
         main(["--version"])
     assert ei.value.code == 0
-    assert capsys.readouterr().out.strip() == f"toolkv {__version__} (sglang plugin for sglang 0.5.16)"
+    assert (
+        capsys.readouterr().out.strip() == f"toolkv {__version__} (sglang plugin for sglang 0.5.16, 0.5.23)"
+    )
 
 
 @pytest.mark.parametrize(

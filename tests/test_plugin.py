@@ -460,7 +460,7 @@ def test_startup_is_fail_closed_through_sglangs_plugin_loader() -> None:
         ("missing dependency", "transitions>=0.9"),
         ("bad value", "TOOLKV_TTL_S='ten'"),
         ("bad switch", "TOOLKV_ENABLE='maybe'"),
-        ("unsupported sglang", "sglang 0.5.99 is not a release toolkv supports (supported: 0.5.16)"),
+        ("unsupported sglang", "sglang 0.5.99 is not a release toolkv supports (supported: 0.5.16, 0.5.23)"),
     ]:
         assert r[name]["exit"] == "StartupRefused", (name, r[name])
         assert words in r[name]["message"] and "refusing to start" in r[name]["message"], r[name]
@@ -492,10 +492,28 @@ def test_unsupported_version_table_is_one_place() -> None:
     from toolkv.errors import StartupRefused
     from toolkv.sglang.startup import SUPPORTED, check_sglang_version
 
-    assert set(SUPPORTED) == {"0.5.16"}
-    check_sglang_version("0.5.16")
+    assert set(SUPPORTED) == {"0.5.16", "0.5.23"}
+    assert check_sglang_version("0.5.16") is SUPPORTED["0.5.16"]
     with pytest.raises(StartupRefused, match=r"0\.5\.15"):
         check_sglang_version("0.5.15")
+
+
+def test_release_0516_needs_no_extra_setting_and_hooks_the_radix_cache() -> None:
+    """The 0.5.16 row of the release table, against the installed 0.5.16: no environment setting
+    and no server flag is required (a plain RadixCache falls back to pinning), and the turn is
+    captured on ``RadixCache.cache_finished_req``, not on 0.5.23's ``checkpoint``."""
+    from toolkv.sglang.startup import SUPPORTED, check_environment, environment_reasons, flag_reasons
+
+    assert __import__("sglang").__version__ == "0.5.16"
+    assert SUPPORTED["0.5.16"].tree == "radix"
+    assert environment_reasons("0.5.16", {}) == []
+    check_environment("0.5.16", {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "rust"})  # not read on 0.5.16
+    sa = make_server_args(HarnessConfig(kind="radix"))
+    assert not sa.enable_hierarchical_cache and flag_reasons("0.5.16", sa) == []
+    assert unsupported_reasons(sa) == []
+    targets = {t for t, _, _ in hooks(main_process=False, config=ToolKVConfig())}
+    assert "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req" in targets
+    assert not any("UnifiedRadixCache" in t for t in targets)
 
 
 # ---- TP rank/size, start-up lines, host sizing --------------------------------------------------------

@@ -16,6 +16,17 @@ targets (sglang 0.5.16, verified against the installed source):
 | entrypoints/http_server.py:2648 ``launch_server`` | BEFORE | main process only: refuse unsupported configs; add the HTTP routes |
 | entrypoints/openai/serving_chat.py:1437/1198 | AROUND | main process, TOOLKV_ZERO_CHANGE=1 only: see finish_reason "tool_calls" |
 
+On sglang 0.5.23 (verified against the installed 0.5.23 source; the two tree rows are replaced, the
+rest keep their names at new lines):
+
+| target | type | role |
+|---|---|---|
+| managers/scheduler.py:465 ``Scheduler.__init__`` | AFTER | as above; rank/size from ``runtime_context.get_parallel()`` (1285): 0.5.23's Scheduler has no ``ps``; ``_request_dispatcher`` is built by ``init_request_dispatcher`` (1828) |
+| managers/scheduler.py:2224 / 2943 / 5549 | AFTER / BEFORE / AFTER | ``process_input_requests`` / ``handle_generate_request`` / ``get_internal_state``, as above |
+| mem_cache/unified_radix_cache.py:1159 ``UnifiedRadixCache.checkpoint`` | AFTER | record the finished turn: ``release_kv_cache`` (mem_cache/common.py:400-445) refreshes the fill ids (430) and calls ``checkpoint(req, up_to=owned_kv_len)`` (431) for a finished request; ``checkpoint_into_tree`` inserts ``req.full_untruncated_fill_ids[:up_to]`` (1170), page-aligned (1232), under ``req.extra_key`` and ``req.cache_salt`` (1204-1209) |
+| mem_cache/unified_radix_cache.py:416 ``UnifiedRadixCache.reset`` | AFTER | tree replaced (flush_cache) |
+| entrypoints/http_server.py:3125 ``launch_server``; serving_chat.py:2807/2441 | BEFORE; AROUND | as above |
+
 Nothing is registered unless ``TOOLKV_ENABLE=1``: an installed entry point activates for every
 sglang launch in the environment, so the plugin must be inert by default. Once enabled it is
 fail-closed (:mod:`toolkv.sglang.startup`): a bad setting, a missing dependency, an unsupported
@@ -32,7 +43,9 @@ from typing import Any
 from toolkv.errors import StartupRefused, Unsupported
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.startup import (
+    SUPPORTED,
     check_dependencies,
+    check_environment,
     check_sglang_version,
     installed_sglang_version,
     unapplied,
@@ -42,6 +55,7 @@ log = logging.getLogger("toolkv")
 
 SCHED = "sglang.srt.managers.scheduler.Scheduler"
 RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 HTTP = "sglang.srt.entrypoints.http_server"
 CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 
@@ -67,13 +81,15 @@ def register() -> None:
         raise StartupRefused(f"{e} (unset TOOLKV_ENABLE to serve without toolkv)") from None
     check_dependencies()
     version = installed_sglang_version()
-    check_sglang_version(version)
+    release = check_sglang_version(version)
+    check_environment(version)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from toolkv.sglang.ipc import register_wire_types
 
     register_wire_types()
-    for target, hook, kind in hooks(main_process=multiprocessing.parent_process() is None, config=cfg):
+    main = multiprocessing.parent_process() is None
+    for target, hook, kind in hooks(main_process=main, config=cfg, tree=release.tree):
         HookRegistry.register(target, hook, getattr(HookType, kind))
     _registered = True
     log.info("toolkv enabled (sglang %s): %s", version, _config_line(cfg))
@@ -100,27 +116,61 @@ def _check_hooks_applied(main_process: bool) -> None:
         )
 
 
-def tp_rank_size(sched: Any) -> tuple[int, int]:
-    """(tp_rank, tp_size) of a scheduler. sglang 0.5.16 keeps them in ``Scheduler.ps``, a
-    ``ParallelState`` (scheduler.py:379-397); the Scheduler itself has no ``tp_rank``/``tp_size``."""
+def _parallel(sched: Any) -> Any:
+    """The object holding this scheduler's ranks: ``Scheduler.ps``, a ``ParallelState``, on 0.5.16
+    (scheduler.py:379-397); on 0.5.23 the Scheduler has no ``ps`` and every rank is read from the
+    process-wide ``runtime_context.get_parallel()`` (runtime_context.py:1285, scheduler.py:1316)."""
     ps = getattr(sched, "ps", None)
-    if ps is None:
-        raise Unsupported("this sglang Scheduler has no ParallelState (Scheduler.ps)")
+    if ps is not None:
+        return ps
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        raise Unsupported(
+            "this sglang Scheduler has no ParallelState (Scheduler.ps) and no runtime_context"
+        ) from None
+    return get_parallel()
+
+
+def tp_rank_size(sched: Any) -> tuple[int, int]:
+    """(tp_rank, tp_size) of a scheduler; the Scheduler itself has no ``tp_rank`` (see
+    :func:`_parallel` for where each release keeps them)."""
+    ps = _parallel(sched)
     return int(ps.tp_rank), int(ps.tp_size)
 
 
-def hooks(*, main_process: bool, config: ToolKVConfig) -> list[tuple[str, Callable[..., Any], str]]:
+def _installed_tree() -> str:
+    """The cache API of the installed sglang (``radix`` for a release toolkv does not know: only
+    reached by callers that run after :func:`register` has refused such a release)."""
+    release = SUPPORTED.get(installed_sglang_version())
+    return "radix" if release is None else release.tree
+
+
+def hooks(
+    *, main_process: bool, config: ToolKVConfig, tree: str | None = None
+) -> list[tuple[str, Callable[..., Any], str]]:
     """(target, hook, HookType name) for this process. Scheduler-side hooks are registered in
     every process (in the HTTP process the targets are imported anyway and never run); HTTP-side
-    hooks only in the main process, so scheduler processes do not import the HTTP server."""
+    hooks only in the main process, so scheduler processes do not import the HTTP server.
+    ``tree`` picks the turn-capture and reset targets of the release's cache API (default: the
+    installed sglang's)."""
+    tree = tree or _installed_tree()
     out: list[tuple[str, Callable[..., Any], str]] = [
         (f"{SCHED}.__init__", after_scheduler_init, "AFTER"),
         (f"{SCHED}.process_input_requests", after_process_input_requests, "AFTER"),
         (f"{SCHED}.handle_generate_request", before_handle_generate_request, "BEFORE"),
         (f"{SCHED}.get_internal_state", after_get_internal_state, "AFTER"),
-        (f"{RADIX}.cache_finished_req", around_cache_finished_req, "AROUND"),
-        (f"{RADIX}.reset", after_tree_reset, "AFTER"),
     ]
+    if tree == "unified":
+        out += [
+            (f"{UNIFIED}.checkpoint", after_checkpoint, "AFTER"),
+            (f"{UNIFIED}.reset", after_tree_reset, "AFTER"),
+        ]
+    else:
+        out += [
+            (f"{RADIX}.cache_finished_req", around_cache_finished_req, "AROUND"),
+            (f"{RADIX}.reset", after_tree_reset, "AFTER"),
+        ]
     if main_process:
         out.append((f"{HTTP}.launch_server", before_launch_server, "BEFORE"))
         if config.zero_change:
@@ -186,7 +236,7 @@ def make_metrics(server_args: Any, sched: Any) -> Any:
     else None."""
     if not getattr(server_args, "enable_metrics", False):
         return None
-    ps = getattr(sched, "ps", None)
+    ps = _parallel(sched)
     if getattr(ps, "attn_tp_rank", 0) != 0 and not getattr(
         server_args, "enable_metrics_for_all_schedulers", False
     ):
@@ -259,6 +309,53 @@ def around_cache_finished_req(
         except Exception:  # deterministic on every rank; never fail the request for toolkv
             log.exception("toolkv: recording the turn of session %s failed", turn[0])
     return result
+
+
+def checkpointed_turn(tree: Any, req: Any, up_to: int | None) -> tuple[str, Any, Any] | None:
+    """(session id, token ids, extra_key) of a request that finished and whose KV
+    ``UnifiedRadixCache.checkpoint`` just inserted (sglang 0.5.23), or None.
+
+    ``checkpoint`` also runs for requests that are still running (chunked prefill and decode
+    checkpoints, ``checkpoint_kv_cache``, mem_cache/common.py:271-278): only a finished request
+    ends a turn, the same test ``checkpoint_into_tree`` makes (``req.finished()``, 1169). The tokens
+    are the ones it inserts, ``req.full_untruncated_fill_ids[:up_to]`` (1170), which
+    ``release_kv_cache`` refreshed to ``origin_input_ids + output_ids`` just before (common.py:430);
+    the manager's walk page-aligns them as the insert does (1232). A request with a
+    ``cache_salt`` is keyed under the salt as well (1204-1209, radix_cache.py:245-247), which the
+    manager's key walk does not carry: it is not recorded (counted as ``skip:cache_salt``)."""
+    if getattr(tree, "disable", False) or not req.finished():
+        return None
+    from toolkv.sglang.scheduler_side import session_label
+
+    sid = session_label(req)
+    if sid is None:
+        return None
+    if getattr(req, "cache_salt", None):
+        tk = getattr(tree, "_toolkv", None)
+        if tk is not None:
+            tk.count_skip("skip:cache_salt")
+        return None
+    tokens = req.full_untruncated_fill_ids
+    if up_to is not None:
+        tokens = tokens[:up_to]
+    return sid, tokens, getattr(req, "extra_key", None)
+
+
+def after_checkpoint(_result: None, tree: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``UnifiedRadixCache.checkpoint(req, *, up_to)``: the 0.5.23 twin of
+    :func:`around_cache_finished_req`. Runs with the request's lock still on the inserted leaf
+    (``release_kv_cache`` unlocks it after ``checkpoint`` returns, common.py:434), which changes
+    nothing for recording; a settle of a still-protected session only ends protections."""
+    tk = getattr(tree, "_toolkv", None)
+    if tk is None:
+        return
+    up_to = kwargs.get("up_to", args[0] if args else None)
+    turn = checkpointed_turn(tree, req, up_to)
+    if turn is not None:
+        try:
+            tk.on_finished(*turn)
+        except Exception:  # deterministic on every rank; never fail the request for toolkv
+            log.exception("toolkv: recording the turn of session %s failed", turn[0])
 
 
 def after_tree_reset(_result: None, tree: Any, *args: Any, **kwargs: Any) -> None:

@@ -24,21 +24,25 @@ from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.metrics import ToolKVMetrics
 from toolkv.sglang.observe import DecisionLog
-from toolkv.sglang.sizing import kv_bytes_per_token
+from toolkv.sglang.sizing import host_pool, kv_bytes_per_token
+from toolkv.sglang.startup import SUPPORTED, flag_reasons, installed_sglang_version
 from toolkv.sglang.tp import AgreedClock
 
 log = logging.getLogger("toolkv")
 
 
 # ---- configuration checks ---------------------------------------------------------------------------
-def unsupported_reasons(server_args: Any) -> list[str]:
+def unsupported_reasons(server_args: Any, version: str | None = None) -> list[str]:
     """Server configurations toolkv refuses (readable in both the HTTP and scheduler processes).
 
     Each one breaks an assumption the design rests on: one tree per TP group fed by one broadcast
     request stream (pp, DP attention, attention CP), the session's KV living in the radix tree
     (streaming sessions), a single tokenizer-manager process that owns the routes and the reply
-    registry (tokenizer workers), and no foreign owner of session leaves (session radix cache on
-    top of HiCache leaks host memory upstream).
+    registry (tokenizer workers), no foreign owner of session leaves (session radix cache on
+    top of HiCache leaks host memory upstream), and a host tier that keeps KV (0.5.23's
+    ``--hicache-host-memory-mode buffer_only`` makes host memory a staging buffer for a storage
+    backend). Then the flags the sglang release (``version``, default: the installed one)
+    needs, from :data:`toolkv.sglang.startup.SUPPORTED`.
     """
 
     def g(name: str, default: Any = None) -> Any:
@@ -63,7 +67,14 @@ def unsupported_reasons(server_args: Any) -> list[str]:
         out.append("prefill/decode disaggregation")
     if g("use_ray", False):
         out.append("Ray launch mode (--use-ray): sglang's plugin hooks are not applied there")
+    if g("hicache_host_memory_mode", "cache") == "buffer_only":
+        out.append(
+            "--hicache-host-memory-mode buffer_only: host memory only stages a storage backend's copies"
+        )
     out += decode_offload_reasons(server_args)
+    version = version or installed_sglang_version()
+    if version in SUPPORTED:
+        out += flag_reasons(version, server_args)
     return out
 
 
@@ -79,9 +90,29 @@ def check_server_args(server_args: Any) -> None:
 
 
 def check_tree(tree: Any) -> None:
-    """Only the two tree classes whose internals toolkv was verified against are accepted —
-    exactly, not subclasses: UnifiedRadixCache, the C++ tree, LMCache/FlexKV and the streaming
-    wrapper all store or evict KV differently."""
+    """Only the tree classes whose internals toolkv was verified against are accepted — exactly,
+    not subclasses: the C++ tree, LMCache/FlexKV and the streaming wrapper all store or evict KV
+    differently. sglang 0.5.16: ``RadixCache`` and ``HiRadixCache``. sglang 0.5.23:
+    ``UnifiedRadixCache`` with a host tier and the Python tree core (the unified backend's own
+    check names the setting), not its LMCache/FlexKV subclasses."""
+    from toolkv.core.backends.unified import check_tree as check_unified_tree
+    from toolkv.core.backends.unified import is_unified_tree
+
+    if is_unified_tree(tree):  # 0.5.21+: hiradix_cache.py no longer exists there
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        if type(tree) is not UnifiedRadixCache:
+            raise Unsupported(
+                f"toolkv supports UnifiedRadixCache, not {type(tree).__name__}"
+                " (LMCache/FlexKV and other external caches keep KV outside the tree's host tier)",
+                tree=type(tree).__name__,
+            )
+        if getattr(tree, "disable", False):
+            raise Unsupported("the radix cache is disabled (--disable-radix-cache)")
+        check_unified_tree(tree)
+        if getattr(tree.tree_core, "is_eagle", False):
+            raise Unsupported("EAGLE speculative decoding stores bigram keys; toolkv walks plain keys")
+        return
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -159,8 +190,11 @@ def promised_tokens(sched: Any) -> int:
         fill = getattr(ch, "full_untruncated_fill_ids", None)
         if fill is None or len(fill) == 0:
             fill = getattr(ch, "fill_ids", None) or ()
+        # 0.5.16 keeps the allocated prefix as ``prefix_indices``; 0.5.23 only its length,
+        # ``prefix_len`` (schedule_batch.py:1220, advanced per chunk by checkpoint_kv_cache).
         prefix = getattr(ch, "prefix_indices", None)
-        total += max(0, len(fill) - (0 if prefix is None else len(prefix)))
+        done = len(prefix) if prefix is not None else int(getattr(ch, "prefix_len", 0) or 0)
+        total += max(0, len(fill) - done)
     batch = getattr(sched, "running_batch", None)
     for req in getattr(batch, "reqs", None) or ():
         params = getattr(req, "sampling_params", None)
@@ -319,7 +353,7 @@ class SchedulerToolKV:
             # fall back to zero once no request runs and toolkv holds nothing (pin backend).
             out["device_evictable_tokens"] = int(tree.evictable_size())
             out["device_locked_tokens"] = int(tree.protected_size())
-        host = getattr(tree, "token_to_kv_pool_host", None)
+        host = host_pool(tree)
         if host is not None:
             out["host_free_tokens"] = int(host.available_size())
             out["host_total_tokens"] = int(host.size)
@@ -331,8 +365,13 @@ class SchedulerToolKV:
         return None if rec is None else rec.state
 
     def _skip(self, reason: str) -> dict[str, Any]:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.count_skip(reason)
         return {"skipped": reason}
+
+    def count_skip(self, reason: str) -> None:
+        """Something toolkv deliberately left alone (``kv_meta``'s ``skipped`` counts them): an
+        operator sees why a session is not tracked without reading debug logs."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def on_tool_calls(self, sid: str) -> dict[str, Any]:
         """Zero-change: the turn ended in tool calls, offload like an explicit tool_start would."""

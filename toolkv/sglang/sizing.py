@@ -16,10 +16,23 @@ from typing import Any
 GB = 1e9  # sglang's --hicache-size unit: int(host_size * 1e9 // size_per_token) (pool_host/base.py:106)
 
 
+def host_pool(tree: Any) -> Any:
+    """The KV host pool of a tree with a host tier, else None. ``HiRadixCache`` (0.5.16) keeps it
+    at ``token_to_kv_pool_host``; ``UnifiedRadixCache`` (0.5.23) behind its controller, as the
+    anchor entry of a ``HostPoolGroup`` (mem_cache/pool_host/group.py:46), the pool the FULL
+    component's host indices live in."""
+    host = getattr(tree, "token_to_kv_pool_host", None)
+    if host is not None:
+        return host
+    group = getattr(getattr(tree, "cache_controller", None), "mem_pool_host", None)
+    anchor = getattr(group, "anchor_entry", None)
+    return getattr(anchor, "host_pool", None)
+
+
 def kv_bytes_per_token(tree: Any) -> int | None:
     """Bytes one token's KV takes on this rank: the host pool's own figure when there is one,
     else K and V of every layer of the device pool (MHA layout). None when unknown."""
-    host = getattr(tree, "token_to_kv_pool_host", None)
+    host = host_pool(tree)
     if host is not None and getattr(host, "size_per_token", None):
         return int(host.size_per_token)
     alloc = getattr(tree, "token_to_kv_pool_allocator", None)
@@ -51,8 +64,8 @@ class PoolSizes:
 
 
 def pool_sizes(tree: Any) -> PoolSizes | None:
-    """Device and host pool sizes of a HiRadixCache; None for a tree without a host pool."""
-    host = getattr(tree, "token_to_kv_pool_host", None)
+    """Device and host pool sizes of a tree with a host tier; None for a tree without one."""
+    host = host_pool(tree)
     alloc = getattr(tree, "token_to_kv_pool_allocator", None)
     bpt = kv_bytes_per_token(tree)
     if host is None or alloc is None or not bpt:

@@ -14,15 +14,57 @@ else of toolkv is known to be importable.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from toolkv.errors import StartupRefused
 
+
+@dataclass(frozen=True)
+class Release:
+    """What one verified sglang release needs from the launch, beyond toolkv's own settings.
+
+    ``tree`` names the cache API the release builds and therefore the hook set the plugin installs
+    (:func:`toolkv.sglang.plugin.hooks`): ``radix`` = ``RadixCache``/``HiRadixCache`` with
+    ``cache_finished_req``; ``unified`` = ``UnifiedRadixCache`` with ``checkpoint``. ``env`` and
+    ``flags`` are the settings without which the release builds a cache toolkv cannot drive; a
+    launch that lacks one is refused at start-up with the setting named, instead of failing (or
+    silently degrading) once the first scheduler has built its tree."""
+
+    verified: str
+    tree: Literal["radix", "unified"]
+    env: tuple[tuple[str, str, str], ...] = ()  # (variable, required value, why)
+    flags: tuple[tuple[str, str, str], ...] = ()  # (ServerArgs attribute that must be on, CLI flag, why)
+
+
 # sglang releases whose internals every hook target and every primitive toolkv calls were verified
-# against (release -> what was verified). Adding a release is one line here, once its backend and
-# hook targets are checked (tests/test_plugin.py reads the targets from the installed source).
-SUPPORTED: dict[str, str] = {
-    "0.5.16": "RadixCache/HiRadixCache backends; Scheduler, RadixCache and HTTP hook targets",
+# against. Adding a release is one entry here, once its backend and hook targets are checked
+# (tests/test_plugin.py and tests/test_plugin_0523.py read the targets from the installed source).
+SUPPORTED: dict[str, Release] = {
+    "0.5.16": Release(
+        verified="RadixCache/HiRadixCache backends; Scheduler, RadixCache and HTTP hook targets",
+        tree="radix",
+    ),
+    "0.5.23": Release(
+        verified="UnifiedRadixCache backend; Scheduler, UnifiedRadixCache.checkpoint/reset and HTTP hook targets",
+        tree="unified",
+        env=(
+            (
+                "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",
+                "python",
+                "the default Rust tree core exposes no tree nodes, and toolkv reads node facts",
+            ),
+        ),
+        flags=(
+            (
+                "enable_hierarchical_cache",
+                "--enable-hierarchical-cache",
+                "without it the UnifiedRadixCache has no host tier to offload into",
+            ),
+        ),
+    ),
 }
 
 # import name -> the requirement that provides it. toolkv's own runtime dependencies; sglang and
@@ -41,13 +83,50 @@ def installed_sglang_version() -> str:
     return str(__version__)
 
 
-def check_sglang_version(version: str) -> None:
-    if version not in SUPPORTED:
+def check_sglang_version(version: str) -> Release:
+    """The verified release ``version`` is, or a refusal: toolkv patches sglang internals that
+    change between releases, and an unverified one may have moved any of them."""
+    release = SUPPORTED.get(version)
+    if release is None:
         raise StartupRefused(
             f"sglang {version} is not a release toolkv supports (supported: {', '.join(sorted(SUPPORTED))}). "
             "toolkv patches sglang internals that change between releases; unset TOOLKV_ENABLE to serve "
             "without toolkv, or install a supported sglang"
         )
+    return release
+
+
+def environment_reasons(version: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The environment settings the release needs and the launch lacks, one sentence each.
+
+    Read from the launching process's environment: sglang's scheduler processes inherit it, so a
+    setting present here is present where the tree is built."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name, want, why in SUPPORTED[version].env:
+        got = env.get(name)
+        if got != want:
+            shown = "unset" if got is None else f"{got!r}"
+            out.append(f"sglang {version} needs {name}={want} (it is {shown}): {why}")
+    return out
+
+
+def check_environment(version: str, environ: Mapping[str, str] | None = None) -> None:
+    reasons = environment_reasons(version, environ)
+    if reasons:
+        raise StartupRefused(
+            "; ".join(reasons) + ". Set it for the server, or unset TOOLKV_ENABLE to serve without toolkv"
+        )
+
+
+def flag_reasons(version: str, server_args: Any) -> list[str]:
+    """The server flags the release needs and ``server_args`` lacks, one sentence each (read in
+    both the HTTP and the scheduler processes, where ``ServerArgs`` exists)."""
+    return [
+        f"{flag} is required with sglang {version}: {why}"
+        for attr, flag, why in SUPPORTED[version].flags
+        if not getattr(server_args, attr, False)
+    ]
 
 
 def missing_dependencies(names: Iterable[str] = DEPENDENCIES) -> list[str]:
