@@ -38,10 +38,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from toolkv.core.backends.unified import full
 from toolkv.core.lifecycle import PROTECTING
-from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.manager import ManagerConfig
 from toolkv.core.treeops import attached, path_to
 from toolkv.errors import ToolKVError
 from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
+from toolkv.verify.backend_mutants import mutant_manager
 
 SESSIONS = ("s1", "s2", "s3")
 UNIT = 16  # tokens per turn: >= sglang's load_back_threshold (10), a whole page at page size 16
@@ -56,7 +57,7 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
         self.h = UnifiedCacheHarness(
             UnifiedHarnessConfig(page_size=self.page_size, device_tokens=12 * UNIT, host_ratio=1.5)
         )
-        self.mgr = ToolKVManager(self.h.tree, config=ManagerConfig(ttl_s=8.0), caveats=self.caveats)
+        self.mgr = mutant_manager(self.h.tree, config=ManagerConfig(ttl_s=8.0), caveats=self.caveats)
         self.initial = self.h.accounting()
         self.fresh = 1
         self.now = 0.0

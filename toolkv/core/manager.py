@@ -39,21 +39,6 @@ from toolkv.errors import (
 
 log = logging.getLogger("toolkv")
 
-# Seeded defects for mutation testing, named as in the spec's BUG constant. Never set in production.
-CAVEATS = frozenset(
-    {
-        "HostLockLeak",  # caveat 1: a failed restore gives the session up without releasing its host ref
-        "DoubleLoad",  # caveat 2: a retried tool_end issues a second load for a node already loading
-        "EvictProtected",  # caveat 4: the host copy is not protected, so host eviction may take it
-        "StaleNode",  # caveat 5: the session's node is used without checking it is still in the tree
-        "NoTtl",  # caveat 6: the TTL sweep never runs
-        "FreeBeforeAck",  # caveat 7: the GPU copy is freed before the write is acknowledged
-        "EarlyRunnable",  # caveat 7: runnable before the load is acknowledged
-        "NoEpochCheck",  # tool_end ignores the epoch
-        "EpochReuse",  # expiry resets the epoch, so an old epoch becomes valid again
-    }
-)
-
 
 @dataclass(frozen=True)
 class ManagerConfig:
@@ -72,17 +57,12 @@ class ToolKVManager:
         *,
         config: ManagerConfig | None = None,
         agree: Agreement | None = None,
-        caveats: frozenset[str] = frozenset(),
     ) -> None:
-        unknown = caveats - CAVEATS
-        if unknown:
-            raise ValueError(f"unknown caveats {sorted(unknown)}")
         self.config = config or ManagerConfig()
         self.agree = agree or LocalAgreement()
-        self.caveats = caveats
         self.tree = tree
         if backend is None:
-            backend = make_backend(tree, config=self.config, agree=self.agree, caveats=caveats)
+            backend = make_backend(tree, config=self.config, agree=self.agree)
         self.backend = backend
         self.sessions: dict[str, SessionRecord] = {}
         self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
@@ -105,13 +85,17 @@ class ToolKVManager:
             raise UnknownSession(f"unknown session {session_id!r}", session_id=session_id)
         return rec
 
+    def _node_current(self, rec: SessionRecord, node: Any) -> bool:
+        """True when the session's recorded node is still a node of the current tree: recorded
+        under this tree generation and still attached (caveat 5: a node split off, evicted or
+        left behind by a tree reset must not be acted on)."""
+        return rec.tree_gen == self.tree_gen and attached(self.tree, node)
+
     def _live_node(self, rec: SessionRecord) -> Any:
         """The session's node if it is still in the current tree, else a re-walk by its tokens
         (caveat 5: never act on a stale node). Returns None when nothing is left."""
         node = rec.node
-        if node is not None and (
-            "StaleNode" in self.caveats or (rec.tree_gen == self.tree_gen and attached(self.tree, node))
-        ):
+        if node is not None and self._node_current(rec, node):
             return node
         if not rec.tokens:
             return None
@@ -181,7 +165,7 @@ class ToolKVManager:
         clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
         rec.epoch += 1
         self._arm_deadline(rec)
-        if clean or "FreeBeforeAck" in self.caveats:
+        if self._free_at_tool_start(clean):
             self.backend.free_gpu([rec])
             fire(rec, "tool_start", "Offloaded")
         else:
@@ -193,6 +177,12 @@ class ToolKVManager:
             "tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens
         )
         return self._meta(rec)
+
+    def _free_at_tool_start(self, clean: bool) -> bool:
+        """Whether ``tool_start`` frees the GPU copies itself: only when no write on the path is
+        in flight (caveat 7: a GPU copy is freed only after its write is acknowledged; otherwise
+        ``process_write_acks`` frees it once sglang has retired the ack)."""
+        return clean
 
     # ---- WriteAck -------------------------------------------------------------------------------------
     def process_write_acks(self) -> int:
@@ -214,26 +204,18 @@ class ToolKVManager:
         rec = self._get(session_id)
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise BadRequest("epoch must be an integer")
-        if epoch != rec.epoch and "NoEpochCheck" not in self.caveats:
+        if not self._epoch_matches(rec, epoch):
             self.counters["stale_epoch"] += 1
             raise StaleEpoch(
                 f"epoch {epoch} is stale for session {session_id!r} (current {rec.epoch})",
                 current_epoch=rec.epoch,
             )
-        if rec.state == "Restoring" and "DoubleLoad" in self.caveats:
-            self.backend.restore(rec)  # the mutant issues a second load for the same node
-            return self._meta(rec)
         if rec.state not in ("Offloading", "Offloaded"):
-            raise WrongState(
-                f"tool_end needs an offloaded session; {session_id!r} is {rec.state}", state=rec.state
-            )
+            return self._tool_end_not_offloaded(rec)
         try:
             runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         except DeviceMemoryFull:
-            self.counters["restore_deferred"] += 1
-            if "HostLockLeak" in self.caveats:  # the mutant gives up without releasing the host ref
-                self._settle(rec)
-                rec.state = "Expired"
+            self._restore_refused(rec)
             raise
         self._offloading.pop(session_id, None)
         if runnable:
@@ -246,6 +228,23 @@ class ToolKVManager:
         self.counters["restored_tokens"] += rec.restored_tokens
         log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
         return self._meta(rec)
+
+    def _epoch_matches(self, rec: SessionRecord, epoch: int) -> bool:
+        """Spec ``ToolEnd``'s guard ``e = epoch[s]``: a tool_end of an older tool call is refused
+        and changes nothing (``StaleEpochNoop``)."""
+        return epoch == rec.epoch
+
+    def _tool_end_not_offloaded(self, rec: SessionRecord) -> dict[str, object]:
+        """A current-epoch tool_end for a session that is not offloaded (already restoring, or
+        never offloaded): refused, so no node is ever loaded twice (caveat 2). Always raises."""
+        raise WrongState(
+            f"tool_end needs an offloaded session; {rec.session_id!r} is {rec.state}", state=rec.state
+        )
+
+    def _restore_refused(self, rec: SessionRecord) -> None:
+        """The backend refused the restore before changing anything: the session stays offloaded
+        and protected (caveat 1: its host protection is kept, for a retry or the TTL to release)."""
+        self.counters["restore_deferred"] += 1
 
     # ---- LoadAck --------------------------------------------------------------------------------------
     def process_load_acks(self) -> int:
@@ -264,23 +263,24 @@ class ToolKVManager:
     # ---- TtlSweep -------------------------------------------------------------------------------------
     def ttl_sweep(self) -> int:
         """Release every protection past its deadline. O(1) when none is due, O(k log n) for k."""
-        if "NoTtl" in self.caveats:
-            return 0
         heap, n = self._deadlines, 0
         while heap and heap[0][0] <= self.now:
             _deadline, seq, sid = heapq.heappop(heap)
             rec = self.sessions.get(sid)
             if rec is None or rec.deadline_seq != seq or rec.state not in PROTECTING:
                 continue  # lazily deleted entry
-            self.backend.release(rec)
-            self._settle(rec)
-            fire(rec, "ttl_sweep", "Expired")
-            if "EpochReuse" in self.caveats:
-                rec.epoch = 0
-            self.counters["expired"] += 1
-            log.debug("session %s expired after %.1fs without tool_end", sid, self.config.ttl_s)
+            self._expire(rec)
             n += 1
         return n
+
+    def _expire(self, rec: SessionRecord) -> None:
+        """Spec ``TtlSweep`` for one session: release what it holds, ``Expired``. The epoch is
+        kept (``EpochMonotone``): a tool_end of the expired call must stay stale."""
+        self.backend.release(rec)
+        self._settle(rec)
+        fire(rec, "ttl_sweep", "Expired")
+        self.counters["expired"] += 1
+        log.debug("session %s expired after %.1fs without tool_end", rec.session_id, self.config.ttl_s)
 
     # ---- Close ----------------------------------------------------------------------------------------
     def close(self, session_id: str) -> dict[str, object]:
@@ -366,7 +366,6 @@ def make_backend(
     *,
     config: ManagerConfig,
     agree: Agreement,
-    caveats: frozenset[str] = frozenset(),
     fallback: str = "pin",
 ) -> Backend:
     """Chosen from the tree type: UnifiedRadixCache (sglang 0.5.21+) → host offload with its own
@@ -374,15 +373,12 @@ def make_backend(
     from toolkv.core.backends.unified import UnifiedBackend, is_unified_tree
 
     if is_unified_tree(tree):  # checked first: it also has cache_controller and load_back
-        return UnifiedBackend(  # raises Unsupported (with the fix) for a tree it cannot drive
-            tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats
-        )
+        # raises Unsupported (with the fix) for a tree it cannot drive
+        return UnifiedBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
         from toolkv.core.backends.hiradix import HiRadixBackend
 
-        return HiRadixBackend(
-            tree, agree=agree, host_budget_tokens=config.host_budget_tokens, caveats=caveats
-        )
+        return HiRadixBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
     if fallback == "shadow":
         from toolkv.core.backends.shadow import ShadowBackend
 

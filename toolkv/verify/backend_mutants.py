@@ -1,12 +1,211 @@
-"""Seeded defects applied from outside the production code: subclasses of the real backends that
-put a fixed bug back, for tests that must fail on it (mutation testing). Named as in the spec's
-BUG constant. Nothing in ``toolkv.core`` or ``toolkv.sglang`` imports this module."""
+"""Seeded defects applied from outside the production code: subclasses of the real manager and
+backends that put a fixed bug back, for tests that must fail on it (mutation testing). Named as in
+the spec's BUG constant. Nothing in ``toolkv.core`` or ``toolkv.sglang`` imports this module.
+
+Each defect overrides one small production method that holds the correct behaviour (the manager's
+``_epoch_matches``, ``_node_current``, ...; the backends' ``_take_host_protection``,
+``_free_candidate_ready``, ...), so the defective variant is a few lines and the production method
+bodies exist once. :func:`mutant_manager` builds a manager (and, when it builds the backend too,
+the backend) with any set of defects switched on, by composing these subclasses; the mutation
+runner, the conformance replay and the fuzz campaigns construct their managers through it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.backends.hiradix import HiRadixBackend
+from toolkv.core.backends.unified import UnifiedBackend
+from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
 from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tree, TreeNode
 from toolkv.errors import DeviceMemoryFull
+
+# ---- manager defects --------------------------------------------------------------------------------
+
+
+class HostLockLeakManager(ToolKVManager):
+    """Caveat 1 (``HostLockLeak``): a refused restore gives the session up without releasing its
+    host protection."""
+
+    def _restore_refused(self, rec: SessionRecord) -> None:
+        super()._restore_refused(rec)
+        self._settle(rec)
+        rec.state = "Expired"
+
+
+class DoubleLoadManager(ToolKVManager):
+    """Caveat 2 (``DoubleLoad``): a retried tool_end of a restoring session issues a second load
+    for a node already loading."""
+
+    def _tool_end_not_offloaded(self, rec: SessionRecord) -> dict[str, object]:
+        if rec.state == "Restoring":
+            self.backend.restore(rec)
+            return self._meta(rec)
+        return super()._tool_end_not_offloaded(rec)
+
+
+class StaleNodeManager(ToolKVManager):
+    """Caveat 5 (``StaleNode``): the session's node is used without checking that it is still in
+    the current tree."""
+
+    def _node_current(self, rec: SessionRecord, node: Any) -> bool:
+        return True
+
+
+class NoTtlManager(ToolKVManager):
+    """Caveat 6 (``NoTtl``): the TTL sweep never runs."""
+
+    def ttl_sweep(self) -> int:
+        return 0
+
+
+class FreeBeforeAckManager(ToolKVManager):
+    """Caveat 7 (``FreeBeforeAck``, manager half): tool_start frees the GPU copies at once, with
+    the writes still in flight (the backend half skips the per-node ack check)."""
+
+    def _free_at_tool_start(self, clean: bool) -> bool:
+        return True
+
+
+class NoEpochCheckManager(ToolKVManager):
+    """``NoEpochCheck``: tool_end ignores the epoch, so a late tool_end of an older call acts."""
+
+    def _epoch_matches(self, rec: SessionRecord, epoch: int) -> bool:
+        return True
+
+
+class EpochReuseManager(ToolKVManager):
+    """``EpochReuse``: expiry resets the epoch, so an old epoch becomes valid again."""
+
+    def _expire(self, rec: SessionRecord) -> None:
+        super()._expire(rec)
+        rec.epoch = 0
+
+
+# ---- backend defects (mixins for HiRadixBackend and UnifiedBackend) --------------------------------
+
+
+class EvictProtectedMixin:
+    """Caveat 4 (``EvictProtected``): the backend records a protection it never takes, so host
+    eviction may take the protected copy."""
+
+    def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        return None
+
+    def _drop_host_protection(self, rec: SessionRecord) -> None:
+        return None
+
+
+class EvictProtectedUnifiedMixin(EvictProtectedMixin):
+    """``EvictProtected`` on the unified tree: the session's receipts exist, as after a real
+    offload, with no host lock in them."""
+
+    def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        self._receipts(rec)  # type: ignore[attr-defined]
+
+
+class FreeBeforeAckMixin:
+    """Caveat 7 (``FreeBeforeAck``, backend half): a GPU copy is freed with its write in flight,
+    locked or loading."""
+
+    def _free_candidate_ready(self, m: TreeNode) -> bool:
+        return True
+
+
+class FreeBeforeAckUnifiedMixin(FreeBeforeAckMixin):
+    """``FreeBeforeAck`` on the unified tree: also bypass sglang's device-leaf assertion (demote
+    directly), so the defect reaches the state checks instead of stopping at sglang's assert."""
+
+    def _free_device_copy(self, m: TreeNode, tracker: dict[Any, int]) -> None:
+        self.tree._demote(m.id, tracker)  # type: ignore[attr-defined]
+
+
+class EarlyRunnableMixin:
+    """Caveat 7 (``EarlyRunnable``): runnable before the load is acknowledged."""
+
+    def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
+        return True
+
+
+MANAGER_MUTANTS: dict[str, type[ToolKVManager]] = {
+    "HostLockLeak": HostLockLeakManager,
+    "DoubleLoad": DoubleLoadManager,
+    "StaleNode": StaleNodeManager,
+    "NoTtl": NoTtlManager,
+    "FreeBeforeAck": FreeBeforeAckManager,
+    "NoEpochCheck": NoEpochCheckManager,
+    "EpochReuse": EpochReuseManager,
+}
+
+# backend class -> defect -> the mixin that seeds it there
+BACKEND_MUTANTS: dict[type, dict[str, type]] = {
+    HiRadixBackend: {
+        "EvictProtected": EvictProtectedMixin,
+        "FreeBeforeAck": FreeBeforeAckMixin,
+        "EarlyRunnable": EarlyRunnableMixin,
+    },
+    UnifiedBackend: {
+        "EvictProtected": EvictProtectedUnifiedMixin,
+        "FreeBeforeAck": FreeBeforeAckUnifiedMixin,
+        "EarlyRunnable": EarlyRunnableMixin,
+    },
+}
+
+# Every implementation defect, named as in the spec's BUG constant.
+CAVEATS = frozenset(MANAGER_MUTANTS) | {name for table in BACKEND_MUTANTS.values() for name in table}
+
+
+@cache
+def manager_class(caveats: frozenset[str]) -> type[ToolKVManager]:
+    """The manager with the manager halves of ``caveats`` switched on (the production class for
+    none). Cached: the conformance replay builds a manager per walk."""
+    bases = tuple(MANAGER_MUTANTS[c] for c in sorted(caveats) if c in MANAGER_MUTANTS)
+    if not bases:
+        return ToolKVManager
+    return type("".join(sorted(c for c in caveats if c in MANAGER_MUTANTS)) + "Manager", bases, {})
+
+
+@cache
+def backend_class(kind: type, caveats: frozenset[str]) -> type:
+    """``kind`` (HiRadixBackend or UnifiedBackend) with the backend halves of ``caveats`` on."""
+    table = BACKEND_MUTANTS[kind]
+    mixins = tuple(table[c] for c in sorted(caveats) if c in table)
+    if not mixins:
+        return kind
+    return type("".join(sorted(c for c in caveats if c in table)) + kind.__name__, (*mixins, kind), {})
+
+
+def mutant_manager(
+    tree: Tree,
+    backend: Backend | None = None,
+    *,
+    caveats: frozenset[str] = frozenset(),
+    config: ManagerConfig | None = None,
+    agree: Agreement | None = None,
+) -> ToolKVManager:
+    """A manager with the seeded defects ``caveats`` (empty: the production manager, unchanged).
+    With ``backend`` None the backend is chosen as production chooses it and, on a HiRadixCache or
+    UnifiedRadixCache, built with the backend halves of ``caveats``; a given backend is used as it
+    is (pin and shadow have no backend defects)."""
+    unknown = caveats - CAVEATS
+    if unknown:
+        raise ValueError(f"unknown caveats {sorted(unknown)}")
+    config = config or ManagerConfig()
+    agree = agree or LocalAgreement()
+    if backend is None:
+        backend = make_backend(tree, config=config, agree=agree)
+        kind = type(backend)
+        if kind in BACKEND_MUTANTS and caveats & set(BACKEND_MUTANTS[kind]):
+            cls: Any = backend_class(kind, caveats)
+            backend = cls(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
+    return manager_class(caveats)(tree, backend, config=config, agree=agree)
+
+
+# ---- load-ring defects (backends given to the manager directly) -----------------------------------
 
 
 class RingOverrunBackend(HiRadixBackend):

@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from toolkv.core.backends.base import Backend
-from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.manager import ManagerConfig
 from toolkv.core.treeops import TreeNode, attached, path_to, walk
 from toolkv.errors import ToolKVError
 from toolkv.testing.harness import CacheHarness, HarnessConfig, rkey
 from toolkv.verify import specstep
+from toolkv.verify.backend_mutants import mutant_manager
 from toolkv.verify.refinement import ROOT, Bounds, NodeMap, abstract_state, check_invariants, check_step
 
 BACKENDS = ("hiradix", "pin", "shadow")
@@ -145,9 +146,8 @@ class Replayer:
             from toolkv.core.backends.shadow import ShadowBackend
 
             backend = ShadowBackend(tree)
-        self.mgr = ToolKVManager(
-            tree, backend=backend, config=ManagerConfig(ttl_s=self.ttl), caveats=self.caveats
-        )
+        # seeded defects (mutation testing) are subclasses built outside the production code
+        self.mgr = mutant_manager(tree, backend, config=ManagerConfig(ttl_s=self.ttl), caveats=self.caveats)
         self.nodes = NodeMap()
         self.tokens: dict[str, list[int]] = {}  # spec node -> tokens from the root to its end
         self.ext: set[str] = set()

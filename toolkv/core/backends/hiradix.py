@@ -39,8 +39,10 @@ def _ntok(nodes: Sequence[TreeNode]) -> int:
 
 
 class HiRadixBackend(OwnLoads):
-    """Host offload on a ``HiRadixCache``. ``caveats`` switches on seeded defects for mutation
-    testing only (names as in ``spec/ToolKV.tla``'s BUG constant); production never sets it."""
+    """Host offload on a ``HiRadixCache``. The steps a seeded defect would change are small
+    methods of their own (:meth:`_take_host_protection`, :meth:`_free_candidate_ready`,
+    :meth:`_readable_after_load_back`), so mutation testing overrides them from outside
+    (``toolkv.verify.backend_mutants``) instead of switching inside these methods."""
 
     name = "hiradix"
 
@@ -51,7 +53,6 @@ class HiRadixBackend(OwnLoads):
         agree: Agreement | None = None,
         host_budget_tokens: int | None = None,
         schedule_stream: Any = None,
-        caveats: frozenset[str] = frozenset(),
     ) -> None:
         self.tree = tree
         self.agree = agree or LocalAgreement()
@@ -62,7 +63,6 @@ class HiRadixBackend(OwnLoads):
         # them; a restore is not, so it must leave them free or the next chunk finds no memory
         # (sglang raises "Out of memory" and the server exits). Bound by the scheduler side.
         self.headroom: Callable[[], int] = lambda: 0
-        self.caveats = caveats
         # Loads this manager issued: id(leaf) -> (leaf, boundary). The load fills the chain from the
         # leaf up to, not including, the boundary (the deepest ancestor already on device at
         # load_back time). Kept as a chain, not a node list: a split while the load is in flight
@@ -88,12 +88,22 @@ class HiRadixBackend(OwnLoads):
         for m in to_write:  # root-down: write_backup needs a backed-up parent
             written = tree.write_backup(m)
             assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
-        if "EvictProtected" not in self.caveats:  # the mutant records a protection it never takes
-            leaf.protect_host()
+        self._take_host_protection(rec, leaf)
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
         self.protected_tokens += rec.offload_tokens
         return not self.offload_pending(rec)
+
+    def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        """Protect the path's host copy until tool_end or the TTL (caveat 4): ``protect_host``
+        on the leaf keeps sglang's ``evict_host`` off the leaf, and so off its ancestors, which
+        are never host-evicted while they have a child."""
+        leaf.protect_host()
+
+    def _drop_host_protection(self, rec: SessionRecord) -> None:
+        """Undo :meth:`_take_host_protection` (exactly once per protection)."""
+        assert rec.protected is not None
+        rec.protected.release_host()
 
     def offload_pending(self, rec: SessionRecord) -> bool:
         assert rec.node is not None
@@ -116,7 +126,6 @@ class HiRadixBackend(OwnLoads):
         leaves = [r.node for r in recs if r.node is not None]
         if not leaves:
             return
-        early = "FreeBeforeAck" in self.caveats
         cand: dict[int, TreeNode] = {}
         for leaf in leaves:
             for m in path_to(self.tree, leaf):
@@ -130,9 +139,7 @@ class HiRadixBackend(OwnLoads):
             for key, m in cand.items():
                 if key in freed or m.value is None or m.host_value is None:
                     continue
-                if not early and (
-                    m.write_through_pending_id is not None or m.lock_ref != 0 or self._node_loading(m)
-                ):
+                if not self._free_candidate_ready(m):
                     continue
                 if any(c.value is not None and id(c) not in freed for c in m.children.values()):
                     continue
@@ -146,6 +153,12 @@ class HiRadixBackend(OwnLoads):
             r.freed_tokens = sum(
                 len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node)
             )
+
+    def _free_candidate_ready(self, m: TreeNode) -> bool:
+        """Spec ``FreeSet``'s per-node guard besides the tree shape: the write is acknowledged
+        (caveat 7: a slot freed before the ack is reused while the copy still reads it), no
+        request holds the node, and no load is filling it."""
+        return m.write_through_pending_id is None and m.lock_ref == 0 and not self._node_loading(m)
 
     # ---- ToolEnd ----------------------------------------------------------------------------------------
     def restore(self, rec: SessionRecord) -> bool:
@@ -180,13 +193,17 @@ class HiRadixBackend(OwnLoads):
             stamp = time.monotonic()
             for m in path:
                 m.last_access_time = stamp
-        runnable = not any(self._node_loading(m) for m in path)
-        if runnable or "EarlyRunnable" in self.caveats:
+        if self._readable_after_load_back(path):
             self._release_protection(rec)
             return True
         tree.inc_lock_ref(leaf)  # pin the path until every load into it is acknowledged
         rec.pinned = leaf
         return False
+
+    def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
+        """True when no load into ``path`` is in flight, so the session may run now (caveat 7:
+        never runnable before the load's acknowledgement; otherwise it is pinned until then)."""
+        return not any(self._node_loading(m) for m in path)
 
     def start_loads(self) -> bool:
         """Spec ``StartLoads``: start every queued host->GPU load in one producer slot, only when
@@ -219,8 +236,7 @@ class HiRadixBackend(OwnLoads):
     # ---- release --------------------------------------------------------------------------------------
     def _release_protection(self, rec: SessionRecord) -> None:
         if rec.protected is not None:
-            if "EvictProtected" not in self.caveats:
-                rec.protected.release_host()
+            self._drop_host_protection(rec)
             rec.protected = None
             self.protected_tokens -= rec.offload_tokens
 

@@ -87,8 +87,10 @@ class Receipts:
 
 
 class UnifiedBackend(OwnLoads):
-    """Host offload on a ``UnifiedRadixCache`` with HiCache. ``caveats``: seeded defects for
-    mutation testing only (names as in the spec's BUG constant)."""
+    """Host offload on a ``UnifiedRadixCache`` with HiCache. The steps a seeded defect would
+    change are small methods of their own (:meth:`_take_host_protection`,
+    :meth:`_free_candidate_ready`, :meth:`_free_device_copy`, :meth:`_readable_after_load_back`),
+    overridden from outside by ``toolkv.verify.backend_mutants`` for mutation testing."""
 
     name = "unified"
 
@@ -99,14 +101,12 @@ class UnifiedBackend(OwnLoads):
         agree: Agreement | None = None,
         host_budget_tokens: int | None = None,
         schedule_stream: Any = None,
-        caveats: frozenset[str] = frozenset(),
     ) -> None:
         check_tree(tree)
         self.tree = tree
         self.agree = agree or LocalAgreement()
         self.host_budget_tokens = host_budget_tokens
         self.schedule_stream = schedule_stream
-        self.caveats = caveats
         # Loads this manager issued: leaf id -> (leaf, boundary). The load fills the chain from the
         # leaf up to, not including, the boundary (the deepest ancestor on device at load_back
         # time); a split during the load inserts a node into the chain, and it is loading too.
@@ -141,13 +141,24 @@ class UnifiedBackend(OwnLoads):
             tree._execute_and_commit_kv_backup(BackupKV(node_ids=[m.id for m in to_write]))
             lost = [m.id for m in to_write if full(m).host_value is None]
             assert not lost, f"backup refused nodes {lost} after the capacity check"
-        receipts = self._receipts(rec)
-        if "EvictProtected" not in self.caveats:  # the mutant records a protection it never takes
-            receipts.host = tree.inc_host_lock_ref(leaf.id).to_dec_params()
+        self._take_host_protection(rec, leaf)
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
         self.protected_tokens += rec.offload_tokens
         return not self.offload_pending(rec)
+
+    def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        """Protect the path's host copy until tool_end or the TTL (caveat 4): a host lock on the
+        leaf (a segment lock in 0.5.23), its receipt kept for the release."""
+        self._receipts(rec).host = self.tree.inc_host_lock_ref(leaf.id).to_dec_params()
+
+    def _drop_host_protection(self, rec: SessionRecord) -> None:
+        """Undo :meth:`_take_host_protection` with its receipt (exactly once)."""
+        assert rec.protected is not None
+        receipts = self._receipts(rec)
+        if receipts.host is not None:
+            self.tree.dec_host_lock_ref(rec.protected.id, receipts.host)
+            receipts.host = None
 
     def offload_pending(self, rec: SessionRecord) -> bool:
         assert rec.node is not None
@@ -178,7 +189,6 @@ class UnifiedBackend(OwnLoads):
         leaves = [r.node for r in recs if r.node is not None]
         if not leaves:
             return
-        early = "FreeBeforeAck" in self.caveats
         cand: dict[int, TreeNode] = {}
         for leaf in leaves:
             for m in path_to(self.tree, leaf):
@@ -193,9 +203,7 @@ class UnifiedBackend(OwnLoads):
                 d = full(m)
                 if key in freed or d.value is None or d.host_value is None:
                     continue
-                if not early and (
-                    m.write_through_pending_id is not None or d.lock_ref != 0 or self._node_loading(m)
-                ):
+                if not self._free_candidate_ready(m):
                     continue
                 if any(full(c).value is not None and id(c) not in freed for c in m.children.values()):
                     continue
@@ -205,14 +213,21 @@ class UnifiedBackend(OwnLoads):
                     changed = True
         tracker: dict[Any, int] = {ct: 0 for ct in self.tree.tree_components}
         for m in order:  # children were added before their parents
-            if early:  # the mutant frees without sglang's device-leaf check
-                self.tree._demote(m.id, tracker)
-            else:
-                self.tree._evict_device_leaf(m.id, tracker)
+            self._free_device_copy(m, tracker)
         for r in recs:
             r.freed_tokens = sum(
                 len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node)
             )
+
+    def _free_candidate_ready(self, m: TreeNode) -> bool:
+        """Spec ``FreeSet``'s per-node guard besides the tree shape: the write is acknowledged
+        (caveat 7), no request holds the node, and no load is filling it."""
+        return m.write_through_pending_id is None and full(m).lock_ref == 0 and not self._node_loading(m)
+
+    def _free_device_copy(self, m: TreeNode, tracker: dict[Any, int]) -> None:
+        """Free one backed-up device copy with sglang's ``_evict_device_leaf``, which asserts it
+        is an unlocked device leaf: a second line of defence behind :meth:`_free_candidate_ready`."""
+        self.tree._evict_device_leaf(m.id, tracker)
 
     # ---- ToolEnd --------------------------------------------------------------------------------------
     def restore(self, rec: SessionRecord) -> bool:
@@ -246,13 +261,17 @@ class UnifiedBackend(OwnLoads):
             from sglang.srt.mem_cache.radix_cache import RadixKey
 
             tree.touch_prefix(RadixKey(rec.tokens, rec.extra_key))
-        runnable = not any(self._node_loading(m) for m in path)
-        if runnable or "EarlyRunnable" in self.caveats:
+        if self._readable_after_load_back(path):
             self._release_protection(rec)
             return True
         self._receipts(rec).pin = tree.inc_lock_ref(leaf.id).to_dec_params()  # until every load is acked
         rec.pinned = leaf
         return False
+
+    def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
+        """True when no load into ``path`` is in flight, so the session may run now (caveat 7:
+        never runnable before the load's acknowledgement; otherwise it is pinned until then)."""
+        return not any(self._node_loading(m) for m in path)
 
     def start_loads(self) -> bool:
         """Spec ``StartLoads``: start every queued host->GPU load in one producer slot of sglang's
@@ -285,10 +304,7 @@ class UnifiedBackend(OwnLoads):
     # ---- release --------------------------------------------------------------------------------------
     def _release_protection(self, rec: SessionRecord) -> None:
         if rec.protected is not None:
-            receipts = self._receipts(rec)
-            if receipts.host is not None:
-                self.tree.dec_host_lock_ref(rec.protected.id, receipts.host)
-                receipts.host = None
+            self._drop_host_protection(rec)
             rec.protected = None
             self.protected_tokens -= rec.offload_tokens
 
