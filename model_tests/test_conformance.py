@@ -9,6 +9,9 @@
 3. The error trace of each spec mutant, replayed on the correspondingly broken implementation
    (a test-only caveat switch), reproduces the violation; replayed on the correct implementation
    it does not.
+4. The load-ring defects (backend subclasses in ``toolkv.verify.backend_mutants``) fail the replay
+   of the ring graph: the one that starts its load in ``tool_end`` at that step, the one that starts
+   when two slots are free at the tick probe (``start_loads`` where ``StartLoads`` is not enabled).
 
 ``TOOLKV_CONFORMANCE_REPORT=DIR`` writes each replay's summary there as JSON.
 """
@@ -38,6 +41,7 @@ SPEC = Path(__file__).resolve().parents[1] / "spec"
 pytestmark = pytest.mark.tlc
 
 ORDER = "Unrealizable: ack out of issue order (sglang retires acks oldest first)"
+RING_GRAPH = "loadring"  # the [[conformance]] graph with sglang's load-slot ring (Ring = 3)
 CASES = [(c.name, b) for c in load_conformance(SPEC)[0] for b in c.backends]
 REPLAYED: dict[tuple[str, str], CoverReport] = {}
 
@@ -73,6 +77,8 @@ def test_every_edge_replays_on_the_real_cache(graphs: Any, graph: str, backend: 
     assert rep.unrealizable == 0 or rep.failed, "edges left unreplayed without a failed step"
     never = [a for a, (n, covered) in rep.by_action.items() if n and not covered]
     assert not never, f"actions with edges but none replayed: {never}"
+    if bounds.ring > 0 and backend == "hiradix":  # the tick was probed where StartLoads is disabled
+        assert rep.idle_ticks > 0, "no state with a queued load behind a load in flight"
 
 
 def test_every_spec_action_is_replayed(graphs: Any, tools: Toolchain, tmp_path: Path) -> None:
@@ -101,6 +107,20 @@ def test_every_spec_action_is_replayed(graphs: Any, tools: Toolchain, tmp_path: 
     assert not never, f"spec actions with no replayed edge on any graph: {never}"
     stale = [a for a in pending if a in replayed]
     assert not stale, f"replayed, so no longer pending in spec/configs.toml: {stale}"
+
+
+@pytest.mark.parametrize("mutant", ["RingOverrunBackend", "RingTwoFreeBackend"])
+def test_ring_defects_fail_the_replay(graphs: Any, mutant: str) -> None:
+    """The replay of the ring graph is not vacuous: each seeded load-ring defect diverges from the
+    spec (the replay stops at the first mismatch, so this is quick)."""
+    from toolkv.verify import backend_mutants
+
+    g, bounds = graphs.get(RING_GRAPH)
+    rep = replay_graph(g, bounds, hi_backend=getattr(backend_mutants, mutant))
+    assert rep.mismatches, f"{mutant} replayed {rep.steps} steps without a mismatch"
+    diff = rep.mismatches[0]["diff"]
+    assert "ring" in diff and "queued" in diff, diff
+    print(f"{mutant}: mismatch after {rep.steps} steps at {rep.mismatches[0]['action']}")
 
 
 def _no_ttl_check(r: Replayer) -> list[str]:

@@ -197,6 +197,7 @@ class CoverReport:
     violations: list[dict[str, Any]] = field(default_factory=list)
     walks: int = 0
     steps: int = 0
+    idle_ticks: int = 0  # start_loads probed where the spec's StartLoads is not enabled (Ring > 0)
     rounds: int = 0
     seconds: float = 0.0
     by_action: dict[str, list[int]] = field(default_factory=dict)  # action -> [edges in todo, covered]
@@ -224,6 +225,7 @@ class CoverReport:
             "violations": len(self.violations),
             "walks": self.walks,
             "steps": self.steps,
+            "idle_ticks": self.idle_ticks,
             "seconds": round(self.seconds, 1),
             "steps_per_s": round(self.edges_per_s),
             "by_action": self.by_action,
@@ -244,15 +246,25 @@ def replay_graph(
     budget_s: float | None = None,
     progress: Callable[[CoverReport], None] | None = None,
     fresh_every: int = 2000,
+    hi_backend: Callable[[Any], Any] | None = None,
 ) -> CoverReport:
     """Replay every edge of ``graph`` (or, with ``focus``, every edge of those actions and every
     edge leaving their targets) on a real ``backend`` stack, comparing states after every step.
+    ``hi_backend`` replaces the HiRadixCache backend (a seeded defect in a backend subclass).
 
     Stops at the first mismatch. Edges that fail as unrealizable (or not shareable at run time) are
     re-planned along other walks for ``rounds`` rounds, then counted as unrealizable."""
 
     def stack(seed: int) -> Replayer:
-        return Replayer(bounds, backend=backend, caveats=caveats, page_size=page_size, seed=seed, fill=False)
+        return Replayer(
+            bounds,
+            backend=backend,
+            caveats=caveats,
+            page_size=page_size,
+            seed=seed,
+            fill=False,
+            hi_backend=hi_backend,
+        )
 
     r = stack(seed)
     t0 = time.monotonic()  # after the first stack: importing sglang is not the replay's cost
@@ -349,10 +361,29 @@ def _walk(
                     states[u], post, b, tuple(act)
                 )
             return False
+        if hi and not _idle_tick_stutters(r, states[v], keys, b, rep, walk_states[: i + 2]):
+            return False
         if res.error is not None and act[0] not in ("ToolStart", "ToolEnd", "Close"):
             rep.violations.append({"edge": [u, v], "action": act, "error": res.error})
         done.add((u, v))
     return True
+
+
+def _idle_tick_stutters(
+    r: Replayer,
+    spec: Mapping[str, Any],
+    keys: list[str],
+    b: Bounds,
+    rep: CoverReport,
+    walk_states: list[int],
+) -> bool:
+    """With a load queued where the spec's ``StartLoads`` is not enabled (a load is in flight),
+    the tick's ``start_loads`` must be a stuttering step; False (and a mismatch) if it moved."""
+    if b.ring == 0 or not spec["queued"] or specstep.successor(spec, ["StartLoads"], b.rules()) is not None:
+        return True
+    r.idle_tick()
+    rep.idle_ticks += 1
+    return _matches(r, spec, keys, b, rep, ["tick: start_loads where StartLoads is not enabled"], walk_states)
 
 
 def _matches(

@@ -15,7 +15,13 @@ correspondence in a :class:`NodeMap`. Everything else is read off the real objec
 | ``writeKey[n]`` | name of the node whose id is ``node.write_through_pending_id`` |
 | ``loadKey[n]`` | the manager's own loads: ``backend.loading_chains()`` |
 | ``loadAcks[k]`` | loads carrying ``k``'s id that are started (``ack_load_queue``) or queued (``load_queue``) |
-| ``queued``, ``ring`` | empty while the spec does not model the load-slot ring (``Ring = 0``): a queued load is in flight, its start an internal step |
+| ``queued`` | ``Ring > 0``: the spec nodes named by the ops on the controller's ``load_queue`` (``load_back`` enqueued them, nothing started them yet); ``Ring = 0``: empty (the spec does not model the ring: a queued load is in flight, its start an internal step) |
+| ``ring`` | ``Ring > 0``: one entry per started load whose copy has not finished, oldest first: the acks on ``ack_load_queue`` whose ``finish_event`` has not fired, each with the spec nodes among its ``node_ids`` (``keys``; sglang's own loads name prefixes outside the spec's nodes, which drop out) and who started it (``who``: ``sys`` for sglang's own starts of a prefill batch, ``tkv`` for toolkv's, as the driver's ``load_starter`` says: both start through the same sglang call, ``ready_to_load_host_cache``); checked against ``layer_done_counter``: its busy producer slots are exactly these loads. ``Ring = 0``: empty |
+
+The ring's granularity. sglang records a load's per-layer producer events and its ack's
+``finish_event`` on the load stream at the same position, so a producer slot is free exactly when
+that load's ack has finished: a finished ack still on ``ack_load_queue`` is out of ``ring`` but
+still counted in ``loadAcks`` until ``loading_check`` retires it (the spec's ``LoadAck``).
 | ``phase[s]``, ``ref[s]``, ``epoch[s]``, ``prot[s]``, ``deadline[s]`` | the ``SessionRecord`` (``state``, ``node``, ``epoch``, ``protected``, ``min(deadline, MaxTime)``) |
 | ``devFree``, ``hostFree`` | ``DevSlots``/``HostSlots`` minus the nodes holding a copy (slots are node-granular in the spec; token capacity is an environment choice, see ``conformance.py``) |
 | ``now``, ``resets`` | ``manager.now``, resets seen |
@@ -23,7 +29,7 @@ correspondence in a :class:`NodeMap`. Everything else is read off the real objec
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,11 +131,13 @@ def abstract_state(
     ext_locks: set[str],
     resets: int,
     env_host_slots: set[int] | None = None,
+    load_starter: Callable[[Any], str | None] | None = None,
 ) -> dict[str, Any]:
     """The implementation's state in the spec's variables (``core`` of ``ToolKV.tla``).
 
     ``env_host_slots``: host slots other requests hold (so a detached node's stale ``host_value``
-    pointing at reallocated slots is not mistaken for an orphan)."""
+    pointing at reallocated slots is not mistaken for an orphan). ``load_starter``: who started a
+    load (``"tkv"`` or ``"sys"``) given its ack; needed only when the spec models the ring."""
     tree = mgr.tree
     by_id = {id(o): n for n, o in nodes.obj.items()}
     gen = mgr.tree_gen
@@ -211,8 +219,12 @@ def abstract_state(
         prot[s] = by_id.get(id(rec.protected), NO_NODE) if rec.protected is not None else NO_NODE
         deadline[s] = 0 if rec.deadline_seq == 0 else int(min(rec.deadline, bounds.max_time))
 
+    queued: list[str] = []
+    ring: list[dict[str, Any]] = []
     if bounds.ring > 0:
-        raise NotMapped("the load-slot ring (Ring > 0) has no refinement mapping yet: map queued and ring")
+        if ctrl is None or load_starter is None:
+            raise NotMapped("the load-slot ring (Ring > 0) needs the cache controller and a load_starter")
+        queued, ring = ring_state(ctrl, real_id_to_name, load_starter)
     out: dict[str, Any] = {
         "status": status,
         "parent": {n: parent(n) for n in names},
@@ -239,11 +251,32 @@ def abstract_state(
         "deadline": deadline,
         "now": int(min(mgr.now, bounds.max_time)),  # the spec's clock saturates: MaxTime means "or later"
         "resets": resets,
-        # Ring = 0: the spec does not model the load-slot ring; both stay empty.
-        "queued": [],
-        "ring": [],
+        "queued": queued,  # both stay empty while the spec does not model the ring (Ring = 0)
+        "ring": ring,
     }
     return out
+
+
+def ring_state(
+    ctrl: Any, id_to_name: Mapping[int, str], load_starter: Callable[[Any], str | None]
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """``queued`` and ``ring`` read off sglang's ``HiCacheController``: the spec nodes on the load
+    queue, and the started loads whose copy has not finished (oldest first). Raises
+    :class:`NotMapped` when the counter's busy producer slots disagree with those loads, or a
+    load in flight has no recorded starter: the mapping would be guessing."""
+    queued = sorted({id_to_name[i] for op in ctrl.load_queue for i in op.node_ids if i in id_to_name})
+    ring: list[dict[str, Any]] = []
+    for ack in ctrl.ack_load_queue:
+        if ack.finish_event.query():  # its slot is free; only loading_check's retirement is pending
+            continue
+        who = load_starter(ack)
+        if who is None:
+            raise NotMapped("a load in flight has no known starter")
+        ring.append({"keys": sorted({id_to_name[i] for i in ack.node_ids if i in id_to_name}), "who": who})
+    busy = sum(1 for ev in ctrl.layer_done_counter.events if not ev.finish_event.query())
+    if busy != len(ring):
+        raise NotMapped(f"{busy} producer slots busy but {len(ring)} started loads unfinished")
+    return queued, ring
 
 
 # ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
@@ -328,7 +361,16 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
         ):
             bad.append("NoFreeWhilePending")
             break
+    if b.ring > 0 and not ring_bounded(st, b.ring):
+        bad.append("RingBounded")
     return bad
+
+
+def ring_bounded(st: Mapping[str, Any], ring: int) -> bool:
+    """``RingBounded``: no more loads in flight than producer slots, and every key queued or in
+    flight has exactly one pending load ack."""
+    keys = [*st.get("queued", ()), *(k for slot in st.get("ring", ()) for k in slot["keys"])]
+    return len(st.get("ring", ())) <= ring and all(st["loadAcks"].get(k, 0) == 1 for k in keys)
 
 
 CORE = (

@@ -17,6 +17,30 @@ first unfinished ack); the spec lets acks arrive in any order. An edge that ackn
 transfer first cannot happen in sglang: the executor raises :class:`Unrealizable`. A plain
 ``RadixCache`` backend (pin, shadow) shares only part of the spec's world — it has no host tier and
 no transfers in flight — and an executor raises :class:`NotApplicable` for a step it cannot share.
+
+The load-slot ring (``Ring > 0``: sglang's ``LayerDoneCounter``, three producer slots; the stack
+refuses any other ``Ring``). ``load_back`` only enqueues (spec ``queued``); a start takes a slot
+(spec ``ring``). Where the implementation's state space differs from the spec's, and how:
+
+* ``StartLoads`` is toolkv's ``start_loads`` as the manager's ``tick`` calls it. The tick also
+  runs the TTL sweep, a spec action of its own; when a protection is due the executor runs the
+  tick's other two steps (``start_loads``, then ``process_load_acks``) without the sweep.
+* ``SysStart`` is a prefill batch of another request with a host hit: ``load_back`` of a
+  host-only prefix, then sglang's ``ready_to_load_host_cache``, which merges toolkv's queued loads
+  into the same start. Those prefixes are not spec nodes (the spec abstracts sglang's own loads to
+  their slot): each start inserts a fresh one host-only the way sglang lands an L3 prefetch
+  (``_insert_helper_host``), so no write has to finish for it, and drops them again once sglang
+  retired their loads. Both starts go through the same sglang call, so the replayer keeps a ledger
+  of the loads it started as sglang's (the spec's ``who``); every other start is toolkv's.
+* ``RingDone`` is the copy engine finishing the oldest started load: its producer events and its
+  ack's ``finish_event`` fire together (they are recorded at one position of the load stream).
+* ``LoadAck`` is sglang's ``loading_check``, which retires every finished ack at the front of the
+  queue in one call, and the manager's hook. sglang's own finished loads go with it (invisible to
+  the spec); an edge whose ``loading_check`` would also retire another spec key's load cannot
+  happen (:class:`Unrealizable`). sglang's own finished loads are otherwise retired at the next
+  ``SysStart``, unless that would retire one of toolkv's loads before its spec ``LoadAck``.
+* ``TreeReset`` (``ring`` is empty there) does not start queued loads: ``flush_cache``'s
+  ``reset()`` clears the load queue, as the spec's ``queued' = {}`` says.
 """
 
 from __future__ import annotations
@@ -37,6 +61,10 @@ from toolkv.verify.backend_mutants import mutant_manager
 from toolkv.verify.refinement import ROOT, Bounds, NodeMap, abstract_state, check_invariants, check_step
 
 BACKENDS = ("hiradix", "pin", "shadow")
+#: tokens of other requests' prefixes start here, far from the spec nodes' tokens (fresh from 1)
+OTHER_TOKENS = 1 << 40
+#: device room (in spec-node units) kept for sglang's own loads of other requests' prefixes
+OTHER_LOADS = 16
 
 
 class Unrealizable(Exception):
@@ -93,15 +121,19 @@ class Replayer:
         kv_shape: tuple[int, int, int] = (2, 2, 4),
         dtype: torch.dtype = torch.float32,
         fill: bool = True,
+        hi_backend: Callable[[Any], Backend] | None = None,
     ) -> None:
         """``fill=False`` skips writing each turn's KV bytes (the conformance replay compares states,
-        not bytes; the fuzz campaign checks bytes and needs them)."""
+        not bytes; the fuzz campaign checks bytes and needs them). ``hi_backend`` builds the
+        HiRadixCache backend from the tree instead of the production choice (a seeded defect that
+        lives in a backend subclass, e.g. ``backend_mutants.RingTwoFreeBackend``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.b = bounds
         self.backend_name = backend
         self.capacity = capacity
         self.caveats = caveats
+        self.hi_backend = hi_backend
         # Environment defects: what a misconfigured sglang does. "OrphanHost": a backed-up leaf is
         # deleted with its host copy still allocated (SessionRadixCache's release path + HiCache,
         # which the plugin refuses to run with).
@@ -110,7 +142,8 @@ class Replayer:
         self.fill = fill
         self.ttl = float(ttl if ttl is not None else bounds.ttl)
         self.unit = 4 * max(16, page_size)  # tokens per spec node: halves of splits stay >= 10 (load_back)
-        cap = device_tokens or (len(bounds.nodes) + bounds.dev_slots + 4) * self.unit
+        others = OTHER_LOADS if bounds.sys_loads else 0
+        cap = device_tokens or (len(bounds.nodes) + bounds.dev_slots + 4 + others) * self.unit
         self.h = CacheHarness(
             HarnessConfig(
                 kind="hiradix" if backend == "hiradix" else "radix",
@@ -129,6 +162,11 @@ class Replayer:
         )
         if self.h.is_hi:  # HiCache's own write-through is the spec's explicit WriteThrough action here
             self.h.tree.write_through_threshold = 10**9
+            slots = self.h.tree.cache_controller.layer_done_counter.num_counters
+            if bounds.ring not in (0, slots):
+                raise ValueError(
+                    f"sglang's load ring has {slots} producer slots; the model says Ring = {bounds.ring}"
+                )
         self.executors: Mapping[str, Executor] = HIRADIX if self.h.is_hi else RADIX
         self._fresh = 1
         self.env_host_slots: set[int] = set()  # host slots held by other requests (fuzz memory pressure)
@@ -146,6 +184,8 @@ class Replayer:
             from toolkv.core.backends.shadow import ShadowBackend
 
             backend = ShadowBackend(tree)
+        elif self.hi_backend is not None:
+            backend = self.hi_backend(tree)
         # seeded defects (mutation testing) are subclasses built outside the production code
         self.mgr = mutant_manager(tree, backend, config=ManagerConfig(ttl_s=self.ttl), caveats=self.caveats)
         self.nodes = NodeMap()
@@ -154,6 +194,9 @@ class Replayer:
         self.resets = 0
         self._ballast_dev: torch.Tensor | None = None
         self._ballast_host: torch.Tensor | None = None
+        self.starts: list[tuple[Any, str]] = []  # (load ack, "sys"): sglang's own starts (spec `who`)
+        self.others: list[TreeNode] = []  # other requests' prefixes that sglang's own loads load
+        self._other_fresh = OTHER_TOKENS
 
     def restart(self) -> None:
         """Back to the spec's initial state on the same stack: let every copy finish and retire it
@@ -184,9 +227,65 @@ class Replayer:
             ext_locks=self.ext,
             resets=self.resets,
             env_host_slots=self.env_host_slots,
+            load_starter=self.starter_of,
         )
         st["extLock"] = {n: n in self.ext for n in self.b.nodes}
         return st
+
+    # ---- the load-slot ring -------------------------------------------------------------------------
+    def starter_of(self, ack: Any) -> str:
+        """Who started the load of ``ack``: ``"sys"`` if this replayer started it as sglang's own
+        (``SysStart``), else ``"tkv"``: nothing but toolkv's backend starts loads otherwise, wherever
+        it does so (a defective backend may start one in ``tool_end``)."""
+        return next((who for a, who in self.starts if a is ack), "tkv")
+
+    def record_start(self, before: int, who: str) -> None:
+        """Note who started the loads appended to ``ack_load_queue`` since it held ``before``;
+        forget loads sglang has retired."""
+        queue = self.h.tree.cache_controller.ack_load_queue
+        live = {id(a) for a in queue}
+        self.starts = [(a, w) for a, w in self.starts if id(a) in live]
+        self.starts += [(a, who) for a in queue[before:]]
+
+    def idle_tick(self) -> None:
+        """The scheduler tick calls ``start_loads`` every iteration, not only where the spec's
+        ``StartLoads`` is enabled; where it is not, the call must change nothing (a stuttering
+        step). The conformance replay probes that at every state with a queued load."""
+        self.mgr.backend.start_loads()
+
+    def other_prefix(self) -> TreeNode:
+        """A fresh host-only prefix of another request (not a spec node), for sglang's own load.
+        Inserted the way sglang lands a prefetched prefix on host (``_insert_helper_host``): no
+        write has to finish for it, so no toolkv write is acknowledged as a side effect."""
+        tree = self.h.tree
+        host = self.h.host_pool.alloc(self.unit)
+        assert host is not None, "the replayer sized the host pool too small"
+        tokens = list(range(self._other_fresh, self._other_fresh + self.unit))
+        self._other_fresh += self.unit
+        key = rkey(tokens)
+        tree._insert_helper_host(tree.root_node, key, host, [f"other{t}" for t in tokens[:: self.ps]])
+        node = tree.root_node.children[key.child_key(self.ps)]
+        self.others.append(node)
+        return node
+
+    def retire_others(self) -> None:
+        """What sglang does to its own finished loads between batches: ``loading_check`` retires
+        them (skipped when it would also retire a load of a spec node: that is the spec's
+        ``LoadAck``, not this step), then their prefixes are evicted (device, then host) to make
+        room, as memory pressure would."""
+        tree = self.h.tree
+        finished = finished_load_ids(tree)
+        if finished - {o.id for o in self.others}:
+            return
+        if finished:
+            tree.loading_check()
+        for o in [o for o in self.others if o.lock_ref == 0 and attached(tree, o)]:
+            o.last_access_time = -2e18  # below any spec node the environment made the LRU victim
+            if o.value is not None:
+                self.h.evict_device(len(o.key))
+            self.h.evict_host(len(o.key))
+            assert not attached(tree, o), "sglang kept another request's retired prefix"
+        self.others = [o for o in self.others if attached(tree, o)]
 
     def obj(self, name: str) -> TreeNode:
         return self.nodes.obj[name]
@@ -380,24 +479,79 @@ def _start_queued(r: Replayer, name: str) -> None:
         raise Unrealizable("the load ring is busy: the queued load cannot start yet")
 
 
-def _drain(r: Replayer) -> None:
-    """What a fully idle scheduler has: every transfer finished and retired, no load queued."""
+def _drain(r: Replayer, *, start_queued: bool = True) -> None:
+    """What a fully idle scheduler has: every transfer finished and retired, and (``start_queued``)
+    no load queued. Without it, queued loads stay for ``reset()`` to drop."""
     h, tree = r.h, r.h.tree
     h.synchronize()
     if h.is_hi:
-        while tree.cache_controller.load_queue:
+        while start_queued and tree.cache_controller.load_queue:
             r.mgr.backend.start_loads()
             h.synchronize()
         tree.writing_check()
         tree.loading_check()
 
 
+def finished_load_ids(tree: Any) -> set[int]:
+    """Node ids of the finished acks at the front of ``ack_load_queue``: what the next
+    ``loading_check`` retires."""
+    out: set[int] = set()
+    for ack in tree.cache_controller.ack_load_queue:
+        if not ack.finish_event.query():
+            break
+        out.update(ack.node_ids)
+    return out
+
+
 def hi_load_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     tree = r.h.tree
-    _start_queued(r, a[0])
-    _complete_ack(r, tree.cache_controller.ack_load_queue, a[0])
+    if r.b.ring > 0:  # the spec's RingDone already finished the copy: loading_check retires it
+        more = finished_load_ids(tree) - {r.obj(a[0]).id} - {o.id for o in r.others}
+        if more:
+            raise Unrealizable("loading_check retires every finished load at once")
+    else:
+        _start_queued(r, a[0])
+        _complete_ack(r, tree.cache_controller.ack_load_queue, a[0])
     tree.loading_check()
     r.mgr.process_load_acks()
+
+
+def hi_start_loads(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``StartLoads``: the scheduler tick's ``start_loads`` (it starts the queue only when no
+    load is in flight). When a protection is due the tick would also sweep (spec ``TtlSweep``, an
+    action of its own): then only the tick's other steps run."""
+    mgr = r.mgr
+    due = any(
+        pre["phase"][s] in specstep.PROTECTING and pre["deadline"][s] <= pre["now"] for s in r.b.sessions
+    )
+    if due:
+        mgr.backend.start_loads()
+        mgr.process_load_acks()
+    else:
+        mgr.tick(mgr.now)
+
+
+def hi_sys_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``SysStart``: a prefill batch of another request hits a host-only prefix; sglang loads
+    it back (``load_back``, as ``init_load_back`` does) and starts the whole load queue in one
+    producer slot (``ready_to_load_host_cache``), toolkv's queued loads included."""
+    tree = r.h.tree
+    r.retire_others()
+    node = r.other_prefix()
+    before = len(tree.cache_controller.ack_load_queue)
+    assert tree.load_back(node) is not None, "the replayer sized the device pool too small"
+    assert tree.ready_to_load_host_cache() >= 0, "sglang started no load"
+    r.record_start(before, "sys")
+
+
+def hi_ring_done(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``RingDone``: the copy engine finishes the oldest started load; its producer slot's
+    events fire with its ack's ``finish_event`` (retiring the ack is ``LoadAck``)."""
+    for ack in r.h.tree.cache_controller.ack_load_queue:
+        if not ack.finish_event.query():
+            ack.finish_event.synchronize()
+            return
+    raise AssertionError("the spec has a load in flight; sglang has none")
 
 
 def ttl_sweep(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -463,9 +617,11 @@ def hi_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     # and loads as busy: they have finished and been retired (reset() itself does not clear
     # ongoing_write_through / ongoing_load_back).
     tree = r.h.tree
-    _drain(r)
+    _drain(r, start_queued=r.b.ring == 0)  # Ring > 0: reset() drops the queue (spec queued' = {})
     tree.reset()
     r.h.allocator.clear()
+    r.others.clear()
+    r.starts.clear()
     r.resets += 1
     r.mgr.on_tree_reset()
 
@@ -491,6 +647,9 @@ HIRADIX: dict[str, Executor] = {
     "Split": split,
     "TreeReset": hi_tree_reset,
     "Tick": tick,
+    "StartLoads": hi_start_loads,
+    "SysStart": hi_sys_start,
+    "RingDone": hi_ring_done,
 }
 
 
@@ -576,6 +735,10 @@ def rx_write_through(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     """No host tier, no write-through: nothing happens."""
 
 
+def rx_no_ring(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    raise NotApplicable("a plain RadixCache has no load-slot ring: its backends copy synchronously")
+
+
 def rx_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.h.tree.reset()
     r.h.allocator.clear()
@@ -594,6 +757,9 @@ RADIX: dict[str, Executor] = {
     "HostEvict": rx_host_evict,
     "WriteThrough": rx_write_through,
     "TreeReset": rx_tree_reset,
+    "StartLoads": rx_no_ring,
+    "SysStart": rx_no_ring,
+    "RingDone": rx_no_ring,
 }
 
 
