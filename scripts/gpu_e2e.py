@@ -102,6 +102,8 @@ def main() -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--out", required=True)
+    # the backend make_backend picks for the server's tree: hiradix on sglang 0.5.16, unified on 0.5.23
+    ap.add_argument("--backend", default="hiradix", choices=["hiradix", "unified"])
     a = ap.parse_args()
     url = a.url
     res: dict[str, Any] = {"healthy_after_s": wait_healthy(url, a.pid), "checks": {}, "sessions": []}
@@ -109,7 +111,7 @@ def main() -> int:
     c = ToolKVClient(url, timeout_s=120)
     server = c.server_meta()
     res["server_meta_start"] = server.raw
-    checks["backend is hiradix"] = server.backend == "hiradix"
+    checks[f"backend is {a.backend}"] = server.backend == a.backend
 
     # 1. twins: never offloaded
     twins = []
