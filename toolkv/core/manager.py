@@ -226,6 +226,8 @@ class ToolKVManager:
             self._restoring[session_id] = rec
         self.counters["tool_end"] += 1
         self.counters["restored_tokens"] += rec.restored_tokens
+        if rec.recompute_tokens:  # nothing worth loading: the next request recomputes the suffix
+            self.counters["restore_below_threshold"] += 1
         log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
         return self._meta(rec)
 
@@ -346,6 +348,12 @@ class ToolKVManager:
             out.update(tier="Evicted", tokens=0, device_tokens=0, host_tokens=0)
         else:
             out.update(self.backend.describe(rec))
+        if rec.restore:  # what the last accepted tool_end did: loaded, found resident, or left to recompute
+            out.update(
+                restore=rec.restore,
+                restored_tokens=rec.restored_tokens,
+                recompute_tokens=rec.recompute_tokens,
+            )
         return out
 
     def kv_meta(self, session_id: str | None = None) -> dict[str, object]:

@@ -35,6 +35,8 @@ class SessionRecord:
     offload_tokens: int = 0
     freed_tokens: int = 0
     restored_tokens: int = 0
+    recompute_tokens: int = 0  # below load_back_threshold: left to the next request to recompute
+    restore: str = ""  # the last tool_end's outcome: resident, loading, below_load_back_threshold
     backend_state: Any = None  # backend-private (e.g. the shadow snapshot)
     last_error: str = ""
     target: str | None = None  # used by lifecycle.fire while a transition runs

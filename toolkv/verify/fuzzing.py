@@ -161,7 +161,20 @@ class ToolKVMachine(RuleBasedStateMachine):
         """The spec steps one implementation step stands for. sglang starts every queued load in
         one transfer (``start_loading`` merges the queue), so one load ack can complete the loads
         of several keys at once: that is the spec's ``LoadAck`` of each of them, in a row (they
-        commute). Every other action is one spec step."""
+        commute). A ``ToolEnd`` that found the device full of unlocked cache made room with sglang's
+        own ``evict`` first: that is the environment's ``GpuEvict`` of each evicted node, children
+        first, then the ``ToolEnd``. Every other action is one spec step."""
+        if act[0] == "ToolEnd":
+            post = self.state
+            gone = [n for n, d in pre["dev"].items() if d and not post["dev"].get(n, False)]
+
+            def depth(n: str) -> int:
+                k = 0
+                while n != ROOT:
+                    n, k = pre["parent"][n], k + 1
+                return k
+
+            return [*(["GpuEvict", n] for n in sorted(gone, key=depth, reverse=True)), act]
         if act[0] != "LoadAck":
             return [act]
         done = [

@@ -467,7 +467,13 @@ def hi_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         c = [m for m in path_to(tree, rec.node) if m.value is None]
         if len(c) > pre["devFree"]:
             r.device_free_exactly(sum(len(m.key) for m in c) - r.ps)
-    r.mgr.tool_end(a[0], int(a[1]))
+            if r.capacity == "spec":  # and running requests were promised what eviction could free
+                evictable = int(tree.evictable_size())
+                r.mgr.backend.headroom = lambda: evictable  # type: ignore[attr-defined]
+    try:
+        r.mgr.tool_end(a[0], int(a[1]))
+    finally:
+        r.mgr.backend.headroom = lambda: 0  # type: ignore[attr-defined]
 
 
 def _start_queued(r: Replayer, name: str) -> None:

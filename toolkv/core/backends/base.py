@@ -4,10 +4,11 @@ owns the KV: where it goes on ToolStart, how it comes back on ToolEnd, and what 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode
+from toolkv.errors import HostMemoryFull
 
 
 class Agreement(Protocol):
@@ -51,6 +52,69 @@ class OwnLoads:
 
     def _in_own_load(self, m: TreeNode) -> bool:
         return any(m in self._chain(leaf, boundary) for leaf, boundary in self._loads.values())
+
+
+class ProtectionLedger:
+    """Host tokens toolkv protects, each path node counted once however many sessions protect a
+    path through it (two sessions sharing a 1,000-token prompt hold 1,000 tokens of it, not 2,000):
+    the number ``host_budget_tokens`` bounds. A node's tokens are counted as of its first
+    protection; a later split leaves them with the suffix object (which keeps its identity), and a
+    path through the new prefix counts the prefix again until the older protections are gone:
+    never fewer tokens than are held, at most a split's worth more."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, list[Any]] = {}  # id(node) -> [node, tokens, sessions protecting it]
+        self._held: dict[str, list[int]] = {}  # session id -> ids of the nodes it protects
+        self.tokens = 0
+
+    def extra(self, path: Sequence[TreeNode]) -> int:
+        """Tokens protecting ``path`` would add: those of its nodes no session protects yet."""
+        return sum(len(m.key) for m in path if id(m) not in self._nodes)
+
+    def take(self, session_id: str, path: Sequence[TreeNode]) -> None:
+        assert session_id not in self._held, f"session {session_id!r} protects a path already"
+        for m in path:
+            entry = self._nodes.get(id(m))
+            if entry is None:
+                self._nodes[id(m)] = [m, len(m.key), 1]
+                self.tokens += len(m.key)
+            else:
+                entry[2] += 1
+        self._held[session_id] = [id(m) for m in path]
+
+    def give(self, session_id: str) -> None:
+        """Return what ``take`` counted for the session (a no-op if it holds nothing)."""
+        for key in self._held.pop(session_id, ()):
+            entry = self._nodes[key]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self._nodes[key]
+                self.tokens -= entry[1]
+        assert self.tokens >= 0 and (self.tokens == 0) == (not self._nodes)
+
+
+def host_full(
+    rec: SessionRecord, *, need: int, host_free: int, extra: int, protected: int, budget: int | None
+) -> HostMemoryFull:
+    """The 507 for a ToolStart that does not fit, with the numbers of whichever limit refused it:
+    the host pool (``need`` unbacked tokens against ``host_free``) or toolkv's host budget
+    (``extra`` tokens no other session protects yet, against ``protected`` of ``budget``)."""
+    why = []
+    if need > host_free:
+        why.append(f"the host pool has {host_free} free tokens and the path needs {need} written")
+    if budget is not None and protected + extra > budget:
+        why.append(
+            f"host_budget_tokens is {budget}, {protected} are protected and the session would add {extra}"
+        )
+    if not why:  # another rank refused (agreed decision)
+        why.append("another tensor-parallel rank has no room")
+    return HostMemoryFull(
+        f"cannot protect session {rec.session_id!r} on host: " + "; ".join(why),
+        need_tokens=need,
+        host_free_tokens=host_free,
+        budget_extra_tokens=extra,
+        protected_tokens=protected,
+    )
 
 
 class SynchronousLoads:

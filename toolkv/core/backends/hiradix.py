@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads
+from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads, ProtectionLedger, host_full
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
-from toolkv.errors import DeviceMemoryFull, HostMemoryFull
+from toolkv.errors import DeviceMemoryFull
 
 
 def _ntok(nodes: Sequence[TreeNode]) -> int:
@@ -68,7 +68,12 @@ class HiRadixBackend(OwnLoads):
         # load_back time). Kept as a chain, not a node list: a split while the load is in flight
         # inserts a new node into the chain, and that node is loading too.
         self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
-        self.protected_tokens = 0
+        self._ledger = ProtectionLedger()
+
+    @property
+    def protected_tokens(self) -> int:
+        """Host tokens toolkv protects now, a node shared by several sessions counted once."""
+        return self._ledger.tokens
 
     # ---- ToolStart ------------------------------------------------------------------------------------
     def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
@@ -76,14 +81,12 @@ class HiRadixBackend(OwnLoads):
         path = path_to(tree, leaf)
         to_write = [m for m in path if m.host_value is None]
         need = _ntok(to_write)
-        host_ok = need <= tree.token_to_kv_pool_host.available_size()
-        if self.host_budget_tokens is not None:
-            host_ok = host_ok and self.protected_tokens + _ntok(path) <= self.host_budget_tokens
-        if not self.agree.all_true(host_ok):
-            raise HostMemoryFull(
-                f"host pool cannot take {need} more tokens for session {rec.session_id!r}",
-                need_tokens=need,
-                host_free_tokens=int(tree.token_to_kv_pool_host.available_size()),
+        host_free = int(tree.token_to_kv_pool_host.available_size())
+        extra, budget = self._ledger.extra(path), self.host_budget_tokens
+        fits = need <= host_free and (budget is None or self._ledger.tokens + extra <= budget)
+        if not self.agree.all_true(fits):
+            raise host_full(
+                rec, need=need, host_free=host_free, extra=extra, protected=self._ledger.tokens, budget=budget
             )
         for m in to_write:  # root-down: write_backup needs a backed-up parent
             written = tree.write_backup(m)
@@ -91,7 +94,7 @@ class HiRadixBackend(OwnLoads):
         self._take_host_protection(rec, leaf)
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
-        self.protected_tokens += rec.offload_tokens
+        self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
@@ -162,43 +165,91 @@ class HiRadixBackend(OwnLoads):
 
     # ---- ToolEnd ----------------------------------------------------------------------------------------
     def restore(self, rec: SessionRecord) -> bool:
+        """Spec ``ToolEnd``: load the evicted part of the path back (all or nothing). Three answers
+        besides a load: nothing is missing (``resident``); the missing suffix is under sglang's
+        ``load_back_threshold``, which sglang never loads (``below_load_back_threshold``: the
+        protection is released, the session runs on its device prefix and its next request
+        recomputes the suffix, as sglang does for its own requests); or the device cannot take it
+        even after evicting unlocked cache (``DeviceMemoryFull``, nothing changed)."""
         tree = self.tree
         leaf = rec.node
         assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
         path = path_to(tree, leaf)
         missing = [m for m in path if m.value is None]
         need = _ntok(missing)
-        free = int(tree.token_to_kv_pool_allocator.available_size())
-        reserved = int(self.headroom()) if need else 0
-        ok = need == 0 or (need <= free - reserved and need >= tree.load_back_threshold)
-        if not self.agree.all_true(ok):
-            why = (
-                f"below sglang's load_back_threshold ({tree.load_back_threshold})"
-                if need <= free - reserved
-                else f"{free} free on device, {reserved} of them promised to running requests"
-            )
-            raise DeviceMemoryFull(
-                f"cannot load {need} tokens back now ({why}); session {rec.session_id!r} stays offloaded",
-                need_tokens=need,
-                device_free_tokens=free,
-            )
         if missing:
             boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
+            if self.agree.all_true(need < tree.load_back_threshold):
+                self._give_up_suffix(rec, boundary, need)
+                return True
+            self._make_room(rec, need, boundary)  # raises DeviceMemoryFull before changing anything
             dev = tree.load_back(leaf)  # enqueues only: the DMA starts in start_loads or sglang's batch
             assert dev is not None and len(dev) == need, "load_back refused after the capacity check"
             self._loads[id(leaf)] = (leaf, boundary)
-            rec.restored_tokens = need
             # The session's next request is due: make the restored path the most recently used, or
             # sglang's LRU eviction takes it first (its access time is from the previous turn).
             stamp = time.monotonic()
             for m in path:
                 m.last_access_time = stamp
+        rec.restored_tokens, rec.recompute_tokens = need, 0
+        rec.restore = "loading" if missing else "resident"
         if self._readable_after_load_back(path):
             self._release_protection(rec)
             return True
         tree.inc_lock_ref(leaf)  # pin the path until every load into it is acknowledged
         rec.pinned = leaf
         return False
+
+    def _make_room(self, rec: SessionRecord, need: int, boundary: TreeNode) -> None:
+        """Make ``need`` device tokens free next to ``headroom()`` (tokens sglang promised to running
+        requests), evicting unlocked cache with sglang's own ``evict`` the way its ``load_back``
+        does: least recently used leaves first, a backed-up node keeping its host copy. Never
+        evicted: locked nodes (running requests, writes and loads in flight, restoring sessions'
+        pins) and the session's own device prefix (locked here for the duration). Raises
+        ``DeviceMemoryFull`` before evicting anything when even that cannot make room."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree = self.tree
+        alloc = tree.token_to_kv_pool_allocator
+        reserved = int(self.headroom())
+        tree.inc_lock_ref(boundary)  # a no-op for the root
+        try:
+            free = int(alloc.available_size())
+            evictable = int(tree.evictable_size())
+            short = need + reserved - free
+            if not self.agree.all_true(short <= evictable):
+                raise self._device_full(rec, need, free, evictable, reserved)
+            if short > 0:
+                tree.evict(EvictParams(num_tokens=short))
+                free = int(alloc.available_size())
+                if not self.agree.all_true(need + reserved <= free):  # eviction came up short
+                    raise self._device_full(rec, need, free, int(tree.evictable_size()), reserved)
+        finally:
+            tree.dec_lock_ref(boundary)
+
+    @staticmethod
+    def _device_full(
+        rec: SessionRecord, need: int, free: int, evictable: int, reserved: int
+    ) -> DeviceMemoryFull:
+        return DeviceMemoryFull(
+            f"cannot load {need} tokens back now: {free} free and {evictable} evictable on device, "
+            f"{reserved} promised to running requests; session {rec.session_id!r} stays offloaded",
+            need_tokens=need,
+            device_free_tokens=free,
+            device_evictable_tokens=evictable,
+            promised_tokens=reserved,
+        )
+
+    def _give_up_suffix(self, rec: SessionRecord, boundary: TreeNode, need: int) -> None:
+        """Below sglang's ``load_back_threshold`` nothing is worth loading (sglang itself recomputes
+        such a suffix): release the protection and let the session run on its device prefix, so
+        that, as the spec requires of a Runnable session, its recorded path is all on device."""
+        self._release_protection(rec)
+        keep = _ntok(path_to(self.tree, boundary)) if boundary is not self.tree.root_node else 0
+        rec.node = boundary if keep else None
+        del rec.tokens[keep:]
+        rec.restored_tokens, rec.recompute_tokens = 0, need
+        rec.restore = "below_load_back_threshold"
 
     def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
         """True when no load into ``path`` is in flight, so the session may run now (caveat 7:
@@ -238,7 +289,7 @@ class HiRadixBackend(OwnLoads):
         if rec.protected is not None:
             self._drop_host_protection(rec)
             rec.protected = None
-            self.protected_tokens -= rec.offload_tokens
+            self._ledger.give(rec.session_id)
 
     def release(self, rec: SessionRecord) -> None:
         if rec.pinned is not None:
@@ -247,8 +298,7 @@ class HiRadixBackend(OwnLoads):
         self._release_protection(rec)
 
     def forget(self, rec: SessionRecord) -> None:
-        if rec.protected is not None:
-            self.protected_tokens -= rec.offload_tokens
+        self._ledger.give(rec.session_id)
         rec.protected = None
         rec.pinned = None
 
