@@ -157,12 +157,20 @@ def _scenario(rank: int) -> dict[str, Any]:
 
         record("tool_start b", tk.handle("tool_start", {"session_id": "b"}))
         iteration("all writes done", writes_on=(0, 1))
-        hog = h.alloc(h.allocator.available_size()) if rank == 1 else None  # only rank 1 is full
+        # Only rank 1 is full, and nothing there can be evicted: a request holds a's KV (the only
+        # evictable cache; a restore would otherwise evict it to make room, on both ranks alike).
+        held = h.match(list(range(1, 51))).last_device_node if rank == 1 else None
+        if held is not None:
+            h.tree.inc_lock_ref(held)
+        hog = h.alloc(h.allocator.available_size()) if rank == 1 else None
         status, body = tk.handle("tool_end", {"session_id": "b", "epoch": 1})
         if hog is not None:
             h.allocator.free(hog)
+        if held is not None:
+            h.tree.dec_lock_ref(held)
         # local diagnostics (this rank's free memory, and so the reason in words); the decision is agreed
         body.pop("device_free_tokens", None)
+        body.pop("device_evictable_tokens", None)
         body.pop("message", None)
         record("tool_end b (rank 1 full)", (status, body))
         for i in range(int(TTL) + 2):  # clocks are skewed: the agreed MAX decides expiry for both

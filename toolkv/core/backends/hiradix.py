@@ -219,11 +219,14 @@ class HiRadixBackend(OwnLoads):
             short = need + reserved - free
             if not self.agree.all_true(short <= evictable):
                 raise self._device_full(rec, need, free, evictable, reserved)
+            # Every rank evicts the largest shortfall of any rank (an all-reduce MAX): the same
+            # count on the same LRU order evicts the same nodes, so the ranks' trees stay equal.
+            short = int(self.agree.max_time(float(short)))
             if short > 0:
                 tree.evict(EvictParams(num_tokens=short))
                 free = int(alloc.available_size())
-                if not self.agree.all_true(need + reserved <= free):  # eviction came up short
-                    raise self._device_full(rec, need, free, int(tree.evictable_size()), reserved)
+            if not self.agree.all_true(need + reserved <= free):  # eviction came up short
+                raise self._device_full(rec, need, free, int(tree.evictable_size()), reserved)
         finally:
             tree.dec_lock_ref(boundary)
 
