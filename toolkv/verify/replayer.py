@@ -37,8 +37,9 @@ refuses any other ``Ring``). ``load_back`` only enqueues (spec ``queued``); a st
 * ``LoadAck`` is sglang's ``loading_check``, which retires every finished ack at the front of the
   queue in one call, and the manager's hook. sglang's own finished loads go with it (invisible to
   the spec); an edge whose ``loading_check`` would also retire another spec key's load cannot
-  happen (:class:`Unrealizable`). sglang's own finished loads are otherwise retired at the next
-  ``SysStart``, unless that would retire one of toolkv's loads before its spec ``LoadAck``.
+  happen (:class:`Unrealizable`; with ``merge_acks`` the caller composes those ``LoadAck``\ s).
+  sglang's own finished loads are otherwise retired after every ring step (``retire_others``),
+  unless that would retire one of toolkv's loads before its spec ``LoadAck``.
 * ``TreeReset`` (``ring`` is empty there) does not start queued loads: ``flush_cache``'s
   ``reset()`` clears the load queue, as the spec's ``queued' = {}`` says.
 """
@@ -122,11 +123,15 @@ class Replayer:
         dtype: torch.dtype = torch.float32,
         fill: bool = True,
         hi_backend: Callable[[Any], Backend] | None = None,
+        merge_acks: bool = False,
     ) -> None:
         """``fill=False`` skips writing each turn's KV bytes (the conformance replay compares states,
         not bytes; the fuzz campaign checks bytes and needs them). ``hi_backend`` builds the
         HiRadixCache backend from the tree instead of the production choice (a seeded defect that
-        lives in a backend subclass, e.g. ``backend_mutants.RingTwoFreeBackend``)."""
+        lives in a backend subclass, e.g. ``backend_mutants.RingTwoFreeBackend``). ``merge_acks``
+        (``Ring > 0``): a ``LoadAck`` may retire other spec keys' finished loads in the same
+        ``loading_check``, and the caller composes the spec's ``LoadAck`` of each (the fuzz
+        campaign does); without it such an edge is :class:`Unrealizable`."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.b = bounds
@@ -134,6 +139,7 @@ class Replayer:
         self.capacity = capacity
         self.caveats = caveats
         self.hi_backend = hi_backend
+        self.merge_acks = merge_acks
         # Environment defects: what a misconfigured sglang does. "OrphanHost": a backed-up leaf is
         # deleted with its host copy still allocated (SessionRadixCache's release path + HiCache,
         # which the plugin refuses to run with).
@@ -259,20 +265,35 @@ class Replayer:
         write has to finish for it, so no toolkv write is acknowledged as a side effect."""
         tree = self.h.tree
         host = self.h.host_pool.alloc(self.unit)
-        assert host is not None, "the replayer sized the host pool too small"
+        assert host is not None, "host pool checked by the caller"
         tokens = list(range(self._other_fresh, self._other_fresh + self.unit))
         self._other_fresh += self.unit
+        if self.fill:  # the bytes a prefetch would have landed: loads of it stay checkable
+            self._fill_host(host, tokens)
         key = rkey(tokens)
         tree._insert_helper_host(tree.root_node, key, host, [f"other{t}" for t in tokens[:: self.ps]])
         node = tree.root_node.children[key.child_key(self.ps)]
         self.others.append(node)
         return node
 
+    def _fill_host(self, host: torch.Tensor, tokens: list[int]) -> None:
+        """Write the deterministic KV of ``tokens`` into host slots ``host`` (either host layout)."""
+        hp, ps = self.h.host_pool, self.ps
+        exp = self.h.expected_kv(tokens)
+        for kv, buf in enumerate((hp.k_buffer, hp.v_buffer)):
+            for layer in range(self.h.cfg.layers):
+                if hp.layout == "layer_first":
+                    buf[layer][host] = exp[kv, layer].to(buf.dtype)
+                else:  # page_first_direct: [page, layer, page_size, heads, dim]
+                    for j, slot in enumerate(host.tolist()):
+                        buf[slot // ps, layer, slot % ps] = exp[kv, layer, j].to(buf.dtype)
+
     def retire_others(self) -> None:
         """What sglang does to its own finished loads between batches: ``loading_check`` retires
         them (skipped when it would also retire a load of a spec node: that is the spec's
         ``LoadAck``, not this step), then their prefixes are evicted (device, then host) to make
-        room, as memory pressure would."""
+        room, as memory pressure would. Invisible to the spec; run after every ring step, so
+        other requests' prefixes hold memory only while their loads are unretired."""
         tree = self.h.tree
         finished = finished_load_ids(tree)
         if finished - {o.id for o in self.others}:
@@ -513,13 +534,14 @@ def hi_load_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     tree = r.h.tree
     if r.b.ring > 0:  # the spec's RingDone already finished the copy: loading_check retires it
         more = finished_load_ids(tree) - {r.obj(a[0]).id} - {o.id for o in r.others}
-        if more:
+        if more and not r.merge_acks:
             raise Unrealizable("loading_check retires every finished load at once")
     else:
         _start_queued(r, a[0])
         _complete_ack(r, tree.cache_controller.ack_load_queue, a[0])
     tree.loading_check()
     r.mgr.process_load_acks()
+    r.retire_others()
 
 
 def hi_start_loads(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -543,6 +565,8 @@ def hi_sys_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     producer slot (``ready_to_load_host_cache``), toolkv's queued loads included."""
     tree = r.h.tree
     r.retire_others()
+    if r.h.allocator.available_size() < r.unit or r.h.host_pool.available_size() < r.unit:
+        raise Unrealizable("no memory for another request's prefix: that batch loads nothing")
     node = r.other_prefix()
     before = len(tree.cache_controller.ack_load_queue)
     assert tree.load_back(node) is not None, "the replayer sized the device pool too small"
@@ -556,6 +580,7 @@ def hi_ring_done(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     for ack in r.h.tree.cache_controller.ack_load_queue:
         if not ack.finish_event.query():
             ack.finish_event.synchronize()
+            r.retire_others()
             return
     raise AssertionError("the spec has a load in flight; sglang has none")
 
