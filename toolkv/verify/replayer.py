@@ -37,7 +37,7 @@ refuses any other ``Ring``). ``load_back`` only enqueues (spec ``queued``); a st
 * ``LoadAck`` is sglang's ``loading_check``, which retires every finished ack at the front of the
   queue in one call, and the manager's hook. sglang's own finished loads go with it (invisible to
   the spec); an edge whose ``loading_check`` would also retire another spec key's load cannot
-  happen (:class:`Unrealizable`; with ``merge_acks`` the caller composes those ``LoadAck``\ s).
+  happen (:class:`Unrealizable`; with ``merge_acks`` the caller composes the spec's ``LoadAck`` of each).
   sglang's own finished loads are otherwise retired after every ring step (``retire_others``),
   unless that would retire one of toolkv's loads before its spec ``LoadAck``.
 * ``TreeReset`` (``ring`` is empty there) does not start queued loads: ``flush_cache``'s
