@@ -12,6 +12,7 @@ Standard library only (it runs on the GPU machine next to the server).
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import threading
@@ -43,7 +44,7 @@ def resume_vs_prefill(server: Any, n: int, rep: int, rng: random.Random) -> dict
     st_e, _ = server.call("tool_end", {"session_id": sid, "epoch": body.get("epoch", 0)})
     call_s = time.perf_counter() - t0
     ready = _wait_state(server, sid, "Runnable") if st_e == 200 else float("nan")
-    resume_s = call_s + ready if ready == ready else float("nan")
+    resume_s = call_s + ready  # NaN when it never became Runnable
     g2 = server.generate([*ids, *g.output_ids], sid, 1)
     server.call("close", {"session_id": sid})
     return {
@@ -78,7 +79,8 @@ def decode_under_restore(server: Any, rng: random.Random, streams: int = 4, n_re
         server.generate_stream(ids, None, 1200, on_tokens)
 
     big = f"probe-restore-{n_restore}"
-    server.generate([11, *(rng.randrange(1000, 120_000) for _ in range(n_restore - 1))], big, 1)
+    big_ids = [11, *(rng.randrange(1000, 120_000) for _ in range(n_restore - 1))]
+    server.generate(big_ids, big, 1)
     ths = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
     for th in ths:
         th.start()
@@ -89,14 +91,15 @@ def decode_under_restore(server: Any, rng: random.Random, streams: int = 4, n_re
     restores, in_flight = 0, 0.0
     while time.perf_counter() - t0 < busy_start + 3.0:
         st, body = server.call("tool_start", {"session_id": big})
-        if st != 200 or _wait_state(server, big, "Offloaded") != _wait_state(server, big, "Offloaded"):
+        if st != 200 or math.isnan(_wait_state(server, big, "Offloaded")):
             break
         a = time.perf_counter()
         st_e, _ = server.call("tool_end", {"session_id": big, "epoch": body.get("epoch", 0)})
-        if st_e != 200 or _wait_state(server, big, "Runnable") != _wait_state(server, big, "Runnable"):
+        if st_e != 200 or math.isnan(_wait_state(server, big, "Runnable")):
             break
         in_flight += time.perf_counter() - a
         restores += 1
+        server.generate(big_ids, big, 1)  # a turn (all cached): Runnable -> Running, offloadable again
     busy = (busy_start, time.perf_counter() - t0)
     for th in ths:
         th.join(timeout=120)
