@@ -115,5 +115,6 @@ def test_the_load_generator_against_the_real_cache(server: StandInServer, mode: 
     assert s["turns_ok"] == len(rec.turns) and s["http_5xx"] == 0
 
 
-def test_the_benchmark_tables_in_docs_are_generated_from_the_results() -> None:
-    assert suite_markdown(DOCS / "results" / "agent") in (DOCS / "benchmarks.md").read_text()
+@pytest.mark.parametrize("folder", ["agent", "agent_replicate"])
+def test_the_benchmark_tables_in_docs_are_generated_from_the_results(folder: str) -> None:
+    assert suite_markdown(DOCS / "results" / folder) in (DOCS / "benchmarks.md").read_text()
