@@ -38,7 +38,17 @@ def test_campaign_reaches_every_action() -> None:
         assert r["actions"].get(action, 0) > 0, f"the campaign never performed {action}: {r['actions']}"
 
 
-@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+# HostLockLeak acts only on a refused restore. Since restores evict unlocked cache to make room and
+# leave a suffix under sglang's load threshold to recompute, the campaign no longer draws a refused
+# restore; the conformance trace replay kills it. strict: the day the campaign kills it, this fails.
+_SURVIVES = {"HostLockLeak": "the campaign draws no refused restore; killed by the conformance trace replay"}
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [pytest.param(m, marks=pytest.mark.xfail(reason=_SURVIVES[m], strict=True)) if m in _SURVIVES else m
+     for m in sorted(MUTANTS)],
+)  # fmt: skip
 def test_every_mutant_is_killed(mutant: str) -> None:
     caveats, env_bugs, caveat = MUTANTS[mutant]
     # kill detection only (no shrinking: Hypothesis may shrink for minutes); the shrunk lengths are in

@@ -79,4 +79,8 @@ class StandInServer:
             return self.tk.handle("kv_meta", {"session_id": sid})
 
     def loads(self) -> dict[str, Any] | None:
-        return {"max_total_num_tokens": self.h.cfg.device_tokens, "num_running_reqs": 0, "num_waiting_reqs": 0}
+        return {
+            "max_total_num_tokens": self.h.cfg.device_tokens,
+            "num_running_reqs": 0,
+            "num_waiting_reqs": 0,
+        }

@@ -37,16 +37,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from toolkv.tools.agent_metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
 from toolkv.tools.agent_workload import SHAPES, Plan, SessionPlan, Workload, make_plan
 
 MODES = ("stock", "explicit", "on-request")
-__all__ = ["MODES", "REFUSALS", "unexpected_5xx", "HttpServer", "run_plan", "main"]
+__all__ = ["MODES", "REFUSALS", "HttpServer", "main", "run_plan", "unexpected_5xx"]
 
 
 @dataclass
@@ -313,7 +313,10 @@ def run_plan(
             with rec.lock:
                 n, e, calls = len(rec.turns), len(rec.errors), dict(rec.calls)
             live = sum(th.is_alive() for th in threads)
-            print(f"[{clock():6.0f}s] {mode}: {live} sessions live, {n} turns, {e} errors, calls {calls}", flush=True)
+            print(
+                f"[{clock():6.0f}s] {mode}: {live} sessions live, {n} turns, {e} errors, calls {calls}",
+                flush=True,
+            )
         if clock() > stop_at + drain_s:
             rec.error(f"sessions did not finish {drain_s} s after the end of the run")
             break
@@ -373,11 +376,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=d.max_context)
     ap.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
     ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals and turns")
-    ap.add_argument("--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window")
+    ap.add_argument(
+        "--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window"
+    )
     ap.add_argument("--twins", type=int, default=0, help="token-identity pairs to run after the load")
     ap.add_argument("--probe", action="store_true", help="resume vs prefill and decode under restore")
     ap.add_argument("--flush", action="store_true", help="POST /flush_cache before the load")
-    ap.add_argument("--drain", type=float, default=300.0, help="seconds to wait for turns still running at the end")
+    ap.add_argument(
+        "--drain", type=float, default=300.0, help="seconds to wait for turns still running at the end"
+    )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", required=True, help="JSON results file")
     return ap
@@ -456,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
             "resumed_ttft_p90_s", "http_5xx", "errors")  # fmt: skip
     print(
         f"config={res['config']} mode={a.mode} "
-        + " ".join(f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys)
+        + " ".join(
+            f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys
+        )
     )
     for k, v in checks.items():
         print(("PASS " if v else "FAIL ") + k)

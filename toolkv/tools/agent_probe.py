@@ -59,7 +59,9 @@ def resume_vs_prefill(server: Any, n: int, rep: int, rng: random.Random) -> dict
     }
 
 
-def decode_under_restore(server: Any, rng: random.Random, streams: int = 4, n_restore: int = 8192) -> dict[str, Any]:
+def decode_under_restore(
+    server: Any, rng: random.Random, streams: int = 4, n_restore: int = 8192
+) -> dict[str, Any]:
     """Token arrivals of ``streams`` decoding requests, counted with and without restores in flight."""
     arrivals: list[float] = []
     lock = threading.Lock()

@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
 # ---- the configuration suite (scripts/gpu_agent_suite.sh) ----------------------------------------------
 ORDER = ("radix", "pin", "stock", "stock-large", "explicit", "zero-change")
 REGIMES = ("constrained", "plentiful")
@@ -90,7 +89,9 @@ def load_suite(root: Path) -> dict[str, list[dict[str, Any]]]:
     for regime in REGIMES:
         files = sorted((root / regime).glob("*.json"))
         res = [json.loads(p.read_text()) for p in files]
-        res.sort(key=lambda r: (ORDER.index(r["config"]) if r["config"] in ORDER else len(ORDER), r["config"]))
+        res.sort(
+            key=lambda r: (ORDER.index(r["config"]) if r["config"] in ORDER else len(ORDER), r["config"])
+        )
         if res:
             out[regime] = res
     return out
@@ -104,7 +105,11 @@ def suite_table(results: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in results:
         s, occ = r["summary"], r.get("occupancy") or {}
-        rt = s["turns_per_s"] / ref["summary"]["turns_per_s"] if ref and ref["summary"]["turns_per_s"] else None
+        rt = (
+            s["turns_per_s"] / ref["summary"]["turns_per_s"]
+            if ref and ref["summary"]["turns_per_s"]
+            else None
+        )
         rp = s["resumed_ttft_p90_s"] / ref["summary"]["resumed_ttft_p90_s"] if ref else None
         share = occ.get("device_used_share_mean")
         lines.append("| " + " | ".join([
@@ -118,10 +123,15 @@ def suite_table(results: list[dict[str, Any]]) -> str:
 
 
 def probe_table(results: list[dict[str, Any]]) -> str:
-    rows = ["| tokens | prefill s | resume s (tool_end → Runnable) | recompute / resume |", "|---|---|---|---|"]
+    rows = [
+        "| tokens | prefill s | resume s (tool_end → Runnable) | recompute / resume |",
+        "|---|---|---|---|",
+    ]
     for r in results:
         for n, v in (r.get("probe") or {}).get("median_by_size", {}).items():
-            rows.append(f"| {int(n):,} | {v['prefill_s']:.4f} | {v['resume_s']:.4f} | {v['recompute_over_resume']:.1f}x |")
+            rows.append(
+                f"| {int(n):,} | {v['prefill_s']:.4f} | {v['resume_s']:.4f} | {v['recompute_over_resume']:.1f}x |"
+            )
         d = (r.get("probe") or {}).get("decode_under_restore")
         if d:
             rows.append("")
@@ -172,7 +182,9 @@ def plots(root: Path, out: Path) -> list[Path]:
     fig.savefig(made[-1], dpi=110)
     plt.close(fig)
     for regime, results in suite.items():
-        fig, axes = plt.subplots(len(results), 1, figsize=(10, 1.9 * len(results)), sharex=True, squeeze=False)
+        fig, axes = plt.subplots(
+            len(results), 1, figsize=(10, 1.9 * len(results)), sharex=True, squeeze=False
+        )
         for ax, r in zip(axes[:, 0], results, strict=True):
             sm = r.get("samples") or []
             t = [s["t"] for s in sm]
@@ -192,15 +204,21 @@ def plots(root: Path, out: Path) -> list[Path]:
     constrained = {r["config"]: r for r in suite.get("constrained", [])}
     shown = [c for c in ("stock", "explicit", "zero-change", "stock-large") if c in constrained]
     if shown:
-        fig, axes = plt.subplots(len(shown), 1, figsize=(10, 1.4 * len(shown) + 0.6), sharex=True, squeeze=False)
+        fig, axes = plt.subplots(
+            len(shown), 1, figsize=(10, 1.4 * len(shown) + 0.6), sharex=True, squeeze=False
+        )
         for ax, c in zip(axes[:, 0], shown, strict=True):
-            turns = sorted((t for t in constrained[c]["turns"] if t["session"] == "s0"), key=lambda t: t["turn"])
+            turns = sorted(
+                (t for t in constrained[c]["turns"] if t["session"] == "s0"), key=lambda t: t["turn"]
+            )
             for t in turns:
                 ax.barh(0, t["ttft_s"], left=t["start_s"], color="tab:red")
                 ax.barh(0, t["e2e_s"] - t["ttft_s"], left=t["start_s"] + t["ttft_s"], color="tab:blue")
             ax.set_yticks([])
             ax.set_ylabel(c, rotation=0, ha="right")
-        axes[0][0].set_title("session s0, constrained: red = waiting for the first token, blue = decoding, gaps = tool calls")
+        axes[0][0].set_title(
+            "session s0, constrained: red = waiting for the first token, blue = decoding, gaps = tool calls"
+        )
         axes[-1][0].set_xlabel("run time, s")
         fig.tight_layout()
         made.append(out / "agent_session_timeline.png")
@@ -213,7 +231,9 @@ def suite_main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m toolkv.tools.agent_report suite")
-    ap.add_argument("root", help="folder with constrained/ and plentiful/ results of scripts/gpu_agent_suite.sh")
+    ap.add_argument(
+        "root", help="folder with constrained/ and plentiful/ results of scripts/gpu_agent_suite.sh"
+    )
     ap.add_argument("--plots", default=None, help="write the PNG plots into this folder")
     a = ap.parse_args(argv)
     root = Path(a.root)

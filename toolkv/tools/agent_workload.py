@@ -103,7 +103,9 @@ class Workload:
         if self.initial_sessions < 0 or self.duration_s <= 0 or self.turns_median < 1:
             raise ValueError("initial_sessions >= 0, duration_s > 0 and turns_median >= 1 required")
         if self.output_tokens >= self.growth_per_turn:
-            raise ValueError("output_tokens must be smaller than growth_per_turn (the rest is the tool result)")
+            raise ValueError(
+                "output_tokens must be smaller than growth_per_turn (the rest is the tool result)"
+            )
         if self.first_tokens + self.output_tokens > self.max_context:
             raise ValueError("first_tokens + output_tokens exceeds max_context")
 
@@ -166,7 +168,9 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
 
 
-def plan_session(w: Workload, index: int, start_s: float, rng: random.Random, prefix: str = "s") -> SessionPlan:
+def plan_session(
+    w: Workload, index: int, start_s: float, rng: random.Random, prefix: str = "s"
+) -> SessionPlan:
     """Draw one session. Its tokens are random ids, so sessions share no radix prefix: what a
     configuration serves from cache is the session's own history, nothing else."""
     first_n = rng.randint(int(w.first_tokens * 0.75), int(w.first_tokens * 1.25))
@@ -197,5 +201,7 @@ def make_plan(w: Workload, prefix: str = "s") -> Plan:
         if t >= w.duration_s:
             break
         starts.append(t)
-    sessions = [plan_session(w, i, st, random.Random(w.seed * 1_000_003 + i), prefix) for i, st in enumerate(starts)]
+    sessions = [
+        plan_session(w, i, st, random.Random(w.seed * 1_000_003 + i), prefix) for i, st in enumerate(starts)
+    ]
     return Plan(w, sessions)
