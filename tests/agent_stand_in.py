@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any
 
+from _turns import finish_turn, iteration
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from tests._turns import finish_turn, iteration
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.testing.harness import CacheHarness, HarnessConfig

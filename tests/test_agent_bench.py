@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_stand_in import StandInServer
 
-from tests.agent_stand_in import StandInServer
 from toolkv.testing.harness import HarnessConfig
 from toolkv.tools.agent_bench import run_plan
 from toolkv.tools.agent_metrics import Turn, occupancy, pct, summarize
