@@ -3,11 +3,11 @@ owns the KV: where it goes on ToolStart, how it comes back on ToolEnd, and what 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from toolkv.core.session import SessionRecord
-from toolkv.core.treeops import Tree, TreeNode
+from toolkv.core.treeops import Tree, TreeNode, path_to
 from toolkv.errors import HostMemoryFull
 
 
@@ -52,6 +52,47 @@ class OwnLoads:
 
     def _in_own_load(self, m: TreeNode) -> bool:
         return any(m in self._chain(leaf, boundary) for leaf, boundary in self._loads.values())
+
+
+def free_set(
+    tree: Tree,
+    leaves: Sequence[TreeNode],
+    *,
+    data: Callable[[TreeNode], Any],
+    ready: Callable[[TreeNode], bool],
+) -> list[TreeNode]:
+    """Spec ``FreeSet``: the fixpoint of "free m if it is backed up, ``ready`` (acked, unlocked,
+    not loading), and every child still on device is freed too", grown from ``leaves``. Returns
+    the nodes in freeing order, children before their parents. ``data(m)`` is the object holding
+    the node's ``value``/``host_value`` (the node itself on HiRadixCache, its FULL component on a
+    UnifiedRadixCache)."""
+    cand: dict[int, TreeNode] = {}
+    for leaf in leaves:
+        for m in path_to(tree, leaf):
+            cand[id(m)] = m
+    leaf_ids = {id(x) for x in leaves}
+    freed: dict[int, TreeNode] = {}
+    order: list[TreeNode] = []
+    changed = True
+    while changed:
+        changed = False
+        for key, m in cand.items():
+            d = data(m)
+            if key in freed or d.value is None or d.host_value is None or not ready(m):
+                continue
+            if any(data(c).value is not None and id(c) not in freed for c in m.children.values()):
+                continue
+            if key in leaf_ids or any(id(c) in freed for c in m.children.values()):
+                freed[key] = m
+                order.append(m)
+                changed = True
+    return order
+
+
+def record_freed(tree: Tree, recs: Sequence[SessionRecord], order: Sequence[TreeNode]) -> None:
+    """Each session's ``freed_tokens``: the tokens of its path among the freed nodes."""
+    for r in recs:
+        r.freed_tokens = sum(len(m.key) for m in order if r.node is not None and m in path_to(tree, r.node))
 
 
 class ProtectionLedger:

@@ -26,7 +26,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads, ProtectionLedger, host_full
+from toolkv.core.backends.base import (
+    Agreement,
+    LocalAgreement,
+    OwnLoads,
+    ProtectionLedger,
+    free_set,
+    host_full,
+    record_freed,
+)
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 from toolkv.errors import DeviceMemoryFull
@@ -129,33 +137,10 @@ class HiRadixBackend(OwnLoads):
         leaves = [r.node for r in recs if r.node is not None]
         if not leaves:
             return
-        cand: dict[int, TreeNode] = {}
-        for leaf in leaves:
-            for m in path_to(self.tree, leaf):
-                cand[id(m)] = m
-        leaf_ids = {id(x) for x in leaves}
-        freed: dict[int, TreeNode] = {}
-        order: list[TreeNode] = []
-        changed = True
-        while changed:
-            changed = False
-            for key, m in cand.items():
-                if key in freed or m.value is None or m.host_value is None:
-                    continue
-                if not self._free_candidate_ready(m):
-                    continue
-                if any(c.value is not None and id(c) not in freed for c in m.children.values()):
-                    continue
-                if key in leaf_ids or any(id(c) in freed for c in m.children.values()):
-                    freed[key] = m
-                    order.append(m)
-                    changed = True
-        for m in order:  # children were added before their parents
+        order = free_set(self.tree, leaves, data=lambda m: m, ready=self._free_candidate_ready)
+        for m in order:  # children before their parents
             self.tree._evict_backuped(m)
-        for r in recs:
-            r.freed_tokens = sum(
-                len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node)
-            )
+        record_freed(self.tree, recs, order)
 
     def _free_candidate_ready(self, m: TreeNode) -> bool:
         """Spec ``FreeSet``'s per-node guard besides the tree shape: the write is acknowledged

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads
+from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads, free_set, record_freed
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, Unsupported
@@ -189,35 +189,11 @@ class UnifiedBackend(OwnLoads):
         leaves = [r.node for r in recs if r.node is not None]
         if not leaves:
             return
-        cand: dict[int, TreeNode] = {}
-        for leaf in leaves:
-            for m in path_to(self.tree, leaf):
-                cand[id(m)] = m
-        leaf_ids = {id(x) for x in leaves}
-        freed: dict[int, TreeNode] = {}
-        order: list[TreeNode] = []
-        changed = True
-        while changed:
-            changed = False
-            for key, m in cand.items():
-                d = full(m)
-                if key in freed or d.value is None or d.host_value is None:
-                    continue
-                if not self._free_candidate_ready(m):
-                    continue
-                if any(full(c).value is not None and id(c) not in freed for c in m.children.values()):
-                    continue
-                if key in leaf_ids or any(id(c) in freed for c in m.children.values()):
-                    freed[key] = m
-                    order.append(m)
-                    changed = True
+        order = free_set(self.tree, leaves, data=full, ready=self._free_candidate_ready)
         tracker: dict[Any, int] = {ct: 0 for ct in self.tree.tree_components}
-        for m in order:  # children were added before their parents
+        for m in order:  # children before their parents
             self._free_device_copy(m, tracker)
-        for r in recs:
-            r.freed_tokens = sum(
-                len(m.key) for m in order if r.node is not None and m in path_to(self.tree, r.node)
-            )
+        record_freed(self.tree, recs, order)
 
     def _free_candidate_ready(self, m: TreeNode) -> bool:
         """Spec ``FreeSet``'s per-node guard besides the tree shape: the write is acknowledged
