@@ -11,6 +11,8 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUNDLE=$ROOT/.gpu-bundle
+# shellcheck source=scripts/gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"
 MODE=${1:?mode} DURATION=${2:?duration} TWINS=${3:-0}
 shift $(( $# < 3 ? $# : 3 )); [ "${1:-}" = "--" ] && shift
 EXTRA=("$@")
@@ -19,9 +21,7 @@ OUT=${OUT:-/tmp/toolkv_agent_out}; RUN=$OUT/${RUN_NAME:-$MODE}; mkdir -p "$RUN"
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"; use_flashinfer_stub
 SRC=${TOOLKV_SRC:-$ROOT} EPV=${TOOLKV_EP:-toolkv.sglang.plugin:register}
-EP=$STAGE_ROOT/toolkv_ep_$$; mkdir -p "$EP/toolkv-0.1.0.dist-info"
-printf 'Metadata-Version: 2.1\nName: toolkv\nVersion: 0.1.0\n' > "$EP/toolkv-0.1.0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\ntoolkv = %s\n' "$EPV" > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
+EP=$STAGE_ROOT/toolkv_ep_$$; toolkv_entry_point "$EP" "$EPV"
 export PYTHONPATH=$SRC:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH
 if [ "$MODE" = stock ]; then export TOOLKV_ENABLE=0; else export TOOLKV_ENABLE=1; fi
 export TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_RESTORE_ON_REQUEST=1
@@ -31,9 +31,7 @@ setsid "$PY" -m sglang.launch_server --model-path "$STAGE_ROOT/models/llama-3.1-
   --enable-hierarchical-cache --hicache-size 16 --mem-fraction-static 0.3 --max-total-tokens 120000 \
   --context-length 16384 --disable-cuda-graph --host 127.0.0.1 --port $PORT "${EXTRA[@]}" > "$LOG" 2>&1 &
 SERVER=$!
-stop_server() { kill -TERM -- -"$SERVER" 2>/dev/null || return 0
-  for _ in $(seq 20); do kill -0 -- -"$SERVER" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL -- -"$SERVER" 2>/dev/null; }
+stop_server() { stop_group "$SERVER"; }
 trap stop_server EXIT
 t0=$(date +%s)
 until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do

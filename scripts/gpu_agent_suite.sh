@@ -18,6 +18,8 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUNDLE=$ROOT/.gpu-bundle
+# shellcheck source=scripts/gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"
 REGIME=${1:?regime} SERVERS=${2:?servers} DURATION=${3:-45}
 OUT=${OUT:-/tmp/toolkv_agent_out}; RES=$OUT/$REGIME; mkdir -p "$RES"
 case $REGIME in
@@ -28,9 +30,7 @@ esac
 [ -d /tmp/site/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"; use_flashinfer_stub
-EP=$STAGE_ROOT/toolkv_ep_suite; mkdir -p "$EP/toolkv-0.1.0.dist-info"
-printf 'Metadata-Version: 2.1\nName: toolkv\nVersion: 0.1.0\n' > "$EP/toolkv-0.1.0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\ntoolkv = toolkv.sglang.plugin:register\n' > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
+EP=$STAGE_ROOT/toolkv_ep_suite; toolkv_entry_point "$EP"
 SRC=${TOOLKV_SRC:-$ROOT}
 export PYTHONPATH=$SRC:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
 PORT=30000 FAIL=0
@@ -50,9 +50,7 @@ serve() {  # $1 name, rest: launch flags
   done
   echo "$name: healthy after $(( $(date +%s) - t0 )) s"
 }
-stop() { kill -TERM -- -"$SERVER" 2>/dev/null || return 0
-  for _ in $(seq 30); do kill -0 -- -"$SERVER" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL -- -"$SERVER" 2>/dev/null; sleep 2; }
+stop() { stop_group "$SERVER"; sleep 2; }
 trap stop EXIT
 bench() {  # $1 config label, $2 mode, rest: extra bench flags
   local cfg=$1 mode=$2; shift 2

@@ -13,17 +13,15 @@
 #       check passed.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"
 BUNDLE=$ROOT/.gpu-bundle-0523
 ACTION=${1:-run}
 
 if [ "$ACTION" = stage ]; then
   set -e
   [ -f "$BUNDLE/bundle.tar.xz" ] || bash "$ROOT/scripts/gpu_bundle_0523.sh" "$BUNDLE"
-  SP=$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  rm -rf "$BUNDLE/toolkv_deps" && mkdir -p "$BUNDLE/toolkv_deps"
-  cp -r "$SP/transitions" "$SP"/transitions-*.dist-info "$SP/prometheus_client" "$SP"/prometheus_client-*.dist-info "$BUNDLE/toolkv_deps/"
-  find "$BUNDLE/toolkv_deps" -name __pycache__ -prune -exec rm -rf {} +
-  du -sh "$BUNDLE"
+  stage_deps "$ROOT" "$BUNDLE"
   exit 0
 fi
 [ "$ACTION" = run ] || { echo "usage: gpu_e2e_0523.sh stage | run [server flags...]" >&2; exit 2; }
@@ -38,10 +36,7 @@ MODEL=$STAGE_ROOT/models-0523/llama-3.2-1b PORT=${PORT:-30000}
 
 # toolkv from the checkout, its dependencies from the bundle, and a dist-info carrying the entry point:
 # importlib.metadata.entry_points() scans every sys.path entry for *.dist-info/entry_points.txt.
-EP=$STAGE_ROOT/toolkv_ep_0523
-rm -rf "$EP" && mkdir -p "$EP/toolkv-0.1.0.dist-info"
-printf 'Metadata-Version: 2.1\nName: toolkv\nVersion: 0.1.0\n' > "$EP/toolkv-0.1.0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\ntoolkv = toolkv.sglang.plugin:register\n' > "$EP/toolkv-0.1.0.dist-info/entry_points.txt"
+toolkv_entry_point "$STAGE_ROOT/toolkv_ep_0523"; EP=$STAGE_ROOT/toolkv_ep_0523
 export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH
 export TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
 "$PY" - <<'PY' || exit 1
@@ -65,11 +60,7 @@ setsid "$PY" -m sglang.launch_server --model-path "$MODEL" --load-format dummy -
   --enable-hierarchical-cache --hicache-size 16 --mem-fraction-static 0.3 --disable-cuda-graph \
   --context-length 8192 --host 127.0.0.1 --port "$PORT" "${EXTRA[@]}" > "$LOG" 2>&1 &
 SERVER=$!
-stop_server() {
-  kill -TERM -- -"$SERVER" 2>/dev/null || return 0
-  for _ in $(seq 20); do kill -0 -- -"$SERVER" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL -- -"$SERVER" 2>/dev/null
-}
+stop_server() { stop_group "$SERVER"; }
 trap stop_server EXIT
 
 "$PY" "$ROOT/scripts/gpu_e2e.py" --url "http://127.0.0.1:$PORT" --pid "$SERVER" --out "$OUT/results.json" --backend unified
