@@ -92,6 +92,9 @@ Sym == Permutations(Nodes) \cup Permutations(Sessions)
 \* New: the manager has never heard of the session (no turn recorded yet); Close is refused then.
 Phases == {"New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed"}
 Protecting == {"Offloading", "Offloaded", "Restoring"}
+\* The phases the TTL applies to: a tool call whose tool_end was accepted (Restoring) is no longer
+\* abandoned; its load ack ends the protection, so the sweep leaves it alone.
+Expiring == {"Offloading", "Offloaded"}
 Settled == {"Runnable", "Expired", "Lost", "Closed"}
 
 -----------------------------------------------------------------------------
@@ -359,10 +362,10 @@ Released(S) ==
     /\ lockRef' = [m \in Nodes |->
                      lockRef[m] - Cardinality({s \in S : phase[s] = "Restoring" /\ m \in Path(ref[s])})]
 
-\* The periodic sweep (driven from the scheduler loop): every protection past its deadline is
-\* released and its session expires.
+\* The periodic sweep (driven from the scheduler loop): every protection past its deadline whose
+\* tool_end has not been accepted is released and its session expires.
 TtlSweep ==
-    LET Due == {s \in Sessions : phase[s] \in Protecting /\ deadline[s] <= now} IN
+    LET Due == {s \in Sessions : phase[s] \in Expiring /\ deadline[s] <= now} IN
     /\ BUG # "NoTtl"
     /\ Due # {}
     /\ Released(Due)

@@ -176,3 +176,24 @@ def test_the_host_budget_counts_a_shared_prefix_once() -> None:
         m.tool_start("c")  # fits now
         assert m.backend.protected_tokens == 100  # type: ignore[attr-defined]
         m.close("c")
+
+
+def test_the_ttl_stops_once_tool_end_is_accepted(h: CacheHarness) -> None:
+    """A session whose tool_end was accepted is Restoring until its load is acknowledged, however
+    long that takes: the client came back, nothing is abandoned (spec ``Expiring``). A session
+    still Offloaded past its deadline expires as before."""
+    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=10.0))
+    kv = turn(h, m, "back", list(range(1, 129)))
+    turn(h, m, "gone", list(range(500, 628)))
+    ep = offloaded(h, m, "back", 1)
+    offloaded(h, m, "gone", 1)
+    assert m.tool_end("back", ep)["state"] == "Restoring"
+    m.tick(1_000.0)  # far past both deadlines; no load has finished yet
+    assert m.kv_meta("back")["state"] == "Restoring" and m.kv_meta("back")["deadline"] is None
+    assert m.kv_meta("gone")["state"] == "Expired"
+    step(h, m, 1_001.0, loads=True)
+    assert m.kv_meta("back")["state"] == "Runnable"
+    leaf = m.sessions["back"].node
+    assert leaf is not None
+    assert torch.equal(h.device_kv(torch.cat([n.value for n in path_to(h.tree, leaf)])), kv)
+    assert m.counters["expired"] == 1

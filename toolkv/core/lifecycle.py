@@ -39,6 +39,8 @@ SESSION_STATES: tuple[str, ...] = (
     "Closed",  # the client closed the session
 )
 PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring"})
+# The TTL applies until tool_end is accepted (spec ``Expiring``); a Restoring session ends with its load.
+EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded"})
 
 SESSION_TRANSITIONS: tuple[Row, ...] = (
     ("insert", ("New", "Runnable", "Expired", "Lost"), "Running"),
@@ -50,7 +52,7 @@ SESSION_TRANSITIONS: tuple[Row, ...] = (
     ("tool_end", "Offloaded", "Runnable"),  # nothing to load (someone else restored it)
     ("tool_end", "Offloading", "Restoring"),
     ("load_ack", "Restoring", "Runnable"),
-    ("ttl_sweep", ("Offloading", "Offloaded", "Restoring"), "Expired"),
+    ("ttl_sweep", ("Offloading", "Offloaded"), "Expired"),  # not Restoring: tool_end was accepted
     ("tree_reset", ("Offloading", "Offloaded", "Restoring"), "Lost"),
     ("close", tuple(s for s in SESSION_STATES if s not in ("New", "Closed")), "Closed"),
 )

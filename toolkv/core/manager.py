@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
-from toolkv.core.lifecycle import PROTECTING, fire
+from toolkv.core.lifecycle import EXPIRING, PROTECTING, fire
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tree, attached, walk
 from toolkv.errors import (
@@ -269,8 +269,8 @@ class ToolKVManager:
         while heap and heap[0][0] <= self.now:
             _deadline, seq, sid = heapq.heappop(heap)
             rec = self.sessions.get(sid)
-            if rec is None or rec.deadline_seq != seq or rec.state not in PROTECTING:
-                continue  # lazily deleted entry
+            if rec is None or rec.deadline_seq != seq or rec.state not in EXPIRING:
+                continue  # lazily deleted entry, or tool_end accepted (Restoring: its load ends it)
             self._expire(rec)
             n += 1
         return n
@@ -342,7 +342,7 @@ class ToolKVManager:
             "epoch": rec.epoch,
             "backend": self.backend.name,
             "protected": rec.protected is not None,
-            "deadline": rec.deadline if rec.state in PROTECTING else None,
+            "deadline": rec.deadline if rec.state in EXPIRING else None,
         }
         if rec.state == "Closed":
             out.update(tier="Evicted", tokens=0, device_tokens=0, host_tokens=0)

@@ -281,6 +281,7 @@ def ring_state(
 
 # ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
 PROTECTING = {"Offloading", "Offloaded", "Restoring"}
+EXPIRING = {"Offloading", "Offloaded"}  # spec Expiring: the TTL stops once tool_end is accepted
 
 
 def _path(st: Mapping[str, Any], n: str, limit: int) -> list[str]:
@@ -406,7 +407,7 @@ def check_step(
     if (
         act is not None
         and act[0] == "TtlSweep"
-        and any(post["phase"][s] in PROTECTING and post["deadline"][s] <= post["now"] for s in b.sessions)
+        and any(post["phase"][s] in EXPIRING and post["deadline"][s] <= post["now"] for s in b.sessions)
     ):
         bad.append("ProtectionReleased")
     if any(

@@ -24,6 +24,7 @@ from typing import Any
 NO = "NoNode"
 ROOT = "Root"
 PROTECTING = ("Offloading", "Offloaded", "Restoring")
+EXPIRING = ("Offloading", "Offloaded")  # spec Expiring: the TTL stops once tool_end is accepted
 State = dict[str, Any]
 
 
@@ -328,7 +329,7 @@ def _released(st: State, s: State, r: Rules, who: Sequence[str]) -> None:
 
 
 def ttl_sweep(st: State, r: Rules) -> State | None:
-    due = [x for x in r.sessions if st["phase"][x] in PROTECTING and st["deadline"][x] <= st["now"]]
+    due = [x for x in r.sessions if st["phase"][x] in EXPIRING and st["deadline"][x] <= st["now"]]
     if r.bug == "NoTtl" or not due:
         return None
     s = copy.deepcopy(st)
