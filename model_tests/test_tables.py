@@ -64,7 +64,7 @@ def dumped(graphs: Any) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, 
     ``split``: two slots per tier, where splits happen), shared with the conformance replay."""
     sess: set[tuple[str, str, str]] = set()
     tiers: set[tuple[str, str, str]] = set()
-    for name in ("dump", "split"):
+    for name in ("dump", "split", "policy"):
         g, _ = graphs.get(name)
         states = g.states
         for u, v, label in g.edges:
@@ -117,7 +117,7 @@ def _check(tmp: Path, extra: str, properties: list[str]) -> Any:
     for f in SPEC.glob("*.tla"):
         shutil.copy(f, tmp / f.name)
     (tmp / "Tables.tla").write_text(_module(extra))
-    cfg = (SPEC / "MC_safety.cfg").read_text()
+    cfg = (SPEC / "MC_policy.cfg").read_text()  # the safety bounds with the policy's actions on
     cfg = re.sub(r"PROPERTIES", "PROPERTIES\n    " + "\n    ".join(properties), cfg, count=1)
     (tmp / "Tables.cfg").write_text(cfg)
     return run_tlc(tools, tmp / "Tables.tla", tmp / "Tables.cfg")

@@ -33,17 +33,19 @@ CONSTANTS
     Hist,       \* BOOLEAN: maintain the history variables act and tgt
     Ring,       \* producer slots of sglang's layer-done counter (3 in 0.5.16); 0 = not modelled
     SysLoads,   \* BOOLEAN: sglang starts host->GPU loads of its own (prefill batches with host hits)
+    Policy,     \* BOOLEAN: the per-call policy's actions (Keep, LetGo, Demote, Prefetch) are enabled
     BUG         \* "none" or the name of one seeded defect
 
 Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "StaleNode", "NoTtl", "FreeBeforeAck", "EarlyRunnable",
-         "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree"}
+         "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
+         "KeepNoPin", "DemoteKeepsRef", "EarlyKept"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
        /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ MaxResets \in Nat
        /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
-       /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0)
+       /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0) /\ Policy \in BOOLEAN
        /\ BUG \in Bugs
 
 VARIABLES
@@ -90,12 +92,23 @@ View == <<core, tgt>>
 Sym == Permutations(Nodes) \cup Permutations(Sessions)
 
 \* New: the manager has never heard of the session (no turn recorded yet); Close is refused then.
-Phases == {"New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed"}
-Protecting == {"Offloading", "Offloaded", "Restoring"}
+\* The per-call policy adds three phases of a paused session: Kept (its KV stays on the GPU under
+\* a session pin), Prefetching (an early restore is loading it before tool_end) and Released
+\* (nothing is held: the policy let it go, or demoted it from the host).
+Phases == {"New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed",
+           "Kept", "Prefetching", "Released"}
+\* The phases that hold a host protection (prot, host_ref_counter).
+Protecting == {"Offloading", "Offloaded", "Restoring", "Prefetching"}
+\* The phases that hold a session pin: a path lock on the session's node, as a running request holds.
+Pinning == {"Restoring", "Prefetching", "Kept"}
 \* The phases the TTL applies to: a tool call whose tool_end was accepted (Restoring) is no longer
-\* abandoned; its load ack ends the protection, so the sweep leaves it alone.
-Expiring == {"Offloading", "Offloaded"}
-Settled == {"Runnable", "Expired", "Lost", "Closed"}
+\* abandoned; its load ack ends the protection, so the sweep leaves it alone.  A kept or
+\* prefetched session is still waiting for its tool_end, so the TTL bounds its pin.
+Expiring == {"Offloading", "Offloaded", "Prefetching", "Kept"}
+\* The phases whose KV a tree reset loses.
+Holding == Protecting \cup {"Kept"}
+\* A paused session is resolved once it holds nothing and waits for nothing of the manager.
+Settled == {"Runnable", "Expired", "Lost", "Closed", "Released"}
 
 -----------------------------------------------------------------------------
 (* Tree helpers *)
@@ -272,9 +285,20 @@ ToolEnd(s, e) ==
     LET n == ref[s]
         C == {m \in Path(n) : ~dev[m]}
     IN
-    /\ phase[s] \in {"Offloading", "Offloaded", "Restoring", "Expired", "Lost"}
+    /\ phase[s] \in {"Offloading", "Offloaded", "Restoring", "Expired", "Lost", "Kept", "Prefetching", "Released"}
     /\ e \in 0..MaxEpoch
-    /\ IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
+    /\ IF phase[s] \in {"Kept", "Prefetching", "Released"} /\ e = epoch[s]
+       THEN \* Kept: drop the pin, the path is resident.  Prefetching: the early restore becomes the
+            \* restore (its pin and protection stay until LoadAck).  Released: nothing is held; the
+            \* KV is wherever HiCache left it, and the next turn recomputes what is missing.
+            /\ phase' = [phase EXCEPT ![s] = CASE phase[s] = "Kept" -> "Runnable"
+                                                [] phase[s] = "Prefetching" -> "Restoring"
+                                                [] OTHER -> "Running"]
+            /\ lockRef' = IF phase[s] = "Kept" THEN Locked(lockRef, {n}, -1) ELSE lockRef
+            /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, extLock,
+                           devFree, hostFree, queued, ring, ref, epoch, prot, deadline, envVars>>
+            /\ Rec(<<"ToolEnd", s, e>>, IF phase[s] = "Released" THEN {} ELSE {n})
+       ELSE IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
        THEN IF ~DevFits(C) \/ (BUG = "RingOverrun" /\ C # {} /\ Len(ring) >= Ring)
             THEN \* load-back failure (no device memory)
                  /\ IF BUG = "HostLockLeak"
@@ -329,19 +353,22 @@ LoadAck(k) ==
     /\ LET la2 == [loadAcks EXCEPT ![k] = @ - 1]
            lk2 == IF la2[k] = 0 THEN [m \in Nodes |-> IF loadKey[m] = k THEN NoNode ELSE loadKey[m]]
                   ELSE loadKey
-           Done == {s \in Sessions : phase[s] = "Restoring"
-                                      /\ \A m \in Path(ref[s]) : dev[m] /\ lk2[m] = NoNode}
+           Loaded(s) == \A m \in Path(ref[s]) : dev[m] /\ lk2[m] = NoNode
+           Done == {s \in Sessions : phase[s] = "Restoring" /\ Loaded(s)}
+           \* an early restore that is readable now: Kept until its tool_end (EarlyKept: any ack)
+           Warm == {s \in Sessions : phase[s] = "Prefetching" /\ (Loaded(s) \/ BUG = "EarlyKept")}
            pins == [m \in Nodes |-> Cardinality({s \in Done : m \in Path(ref[s])})]
        IN
        /\ loadAcks' = la2
        /\ loadKey' = lk2
        /\ lockRef' = [m \in Nodes |-> lockRef[m] - Through(m, {k}) - pins[m]]
-       /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Runnable" ELSE phase[s]]
-       /\ prot' = [s \in Sessions |-> IF s \in Done THEN NoNode ELSE prot[s]]
-       /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in Done : prot[s] = m})]
+       /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Runnable"
+                                       ELSE IF s \in Warm THEN "Kept" ELSE phase[s]]
+       /\ prot' = [s \in Sessions |-> IF s \in Done \cup Warm THEN NoNode ELSE prot[s]]
+       /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in Done \cup Warm : prot[s] = m})]
        /\ UNCHANGED <<status, parent, dev, host, writeKey, extLock, devFree, hostFree,
                       queued, ring, ref, epoch, deadline, envVars>>
-       /\ Rec(<<"LoadAck", k>>, {ref[s] : s \in Done})
+       /\ Rec(<<"LoadAck", k>>, {ref[s] : s \in Done \cup Warm})
 
 \* The manager's tick starts the queued loads, only when no load at all is in flight: then the
 \* ring has Ring - 1 free slots after this start, and sglang's own cadence (SysStart) can never
@@ -355,12 +382,12 @@ StartLoads ==
                    devFree, hostFree, sessVars, envVars>>
     /\ Rec(<<"StartLoads">>, {})
 
-\* Release everything session s holds: its protection and, if restoring, its pin.
+\* Release everything the sessions S hold: their protections and their pins.
 Released(S) ==
     /\ prot' = [s \in Sessions |-> IF s \in S THEN NoNode ELSE prot[s]]
     /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in S : prot[s] = m})]
     /\ lockRef' = [m \in Nodes |->
-                     lockRef[m] - Cardinality({s \in S : phase[s] = "Restoring" /\ m \in Path(ref[s])})]
+                     lockRef[m] - Cardinality({s \in S : phase[s] \in Pinning /\ m \in Path(ref[s])})]
 
 \* The periodic sweep (driven from the scheduler loop): every protection past its deadline whose
 \* tool_end has not been accepted is released and its session expires.
@@ -374,7 +401,71 @@ TtlSweep ==
                 ELSE epoch
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
                    queued, ring, ref, deadline, envVars>>
-    /\ Rec(<<"TtlSweep">>, {prot[s] : s \in Due})
+    /\ Rec(<<"TtlSweep">>, {IF prot[s] # NoNode THEN prot[s] ELSE ref[s] : s \in Due})
+
+-----------------------------------------------------------------------------
+(* The per-call policy (docs/policy.md).  Which action runs at a tool_start, and when a demotion or
+   an early restore happens, is the policy's choice from durations, sizes and pressure; the spec
+   leaves every choice open, so each of them is checked. *)
+
+\* tool_start, keep: the session's KV stays on the GPU.  Its path must be resident and readable;
+\* the session pins it (one path lock) until tool_end, the TTL or close.
+Keep(s) ==
+    LET n == ref[s] IN
+    /\ Policy /\ phase[s] = "Running" /\ n # NoNode /\ epoch[s] < MaxEpoch
+    /\ PathValid(n)
+    /\ lockRef' = IF BUG = "KeepNoPin" THEN lockRef ELSE Locked(lockRef, {n}, 1)
+    /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
+    /\ deadline' = [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)]
+    /\ phase' = [phase EXCEPT ![s] = "Kept"]
+    /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
+                   hostFree, queued, ring, ref, prot, envVars>>
+    /\ Rec(<<"Keep", s>>, {n})
+
+\* tool_start, let go: nothing is held; the tool call still gets its epoch (tool_end fencing).
+LetGo(s) ==
+    /\ Policy /\ phase[s] = "Running" /\ epoch[s] < MaxEpoch
+    /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
+    /\ phase' = [phase EXCEPT ![s] = "Released"]
+    /\ UNCHANGED <<treeVars, ref, prot, deadline, envVars>>
+    /\ Rec(<<"LetGo", s>>, {})
+
+\* The host budget is reached: an offloaded session is demoted.  Its protection is released, so
+\* HiCache may evict its host copy; the next turn then recomputes, never reads it as protected.
+Demote(s) ==
+    /\ Policy /\ phase[s] = "Offloaded"
+    /\ IF BUG = "DemoteKeepsRef" THEN UNCHANGED <<prot, hostRef, lockRef>> ELSE Released({s})
+    /\ phase' = [phase EXCEPT ![s] = "Released"]
+    /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
+                   queued, ring, ref, epoch, deadline, envVars>>
+    /\ Rec(<<"Demote", s>>, {prot[s]})
+
+\* Early restore: before tool_end, load the evicted part of an offloaded session's path (as
+\* ToolEnd does; refused, i.e. not taken, when it does not fit).  The session pins the path and
+\* keeps its protection until the load is acknowledged, then it is Kept until its tool_end; the
+\* TTL still applies, so an early restore never outlives its tool call.
+Prefetch(s) ==
+    LET n == ref[s]
+        C == {m \in Path(n) : ~dev[m]}
+        lk2 == [m \in Nodes |-> IF m \in C THEN n ELSE loadKey[m]]
+        loads == IF C = {} THEN 0 ELSE 1
+        ready == \A m \in Path(n) : lk2[m] = NoNode
+    IN
+    /\ Policy /\ phase[s] = "Offloaded"
+    /\ DevFits(C)
+    /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
+    /\ devFree' = devFree - Cardinality(C)
+    /\ loadKey' = lk2
+    /\ loadAcks' = [loadAcks EXCEPT ![n] = @ + loads]
+    /\ lockRef' = Locked(lockRef, {n}, loads + 1)
+    /\ phase' = [phase EXCEPT ![s] = IF ready THEN "Kept" ELSE "Prefetching"]
+    /\ prot' = [prot EXCEPT ![s] = IF ready THEN NoNode ELSE n]
+    /\ hostRef' = [hostRef EXCEPT ![n] = IF ready THEN @ - 1 ELSE @]
+    /\ IF Ring = 0 \/ C = {} THEN UNCHANGED <<queued, ring>>
+       ELSE /\ queued' = queued \cup {n}
+            /\ UNCHANGED ring
+    /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, deadline, envVars>>
+    /\ Rec(<<"Prefetch", s>>, {n})
 
 \* The client closes the session (or it is dropped): release whatever it holds.
 Close(s) ==
@@ -383,7 +474,7 @@ Close(s) ==
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
                    queued, ring, ref, epoch, deadline, envVars>>
-    /\ Rec(<<"Close", s>>, {prot[s]} \ {NoNode})
+    /\ Rec(<<"Close", s>>, ({prot[s]} \cup IF phase[s] \in Pinning THEN {ref[s]} ELSE {}) \ {NoNode})
 
 -----------------------------------------------------------------------------
 (* Environment actions: what the rest of SGLang does concurrently *)
@@ -467,7 +558,7 @@ Split(n, m) ==
 \* Session s's turn finishes (cache_finished_req): its new leaf n lands under p, on device. A
 \* session whose offload expired, or was lost with the tree, simply continues with a new turn.
 Insert(s, p, n) ==
-    /\ phase[s] \in {"New", "Running", "Runnable", "Expired", "Lost"}
+    /\ phase[s] \in {"New", "Running", "Runnable", "Expired", "Lost", "Released"}
     /\ status[n] = "Unborn"
     /\ PathValid(p)
     /\ InsertFits
@@ -500,7 +591,7 @@ TreeReset ==
     /\ loadAcks' = [n \in Nodes |-> 0]
     /\ devFree' = DevSlots
     /\ hostFree' = HostSlots
-    /\ phase' = [s \in Sessions |-> IF phase[s] \in Protecting THEN "Lost" ELSE phase[s]]
+    /\ phase' = [s \in Sessions |-> IF phase[s] \in Holding THEN "Lost" ELSE phase[s]]
     /\ prot' = [s \in Sessions |-> NoNode]
     /\ resets' = resets + 1
     /\ UNCHANGED <<parent, extLock, ring, ref, epoch, deadline, now>>
@@ -535,6 +626,7 @@ Tick ==
 -----------------------------------------------------------------------------
 ManagerNext ==
     \/ \E s \in Sessions : ToolStart(s) \/ Close(s)
+    \/ \E s \in Sessions : Keep(s) \/ LetGo(s) \/ Demote(s) \/ Prefetch(s)
     \/ \E s \in Sessions, e \in 0..MaxEpoch : ToolEnd(s, e)
     \/ \E k \in Nodes : WriteAck(k) \/ LoadAck(k)
     \/ TtlSweep
@@ -602,14 +694,14 @@ TreeShape ==
         /\ parent[n] # Root => (dev[n] => dev[parent[n]]) /\ (host[n] => host[parent[n]])
 
 \* lock_ref is exactly the sum of the path locks that are held: in-flight writes and loads,
-\* other requests, and restoring sessions' pins.
+\* other requests, and the pins of restoring, prefetching and kept sessions.
 LockAccounting ==
     \A n \in Nodes :
         lockRef[n] = Through(n, WriteKeys)
                      + Through(n, {k \in Nodes : loadAcks[k] >= 1})
                      + Through(n, {k \in Nodes : loadAcks[k] >= 2})
                      + Through(n, {k \in Nodes : extLock[k]})
-                     + Cardinality({s \in Sessions : phase[s] = "Restoring" /\ n \in Path(ref[s])})
+                     + Cardinality({s \in Sessions : phase[s] \in Pinning /\ n \in Path(ref[s])})
 
 \* host_ref_counter equals the protections that sessions hold.
 HostRefAccounting == \A n \in Nodes : hostRef[n] = Cardinality({s \in Sessions : prot[s] = n})
@@ -643,6 +735,13 @@ RingBounded ==
     /\ \A k \in queued : loadAcks[k] = 1
     /\ \A i \in 1..Len(ring) : \A k \in ring[i].keys : loadAcks[k] = 1
 
+\* Policy: a kept session's whole path is resident and readable (its pin keeps it so); an early
+\* restore is Kept only once its load is acknowledged.
+KeptIsResident == \A s \in Sessions : phase[s] = "Kept" => PathValid(ref[s])
+
+\* Policy: a released (let go or demoted) session holds nothing that HiCache must respect.
+ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = NoNode
+
 -----------------------------------------------------------------------------
 (* Properties of steps *)
 
@@ -663,5 +762,9 @@ OffloadResolves == \A s \in Sessions : phase[s] \in Protecting ~> phase[s] \in S
 
 \* Caveat 6: every protection is eventually released.
 ProtectionReleased == \A s \in Sessions : prot[s] # NoNode ~> prot[s] = NoNode
+
+\* Policy: every session pin (kept, prefetching, restoring) is eventually released, whether or
+\* not the tool_end comes: an early restore never outlives its tool call.
+PinReleased == \A s \in Sessions : phase[s] \in Pinning ~> phase[s] \notin Pinning
 
 =============================================================================

@@ -40,4 +40,16 @@ NeverBunchedLoads ==
 
 \* Both sessions hold protections at the same time.
 NeverTwoProtected == Cardinality({s \in Sessions : prot[s] # NoNode}) < 2
+
+\* Policy: an early restore's load is acknowledged and the session waits Kept for its tool_end.
+NeverPrefetchWarm ==
+    [][~(act'[1] = "LoadAck" /\ \E s \in Sessions : phase[s] = "Prefetching" /\ phase'[s] = "Kept")]_vars
+
+\* Policy: a kept session's tool_end finds its KV resident.
+NeverKeptResumed ==
+    [][~(act'[1] = "ToolEnd" /\ phase[act'[2]] = "Kept" /\ phase'[act'[2]] = "Runnable")]_vars
+
+\* Policy: HiCache evicts the host copy of a demoted session.
+NeverDemotedEvicted ==
+    [][~(act'[1] = "HostEvict" /\ \E s \in Sessions : phase[s] = "Released" /\ act'[2] = ref[s])]_vars
 =============================================================================

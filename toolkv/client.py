@@ -76,6 +76,15 @@ _BY_CODE: dict[str, type[errors.ToolKVError]] = {
 }
 
 
+def _start_body(session_id: str, tool: str | None, expected_s: float | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"session_id": session_id}
+    if tool is not None:
+        body["tool"] = tool
+    if expected_s is not None:
+        body["expected_s"] = expected_s
+    return body
+
+
 @dataclass(frozen=True)
 class KVMeta:
     """One session's record, as ``tool_start``/``tool_end``/``kv_meta``/``close`` return it."""
@@ -273,11 +282,14 @@ class ToolKVClient:
                     return probe
         raise AssertionError("unreachable")
 
-    def tool_start(self, session_id: str) -> KVMeta:
-        """Offload the session's KV while a tool runs; keep ``.epoch`` for :meth:`tool_end`."""
+    def tool_start(
+        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+    ) -> KVMeta:
+        """Offload the session's KV while a tool runs; keep ``.epoch`` for :meth:`tool_end`. ``tool``
+        and ``expected_s`` are optional hints for the server's per-call policy."""
         return _meta(
             self._send("POST", "/session/tool_start", "tool_start", session_id=session_id,
-                       json={"session_id": session_id})
+                       json=_start_body(session_id, tool, expected_s))
         )  # fmt: skip
 
     def tool_end(self, session_id: str, epoch: int) -> KVMeta:
@@ -350,10 +362,12 @@ class AsyncToolKVClient:
                     return probe
         raise AssertionError("unreachable")
 
-    async def tool_start(self, session_id: str) -> KVMeta:
+    async def tool_start(
+        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+    ) -> KVMeta:
         return _meta(
             await self._send("POST", "/session/tool_start", "tool_start", session_id=session_id,
-                             json={"session_id": session_id})
+                             json=_start_body(session_id, tool, expected_s))
         )  # fmt: skip
 
     async def tool_end(self, session_id: str, epoch: int) -> KVMeta:

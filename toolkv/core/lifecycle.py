@@ -37,13 +37,22 @@ SESSION_STATES: tuple[str, ...] = (
     "Expired",  # the TTL released the protection before a tool_end came
     "Lost",  # the tree was reset while the session was offloaded: the KV is gone
     "Closed",  # the client closed the session
+    # the per-call policy (docs/policy.md)
+    "Kept",  # tool_start kept the KV on the GPU: the session pins its path until tool_end or the TTL
+    "Prefetching",  # an early restore is loading the offloaded KV before tool_end
+    "Released",  # nothing is held: the policy let the KV go, or demoted it from the host
 )
-PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring"})
+# The phases that hold a host protection (spec ``Protecting``).
+PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring", "Prefetching"})
+# The phases that hold a session pin, a path lock (spec ``Pinning``).
+PINNING: frozenset[str] = frozenset({"Restoring", "Prefetching", "Kept"})
 # The TTL applies until tool_end is accepted (spec ``Expiring``); a Restoring session ends with its load.
-EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded"})
+EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Prefetching", "Kept"})
+# The phases whose KV a tree reset loses (spec ``Holding``).
+HOLDING: frozenset[str] = PROTECTING | {"Kept"}
 
 SESSION_TRANSITIONS: tuple[Row, ...] = (
-    ("insert", ("New", "Runnable", "Expired", "Lost"), "Running"),
+    ("insert", ("New", "Runnable", "Expired", "Lost", "Released"), "Running"),
     ("tool_start", "Running", "Offloading"),
     ("tool_start", "Running", "Offloaded"),  # nothing was in flight: finished at once
     ("write_ack", "Offloading", "Offloaded"),
@@ -52,8 +61,22 @@ SESSION_TRANSITIONS: tuple[Row, ...] = (
     ("tool_end", "Offloaded", "Runnable"),  # nothing to load (someone else restored it)
     ("tool_end", "Offloading", "Restoring"),
     ("load_ack", "Restoring", "Runnable"),
-    ("ttl_sweep", ("Offloading", "Offloaded"), "Expired"),  # not Restoring: tool_end was accepted
-    ("tree_reset", ("Offloading", "Offloaded", "Restoring"), "Lost"),
+    (
+        "ttl_sweep",
+        ("Offloading", "Offloaded", "Prefetching", "Kept"),
+        "Expired",
+    ),  # not Restoring: tool_end was accepted
+    ("tree_reset", ("Offloading", "Offloaded", "Restoring", "Prefetching", "Kept"), "Lost"),
+    # the per-call policy
+    ("keep", "Running", "Kept"),
+    ("let_go", "Running", "Released"),
+    ("demote", "Offloaded", "Released"),  # host budget reached: the protection is released
+    ("prefetch", "Offloaded", "Prefetching"),  # early restore: the load is in flight
+    ("prefetch", "Offloaded", "Kept"),  # early restore: nothing to load, the path is resident
+    ("load_ack", "Prefetching", "Kept"),  # the early restore is readable; waits for its tool_end
+    ("tool_end", "Kept", "Runnable"),
+    ("tool_end", "Prefetching", "Restoring"),  # the early restore becomes the restore
+    ("tool_end", "Released", "Running"),  # nothing was held: the next turn recomputes what is missing
     ("close", tuple(s for s in SESSION_STATES if s not in ("New", "Closed")), "Closed"),
 )
 
@@ -88,6 +111,8 @@ TIER_TRANSITIONS: tuple[Row, ...] = (
     ("tool_end", ("CpuProtected", "CpuUnprotected"), "Loading"),  # load_back starts (leaf and ancestors)
     ("load_ack", "Loading", "GPU"),  # the load is acknowledged: readable
     ("ttl_sweep", "CpuProtected", "CpuUnprotected"),  # TTL released the protection
+    ("demote", "CpuProtected", "CpuUnprotected"),  # the policy released the protection
+    ("prefetch", ("CpuProtected", "CpuUnprotected"), "Loading"),  # an early restore's load_back
     ("close", "CpuProtected", "CpuUnprotected"),  # close released the protection
     ("tree_reset", ("GPU", "BackingUp", "CpuProtected", "CpuUnprotected", "Loading"), "Evicted"),
 )

@@ -7,10 +7,15 @@ completion is read off the tree after sglang's own ``writing_check``/``loading_c
 across ranks with an all-reduce MIN), so nothing here reads a local clock or a local event without
 agreement.
 
-Spec action → method: ``Insert`` → :meth:`record_turn`, ``ToolStart`` → :meth:`tool_start`,
-``WriteAck`` → :meth:`process_write_acks`, ``ToolEnd`` → :meth:`tool_end`, ``LoadAck`` →
-:meth:`process_load_acks`, ``TtlSweep`` → :meth:`ttl_sweep`, ``Close`` → :meth:`close`,
-``TreeReset`` → :meth:`on_tree_reset`, ``Tick`` → :meth:`set_clock`. :meth:`tick` is what the
+Spec action → method: ``Insert`` → :meth:`record_turn`, ``ToolStart`` → :meth:`offload`,
+``Keep`` → :meth:`keep`, ``LetGo`` → :meth:`let_go`, ``Demote`` → :meth:`demote`, ``Prefetch`` →
+:meth:`prefetch`, ``WriteAck`` → :meth:`process_write_acks`, ``ToolEnd`` → :meth:`tool_end`,
+``LoadAck`` → :meth:`process_load_acks`, ``TtlSweep`` → :meth:`ttl_sweep`, ``Close`` →
+:meth:`close`, ``TreeReset`` → :meth:`on_tree_reset`, ``Tick`` → :meth:`set_clock`.
+:meth:`tool_start` is what the HTTP route calls: with ``policy="offload"`` it is ``ToolStart``;
+with ``policy="auto"`` the per-call policy (``toolkv.core.policy``) chooses among ``ToolStart``,
+``Keep`` and ``LetGo``, demoting other sessions first when the host budget is reached, and the
+tick runs ``Prefetch`` when an offloaded tool call is expected to return. :meth:`tick` is what the
 scheduler calls once per iteration: the clock, then every enabled manager action.
 """
 
@@ -21,16 +26,18 @@ import logging
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
-from toolkv.core.lifecycle import EXPIRING, PROTECTING, fire
+from toolkv.core.lifecycle import EXPIRING, HOLDING, fire
+from toolkv.core.policy import Decision, DurationModel, PolicyConfig, Pressure, decide, demotion_order
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tree, attached, walk
 from toolkv.errors import (
     BadRequest,
     DeviceMemoryFull,
+    HostMemoryFull,
     SessionKVLost,
     StaleEpoch,
     UnknownSession,
@@ -45,6 +52,21 @@ class ManagerConfig:
     ttl_s: float = 600.0  # how long a protection lives without a tool_end
     host_budget_tokens: int | None = None  # cap on tokens toolkv keeps protected on host
     closed_history: int = 10_000  # closed sessions remembered for kv_meta (then 404)
+    # "offload": every tool_start offloads (spec ToolStart); "auto": the per-call policy decides
+    policy: str = "offload"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    # the restore rate the policy assumes until it has measured one (tokens per second)
+    restore_tokens_per_s: float = 200_000.0
+    prefetch: bool = True  # with policy "auto": restore early, before the tool is expected back
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if not (self.restore_tokens_per_s > 0 and self.restore_tokens_per_s < float("inf")):
+            raise ValueError("restore_tokens_per_s must be a positive number")
+
+
+POLICIES = ("offload", "auto")
 
 
 class ToolKVManager:
@@ -68,6 +90,10 @@ class ToolKVManager:
         self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
         self._offloading: dict[str, SessionRecord] = {}
         self._restoring: dict[str, SessionRecord] = {}
+        self._prefetching: dict[str, SessionRecord] = {}
+        self._prefetch_due: list[tuple[float, int, str]] = []  # (when, seq, session id), lazy deletion
+        self.durations = DurationModel(self.config.policy_config)
+        self.restore_rate = self.config.restore_tokens_per_s  # EWMA of measured restores
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, session id), lazy deletion
         self._seq = 0
         self.now = 0.0
@@ -115,6 +141,8 @@ class ToolKVManager:
         record, as in the spec; the sweep ignores sessions that protect nothing)."""
         self._offloading.pop(rec.session_id, None)
         self._restoring.pop(rec.session_id, None)
+        self._prefetching.pop(rec.session_id, None)
+        rec.prefetch_at = float("inf")
 
     # ---- Insert ---------------------------------------------------------------------------------------
     def record_turn(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
@@ -129,7 +157,7 @@ class ToolKVManager:
                 # A reused id continues the old epochs: a tool_end from before the close stays
                 # stale (spec EpochMonotone; Closed never goes back to Running under one record).
                 rec.epoch = old.epoch
-        elif rec.state not in ("Running", "Runnable", "Expired", "Lost"):
+        elif rec.state not in ("Running", "Runnable", "Expired", "Lost", "Released"):
             raise WrongState(
                 f"session {session_id!r} is {rec.state}; a turn cannot end while its KV is offloaded"
                 " (call tool_end first)",
@@ -145,8 +173,236 @@ class ToolKVManager:
             fire(rec, "insert", "Running")
         self.counters["turns"] += 1
 
+    # ---- tool_start: the policy's choice among ToolStart, Keep and LetGo --------------------------------
+    def tool_start(
+        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+    ) -> dict[str, object]:
+        """The HTTP tool_start. ``tool`` (the tool's name) and ``expected_s`` (the client's own
+        estimate) are optional hints the policy learns from and uses; with ``policy="offload"``
+        every call offloads."""
+        if tool is not None and (not isinstance(tool, str) or not tool or len(tool) > 256):
+            raise BadRequest("tool must be a non-empty string of at most 256 characters")
+        if expected_s is not None and (
+            isinstance(expected_s, bool)
+            or not isinstance(expected_s, (int, float))
+            or not 0 <= expected_s < float("inf")
+        ):
+            raise BadRequest("expected_s must be a finite number of seconds >= 0")
+        if self.config.policy == "offload":
+            out = self.offload(session_id)
+            self._note_call(self._get(session_id), tool, None)
+            return out
+        rec = self._get(session_id)
+        if rec.state != "Running":
+            raise WrongState(
+                f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        node = self._live_node(rec)
+        if node is None:
+            return self._meta(self._let_go(rec, tool, self._decision("let_go", "no_kv", expected_s)))
+        rec.node, rec.tree_gen = node, self.tree_gen
+        hint = None if expected_s is None else float(expected_s)
+        d = decide(
+            kv_tokens=self._path_tokens(node),
+            tool=tool,
+            expected_s=hint,
+            pressure=self._pressure(session_id, tool, hint),
+            model=self.durations,
+            config=self.config.policy_config,
+            restore_tokens_per_s=self.restore_rate,
+        )
+        if d.action == "keep" and self.backend.keep(rec, node):
+            self._kept(rec, tool, d)
+            return self._meta(rec)
+        if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
+            try:
+                self.offload(session_id, demote=True)
+            except HostMemoryFull:
+                return self._meta(self._let_go(rec, tool, self._decision("let_go", "host_full", expected_s)))
+            reason = d.reason if d.action == "offload" else "not_resident"
+            self._note_call(
+                rec, tool, Decision("offload", reason, d.expected_s, d.restore_s, d.prefetch_after_s)
+            )
+            return self._meta(rec)
+        return self._meta(self._let_go(rec, tool, d))
+
+    def _pressure(self, session_id: str, tool: str | None, hint: float | None) -> Pressure:
+        """The backend's pressure, with the host room that demotions could make counted as room:
+        the protected tokens of offloaded sessions expected back later than this call would be
+        (they are worth less on the host than this one)."""
+        p = self.backend.pressure()
+        expected = (
+            hint
+            if hint is not None
+            else self.durations.quantile(tool, self.config.policy_config.keep_quantile)
+        )
+        back = self.now + expected
+        demotable = sum(
+            r.offload_tokens
+            for r in self.sessions.values()
+            if r.state == "Offloaded"
+            and r.session_id != session_id
+            and r.tool_started_at + r.expected_s > back
+        )
+        if not demotable:
+            return p
+        return replace(p, host_available_tokens=min(p.host_total_tokens, p.host_available_tokens + demotable))
+
+    def _decision(self, action: str, reason: str, expected_s: float | None) -> Decision:
+        return Decision(action, reason, float(expected_s or 0.0), 0.0, None)  # type: ignore[arg-type]
+
+    def _path_tokens(self, node: Any) -> int:
+        n, root = 0, self.tree.root_node
+        while node is not None and node is not root:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+    def _note_call(self, rec: SessionRecord, tool: str | None, d: Decision | None) -> None:
+        """Remember the tool call (for the duration model at tool_end) and the decision taken."""
+        rec.tool, rec.tool_started_at, rec.call_open = tool, self.now, True
+        action = d.action if d is not None else "offload"
+        rec.decision, rec.reason = action, (d.reason if d is not None else "policy_offload")
+        rec.expected_s = d.expected_s if d is not None else 0.0
+        self.counters[f"decision_{action}"] += 1
+        self.counters[f"reason_{rec.reason}"] += 1
+        if (
+            d is not None
+            and d.prefetch_after_s is not None
+            and self.config.prefetch
+            and rec.state in ("Offloading", "Offloaded")
+        ):
+            rec.prefetch_at = self.now + d.prefetch_after_s
+            self._seq += 1
+            heapq.heappush(self._prefetch_due, (rec.prefetch_at, self._seq, rec.session_id))
+        log.debug(
+            "tool_start %s tool=%s decision=%s reason=%s expected=%.2fs",
+            rec.session_id,
+            tool,
+            rec.decision,
+            rec.reason,
+            rec.expected_s,
+        )
+
+    # ---- Keep -----------------------------------------------------------------------------------------
+    def keep(self, session_id: str) -> dict[str, object]:
+        """Spec ``Keep``: pin the session's resident path on the GPU until tool_end or the TTL."""
+        rec = self._get(session_id)
+        if rec.state != "Running":
+            raise WrongState(f"keep needs a Running session; {session_id!r} is {rec.state}", state=rec.state)
+        node = self._live_node(rec)
+        if node is None or not self.backend.keep(rec, node):
+            raise WrongState(f"session {session_id!r} has no resident KV to keep", state=rec.state)
+        rec.node, rec.tree_gen = node, self.tree_gen
+        self._kept(rec, None, None)
+        return self._meta(rec)
+
+    def _kept(self, rec: SessionRecord, tool: str | None, d: Decision | None) -> None:
+        rec.epoch += 1
+        self._arm_deadline(rec)
+        fire(rec, "keep", "Kept")
+        self.counters["kept"] += 1
+        if d is not None:
+            self._note_call(rec, tool, d)
+
+    # ---- LetGo ----------------------------------------------------------------------------------------
+    def let_go(self, session_id: str) -> dict[str, object]:
+        """Spec ``LetGo``: hold nothing for this tool call; it still gets an epoch for tool_end."""
+        rec = self._get(session_id)
+        if rec.state != "Running":
+            raise WrongState(
+                f"let_go needs a Running session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        return self._meta(self._let_go(rec, None, None))
+
+    def _let_go(self, rec: SessionRecord, tool: str | None, d: Decision | None) -> SessionRecord:
+        rec.epoch += 1
+        fire(rec, "let_go", "Released")
+        self.counters["let_go"] += 1
+        if d is not None:
+            self._note_call(rec, tool, d)
+        return rec
+
+    # ---- Demote ---------------------------------------------------------------------------------------
+    def demote(self, session_id: str) -> dict[str, object]:
+        """Spec ``Demote``: release an offloaded session's host protection. HiCache may then evict
+        its host copy; the next turn recomputes what is gone, never reads it as protected."""
+        rec = self._get(session_id)
+        if rec.state != "Offloaded":
+            raise WrongState(
+                f"demote needs an Offloaded session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        self.backend.release(rec)
+        self._settle(rec)
+        fire(rec, "demote", "Released")
+        self.counters["demoted"] += 1
+        log.debug("session %s demoted (host budget)", session_id)
+        return self._meta(rec)
+
+    def _demotion_candidates(self, but: str) -> list[str]:
+        """Offloaded sessions, least valuable first (policy.demotion_order)."""
+        cands = [
+            (r.session_id, r.tool_started_at, r.tool_started_at + r.expected_s, r.offload_tokens)
+            for r in self.sessions.values()
+            if r.state == "Offloaded" and r.session_id != but
+        ]
+        return demotion_order(cands, self.now)
+
+    # ---- Prefetch ---------------------------------------------------------------------------------------
+    def prefetch(self, session_id: str) -> dict[str, object]:
+        """Spec ``Prefetch``: start the restore of an offloaded session before its tool_end, so
+        that the KV is on the GPU when the tool returns. The session keeps its protection until
+        the load is acknowledged, then it is Kept (pinned) until tool_end or the TTL. Raises
+        ``DeviceMemoryFull`` (nothing changed) when the device cannot take it now."""
+        rec = self._get(session_id)
+        if rec.state != "Offloaded":
+            raise WrongState(
+                f"prefetch needs an Offloaded session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
+        rec.prefetch_at = float("inf")
+        if runnable:  # nothing to load: the path is resident; pin it
+            kept = rec.node is not None and self.backend.keep(rec, rec.node)
+            assert kept, "a restored path must be resident"
+            fire(rec, "prefetch", "Kept")
+        else:
+            fire(rec, "prefetch", "Prefetching")
+            self._prefetching[session_id] = rec
+            rec.restore_started_at = self.now
+        self.counters["prefetched"] += 1
+        return self._meta(rec)
+
+    def run_prefetches(self) -> int:
+        """Start the early restores that are due (policy ``auto``). A device that cannot take one
+        now defers it to a later tick; a suffix sglang would not load is left to tool_end."""
+        heap, n = self._prefetch_due, 0
+        while heap and heap[0][0] <= self.now:
+            when, _seq, sid = heapq.heappop(heap)
+            rec = self.sessions.get(sid)
+            if rec is None or rec.prefetch_at != when or rec.state not in ("Offloading", "Offloaded"):
+                continue
+            if rec.state == "Offloading":  # its writes are still in flight: look again shortly
+                rec.prefetch_at = self.now + 0.05
+                self._seq += 1
+                heapq.heappush(heap, (rec.prefetch_at, self._seq, sid))
+                break
+            if not self.backend.worth_prefetching(rec):
+                continue
+            try:
+                self.prefetch(sid)
+                n += 1
+            except DeviceMemoryFull:
+                self.counters["prefetch_deferred"] += 1
+                rec.prefetch_at = self.now + 0.25
+                self._seq += 1
+                heapq.heappush(heap, (rec.prefetch_at, self._seq, sid))
+                break  # the device is full for the others too; try again later
+        return n
+
     # ---- ToolStart ------------------------------------------------------------------------------------
-    def tool_start(self, session_id: str) -> dict[str, object]:
+    def offload(self, session_id: str, *, demote: bool = False) -> dict[str, object]:
+        """Spec ``ToolStart``: offload the session's KV to the host. With ``demote``, a host
+        budget that is reached demotes offloaded sessions (least valuable first) until it fits."""
         rec = self._get(session_id)
         if rec.state != "Running":
             raise WrongState(
@@ -162,7 +418,15 @@ class ToolKVManager:
                 session_id=session_id,
             )
         rec.node, rec.tree_gen = node, self.tree_gen
-        clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
+        while True:
+            try:
+                clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
+                break
+            except HostMemoryFull:
+                victims = self._demotion_candidates(session_id) if demote else []
+                if not victims:
+                    raise
+                self.demote(victims[0])
         rec.epoch += 1
         self._arm_deadline(rec)
         if self._free_at_tool_start(clean):
@@ -210,6 +474,25 @@ class ToolKVManager:
                 f"epoch {epoch} is stale for session {session_id!r} (current {rec.epoch})",
                 current_epoch=rec.epoch,
             )
+        if rec.state == "Kept":
+            self.backend.unpin(rec)
+            self._settle(rec)
+            fire(rec, "tool_end", "Runnable")
+            self._observe_call(rec)
+            self.counters["tool_end"] += 1
+            return self._meta(rec)
+        if rec.state == "Prefetching":  # the early restore becomes the restore
+            del self._prefetching[session_id]
+            self._restoring[session_id] = rec
+            fire(rec, "tool_end", "Restoring")
+            self._observe_call(rec)
+            self.counters["tool_end"] += 1
+            return self._meta(rec)
+        if rec.state == "Released":  # nothing was held: the next turn recomputes what is missing
+            fire(rec, "tool_end", "Running")
+            self._observe_call(rec)
+            self.counters["tool_end"] += 1
+            return self._meta(rec)
         if rec.state not in ("Offloading", "Offloaded"):
             return self._tool_end_not_offloaded(rec)
         try:
@@ -218,18 +501,27 @@ class ToolKVManager:
             self._restore_refused(rec)
             raise
         self._offloading.pop(session_id, None)
+        self._observe_call(rec)
         if runnable:
             self._settle(rec)
             fire(rec, "tool_end", "Runnable")
         else:
             fire(rec, "tool_end", "Restoring")
             self._restoring[session_id] = rec
+            rec.restore_started_at = self.now
         self.counters["tool_end"] += 1
         self.counters["restored_tokens"] += rec.restored_tokens
         if rec.recompute_tokens:  # nothing worth loading: the next request recomputes the suffix
             self.counters["restore_below_threshold"] += 1
         log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
         return self._meta(rec)
+
+    def _observe_call(self, rec: SessionRecord) -> None:
+        """The tool call is over (tool_end accepted): feed its duration (agreed clock) to the
+        duration model."""
+        if rec.call_open:
+            self.durations.observe(rec.tool, self.now - rec.tool_started_at)
+            rec.call_open = False
 
     def _epoch_matches(self, rec: SessionRecord, epoch: int) -> bool:
         """Spec ``ToolEnd``'s guard ``e = epoch[s]``: a tool_end of an older tool call is refused
@@ -252,15 +544,28 @@ class ToolKVManager:
     def process_load_acks(self) -> int:
         """Forget acknowledged loads; every restoring session whose path is now readable becomes
         Runnable (its pin and protection are released)."""
-        if not self._restoring and not self.backend.loads_in_flight():
+        if not self._restoring and not self._prefetching and not self.backend.loads_in_flight():
             return 0
         self.backend.poll_loads()
         done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
+        warm = [r for r in self._prefetching.values() if not self.backend.restore_pending(r)]
         for rec in done:
             self.backend.release(rec)
             self._settle(rec)
             fire(rec, "load_ack", "Runnable")
-        return len(done)
+            self._measured_restore(rec)
+        for rec in warm:  # an early restore is readable: Kept (pinned) until its tool_end
+            self.backend.release_protection(rec)
+            del self._prefetching[rec.session_id]
+            fire(rec, "load_ack", "Kept")
+            self._measured_restore(rec)
+        return len(done) + len(warm)
+
+    def _measured_restore(self, rec: SessionRecord) -> None:
+        """Fold a finished load into the restore rate the policy assumes (EWMA, agreed clock)."""
+        took = self.now - rec.restore_started_at
+        if rec.restored_tokens > 0 and took > 0:
+            self.restore_rate = 0.8 * self.restore_rate + 0.2 * (rec.restored_tokens / took)
 
     # ---- TtlSweep -------------------------------------------------------------------------------------
     def ttl_sweep(self) -> int:
@@ -307,12 +612,13 @@ class ToolKVManager:
         self.backend.reset()
         for rec in self.sessions.values():
             self.backend.forget(rec)
-            if rec.state in PROTECTING:
+            if rec.state in HOLDING:
                 self._settle(rec)
                 fire(rec, "tree_reset", "Lost")
                 self.counters["lost"] += 1
         self._offloading.clear()
         self._restoring.clear()
+        self._prefetching.clear()
 
     # ---- Tick -----------------------------------------------------------------------------------------
     def set_clock(self, now: float) -> None:
@@ -326,7 +632,9 @@ class ToolKVManager:
         self.set_clock(now)
         if self._offloading:
             self.process_write_acks()
-        if self._restoring or self.backend.loads_in_flight():
+        if self._prefetch_due and self._prefetch_due[0][0] <= now:
+            self.run_prefetches()
+        if self._restoring or self._prefetching or self.backend.loads_in_flight():
             # spec StartLoads (only when sglang's load ring is idle), then LoadAck. A load whose
             # session was closed meanwhile still has to run: it holds sglang's locks and slots.
             self.backend.start_loads()
@@ -348,6 +656,10 @@ class ToolKVManager:
             out.update(tier="Evicted", tokens=0, device_tokens=0, host_tokens=0)
         else:
             out.update(self.backend.describe(rec))
+        if rec.reason:  # the per-call policy's last decision
+            out.update(
+                decision=rec.decision or None, reason=rec.reason, tool=rec.tool, expected_s=rec.expected_s
+            )
         if rec.restore:  # what the last accepted tool_end did: loaded, found resident, or left to recompute
             out.update(
                 restore=rec.restore,
@@ -366,6 +678,9 @@ class ToolKVManager:
             "states": dict(states),
             "now": self.now,
             "counters": dict(self.counters),
+            "policy": self.config.policy,
+            "restore_tokens_per_s": self.restore_rate,
+            "tools": self.durations.snapshot(),
         }
 
 

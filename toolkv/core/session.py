@@ -39,4 +39,13 @@ class SessionRecord:
     restore: str = ""  # the last tool_end's outcome: resident, loading, below_load_back_threshold
     backend_state: Any = None  # backend-private (e.g. the shadow snapshot)
     last_error: str = ""
+    # the per-call policy: the current tool call and what was decided for it
+    tool: str | None = None  # the tool's name, when the client said it
+    tool_started_at: float = 0.0  # agreed clock at tool_start
+    decision: str = ""  # keep, offload or let_go
+    call_open: bool = False  # a tool call whose duration the model has not seen yet
+    reason: str = ""  # why (a short snake_case word, also a metrics label)
+    expected_s: float = 0.0  # the duration estimate the decision used
+    prefetch_at: float = math.inf  # agreed clock time of the early restore (offloaded sessions)
+    restore_started_at: float = 0.0  # agreed clock when the last load was queued (restore rate)
     target: str | None = None  # used by lifecycle.fire while a transition runs

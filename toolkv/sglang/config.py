@@ -74,6 +74,9 @@ class ToolKVConfig:
     sweep_every: int = 64  # TOOLKV_SWEEP_EVERY: scheduler iterations between clock agreements
     reply_timeout_s: float = 30.0  # TOOLKV_REPLY_TIMEOUT_S: HTTP side wait for the scheduler
     closed_history: int = 10_000  # TOOLKV_CLOSED_HISTORY: closed sessions kept for kv_meta
+    policy: str = "offload"  # TOOLKV_POLICY: offload (every tool_start) or auto (per call)
+    prefetch: bool = True  # TOOLKV_PREFETCH: with policy auto, restore before the tool is expected back
+    restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -92,6 +95,9 @@ class ToolKVConfig:
         sweep = _int(e, "TOOLKV_SWEEP_EVERY", cls.sweep_every, lo=1)
         closed = _int(e, "TOOLKV_CLOSED_HISTORY", cls.closed_history, lo=0)
         assert sweep is not None and closed is not None
+        policy = (e.get("TOOLKV_POLICY") or "offload").strip().lower()
+        if policy not in ("offload", "auto"):
+            raise ValueError(f"TOOLKV_POLICY={policy!r}: expected 'offload' or 'auto'")
         return cls(
             enable=_bool(e, "TOOLKV_ENABLE", False),
             ttl_s=_float(e, "TOOLKV_TTL_S", cls.ttl_s, lo=0.0),
@@ -102,6 +108,9 @@ class ToolKVConfig:
             sweep_every=sweep,
             reply_timeout_s=_float(e, "TOOLKV_REPLY_TIMEOUT_S", cls.reply_timeout_s, lo=0.001),
             closed_history=closed,
+            policy=policy,
+            prefetch=_bool(e, "TOOLKV_PREFETCH", True),
+            restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -115,4 +124,7 @@ class ToolKVConfig:
             ttl_s=self.ttl_s,
             host_budget_tokens=self.host_budget_tokens,
             closed_history=self.closed_history,
+            policy=self.policy,
+            prefetch=self.prefetch,
+            restore_tokens_per_s=self.restore_tokens_per_s,
         )

@@ -49,6 +49,18 @@ SessionId = Field(
 class ToolStartBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     session_id: str = SessionId
+    tool: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="The tool's name (optional): the per-call policy learns its durations",
+    )
+    expected_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="The client's own estimate of the tool's duration",
+    )
 
 
 class ToolEndBody(BaseModel):
@@ -67,7 +79,9 @@ class SessionMeta(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     session_id: str
-    state: str = Field(description="New|Running|Offloading|Offloaded|Restoring|Runnable|Expired|Lost|Closed")
+    state: str = Field(
+        description="New|Running|Offloading|Offloaded|Restoring|Runnable|Expired|Lost|Closed|Kept|Prefetching|Released"
+    )
     epoch: int
     backend: str = Field(description="hiradix (host offload), pin or shadow")
     protected: bool
@@ -322,7 +336,8 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
     """Add the toolkv routes to ``app`` (sglang's, or a bare one in tests / for OpenAPI)."""
 
     async def tool_start(request: Request) -> JSONResponse:
-        """Offload the session's KV for the duration of a tool call. Returns the new epoch."""
+        """Offload (or, with the per-call policy, keep or let go) the session's KV for the duration
+        of a tool call. Returns the new epoch and, with the policy, the decision and its reason."""
         try:
             body = await _parse(request, ToolStartBody)
         except ToolKVError as e:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from toolkv.core.lifecycle import PROTECTING
+from toolkv.core.lifecycle import HOLDING
 from toolkv.core.manager import ToolKVManager
 from toolkv.sglang.metrics import ToolKVMetrics
 
@@ -31,7 +31,11 @@ log = logging.getLogger("toolkv")
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.:/@+-]{1,128}")
 # (op whose acceptance starts it, state it waits in, state that completes it, metrics kind)
-_INFLIGHT = {"Offloading": ("Offloaded", "offload"), "Restoring": ("Runnable", "restore")}
+_INFLIGHT = {
+    "Offloading": ("Offloaded", "offload"),
+    "Restoring": ("Runnable", "restore"),
+    "Prefetching": ("Kept", "restore"),  # an early restore: done when the KV is readable
+}
 
 
 def fmt(value: object) -> str:
@@ -90,7 +94,7 @@ class DecisionLog:
             self._track(session_id, state, epoch, tokens)
 
     def _track(self, sid: str, state: str, epoch: Any, tokens: Any) -> None:
-        if state in PROTECTING:
+        if state in HOLDING:
             self._protecting.add(sid)
         else:
             self._protecting.discard(sid)
@@ -129,7 +133,7 @@ class DecisionLog:
             if rec is not None and rec.epoch == epoch and rec.state == state:
                 continue  # still copying
             del self._inflight[sid]
-            if rec is None or rec.state not in PROTECTING:
+            if rec is None or rec.state not in HOLDING:
                 self._protecting.discard(sid)
             done, kind = _INFLIGHT[state]
             if rec is not None and rec.epoch == epoch and rec.state == done:
@@ -140,7 +144,7 @@ class DecisionLog:
         """The TTL sweep or a tree reset ended protections: one decision line per session."""
         for sid in list(self._protecting):
             rec = self.manager.sessions.get(sid)
-            if rec is None or rec.state in PROTECTING:
+            if rec is None or rec.state in HOLDING:
                 continue
             self._protecting.discard(sid)
             self._inflight.pop(sid, None)

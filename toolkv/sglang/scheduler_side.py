@@ -16,7 +16,7 @@ from typing import Any
 from toolkv import __version__
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.compat import decode_offload_reasons
-from toolkv.core.lifecycle import PROTECTING
+from toolkv.core.lifecycle import HOLDING
 from toolkv.core.manager import ToolKVManager, make_backend
 from toolkv.core.treeops import Tree
 from toolkv.errors import BadRequest, DeviceMemoryFull, ToolKVError, Unsupported
@@ -160,8 +160,8 @@ def decide_on_request(state: str | None, *, restore_on_request: bool) -> str:
     end: restore now instead of letting prefill reload it piecemeal (or recompute it)."""
     if not restore_on_request or state is None:
         return "none"
-    if state in ("Offloading", "Offloaded"):
-        return "restore"
+    if state in ("Offloading", "Offloaded", "Kept", "Prefetching", "Released"):
+        return "restore"  # tool_end: load, unpin, take over the early restore, or just resume
     return "none"
 
 
@@ -295,7 +295,8 @@ class SchedulerToolKV:
     def _dispatch(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         m = self.manager
         if op == "tool_start":
-            return _jsonable(m.tool_start(_need_str(body, "session_id")))
+            tool, expected = body.get("tool"), body.get("expected_s")
+            return _jsonable(m.tool_start(_need_str(body, "session_id"), tool=tool, expected_s=expected))
         if op == "tool_end":
             sid = _need_str(body, "session_id")
             return _jsonable(m.tool_end(sid, body.get("epoch")))  # type: ignore[arg-type]
@@ -410,20 +411,20 @@ class SchedulerToolKV:
         """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
         m = self.manager
         rec = m.sessions.get(sid)
-        if rec is not None and rec.state in PROTECTING:
+        if rec is not None and rec.state in HOLDING:
             # The session ran a turn while toolkv still held its KV (a request without tool_end,
             # or a restore that was deferred). Settle first so the new turn can be recorded:
             # process acks (state is agreed: sglang's ack checks reduce across ranks), then end
             # the tool call; if that cannot happen now, close and re-open the record, keeping the
             # epoch so an old tool_end stays stale.
             m.tick(m.now)
-            if rec.state in ("Offloading", "Offloaded"):
+            if rec.state in ("Offloading", "Offloaded", "Kept", "Prefetching"):
                 try:
                     m.tool_end(sid, rec.epoch)
                     m.tick(m.now)
                 except ToolKVError:
                     pass
-            if rec.state in PROTECTING:
+            if rec.state in HOLDING:
                 epoch = rec.epoch
                 m.close(sid)
                 m.record_turn(sid, tokens, extra_key)

@@ -164,6 +164,7 @@ TraceNext == TNext \\/ Done
     Hist = TRUE
     Ring = 0
     SysLoads = FALSE
+    Policy = FALSE
     BUG = "none"
     HostFits <- THostFits
     DevFits <- TDevFits

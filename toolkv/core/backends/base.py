@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode, path_to
 from toolkv.errors import HostMemoryFull
@@ -158,6 +159,44 @@ def host_full(
     )
 
 
+def path_resident(tree: Tree, leaf: TreeNode, *, on_device: Callable[[TreeNode], bool]) -> bool:
+    """Every node of ``leaf``'s path is on the device and readable (spec ``PathValid``)."""
+    return all(on_device(m) for m in path_to(tree, leaf))
+
+
+def device_pressure(tree: Tree, reserved: int = 0) -> tuple[int, int]:
+    """(device pool size, tokens free or evictable minus ``reserved``) of a radix tree's allocator."""
+    alloc = tree.token_to_kv_pool_allocator
+    total = int(getattr(alloc, "size", 0)) or int(alloc.available_size()) + int(tree.evictable_size())
+    avail = int(alloc.available_size()) + int(tree.evictable_size()) - int(reserved)
+    return total, max(0, min(avail, total))
+
+
+class LockPins:
+    """Spec ``Keep`` on a tree whose locks are ``inc_lock_ref(node)``/``dec_lock_ref(node)``
+    (HiRadixCache, RadixCache): the pin is one path lock on the recorded leaf, held in
+    ``rec.pinned`` and returned exactly once."""
+
+    tree: Tree
+    agree: Agreement
+
+    def _resident(self, m: TreeNode) -> bool:
+        return m.value is not None
+
+    def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        assert rec.pinned is None, f"session {rec.session_id!r} holds a pin already"
+        if not self.agree.all_true(path_resident(self.tree, leaf, on_device=self._resident)):
+            return False
+        self.tree.inc_lock_ref(leaf)
+        rec.pinned = leaf
+        return True
+
+    def unpin(self, rec: SessionRecord) -> None:
+        if rec.pinned is not None:
+            self.tree.dec_lock_ref(rec.pinned)
+            rec.pinned = None
+
+
 class SynchronousLoads:
     """For backends whose restore finishes inside ``restore`` (pin, shadow): nothing is ever
     queued or in flight, so the asynchronous-load steps of :class:`Backend` are no-ops."""
@@ -225,3 +264,28 @@ class Backend(Protocol):
     def reset(self) -> None: ...
 
     def describe(self, rec: SessionRecord) -> dict[str, object]: ...
+
+    # ---- the per-call policy (spec Keep, Demote, Prefetch) ----
+    def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        """Spec ``Keep``: pin the path on the GPU (one path lock) if it is all resident and
+        readable; False, changing nothing, otherwise."""
+        ...
+
+    def unpin(self, rec: SessionRecord) -> None:
+        """Return the session's pin, if it holds one (exactly once)."""
+        ...
+
+    def release_protection(self, rec: SessionRecord) -> None:
+        """Return the session's host protection only (an early restore's load was acknowledged:
+        the KV is on the GPU, the pin keeps it there)."""
+        ...
+
+    def worth_prefetching(self, rec: SessionRecord) -> bool:
+        """Whether an early restore would do anything sglang agrees to do now (a missing suffix
+        below ``load_back_threshold`` is never loaded: the tool_end decides that case)."""
+        ...
+
+    def pressure(self) -> Pressure:
+        """Device and host room as the policy sees it (the same on every rank: pool sizes and
+        the tree move in lockstep)."""
+        ...

@@ -29,12 +29,15 @@ from typing import Any
 from toolkv.core.backends.base import (
     Agreement,
     LocalAgreement,
+    LockPins,
     OwnLoads,
     ProtectionLedger,
+    device_pressure,
     free_set,
     host_full,
     record_freed,
 )
+from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 from toolkv.errors import DeviceMemoryFull
@@ -46,7 +49,7 @@ def _ntok(nodes: Sequence[TreeNode]) -> int:
     return sum(len(n.key) for n in nodes)
 
 
-class HiRadixBackend(OwnLoads):
+class HiRadixBackend(OwnLoads, LockPins):
     """Host offload on a ``HiRadixCache``. The steps a seeded defect would change are small
     methods of their own (:meth:`_take_host_protection`, :meth:`_free_candidate_ready`,
     :meth:`_readable_after_load_back`), so mutation testing overrides them from outside
@@ -280,10 +283,30 @@ class HiRadixBackend(OwnLoads):
             self._ledger.give(rec.session_id)
 
     def release(self, rec: SessionRecord) -> None:
-        if rec.pinned is not None:
-            self.tree.dec_lock_ref(rec.pinned)
-            rec.pinned = None
+        self.unpin(rec)
         self._release_protection(rec)
+
+    def release_protection(self, rec: SessionRecord) -> None:
+        self._release_protection(rec)
+
+    # ---- the per-call policy ----------------------------------------------------------------------------
+    def _resident(self, m: TreeNode) -> bool:
+        return m.value is not None and not self._node_loading(m)
+
+    def worth_prefetching(self, rec: SessionRecord) -> bool:
+        assert rec.node is not None
+        need = _ntok([m for m in path_to(self.tree, rec.node) if m.value is None])
+        return self.agree.all_true(need == 0 or need >= self.tree.load_back_threshold)
+
+    def pressure(self) -> Pressure:
+        dev_total, dev_avail = device_pressure(self.tree, int(self.headroom()))
+        pool = self.tree.token_to_kv_pool_host
+        host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
+        host_avail = int(pool.available_size())
+        if self.host_budget_tokens is not None:
+            host_total = min(host_total, self.host_budget_tokens)
+            host_avail = min(host_avail, max(0, self.host_budget_tokens - self._ledger.tokens))
+        return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total))
 
     def forget(self, rec: SessionRecord) -> None:
         self._ledger.give(rec.session_id)

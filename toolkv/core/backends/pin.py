@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, SynchronousLoads
+from toolkv.core.backends.base import Agreement, LocalAgreement, LockPins, SynchronousLoads, device_pressure
+from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import HostMemoryFull
 
 
-class PinBackend(SynchronousLoads):
+class PinBackend(SynchronousLoads, LockPins):
     name = "pin"
 
     def __init__(
@@ -53,6 +54,10 @@ class PinBackend(SynchronousLoads):
         return True
 
     def release(self, rec: SessionRecord) -> None:
+        self.unpin(rec)
+        self.release_protection(rec)
+
+    def release_protection(self, rec: SessionRecord) -> None:
         if rec.protected is not None:
             self.tree.dec_lock_ref(rec.protected)
             rec.protected = None
@@ -62,6 +67,16 @@ class PinBackend(SynchronousLoads):
         if rec.protected is not None:
             self.pinned_tokens -= rec.offload_tokens
         rec.protected = None
+        rec.pinned = None
+
+    def worth_prefetching(self, rec: SessionRecord) -> bool:
+        return True
+
+    def pressure(self) -> Pressure:
+        """The "host" of a GPU pin is its budget: pinning is what an offload does here."""
+        dev_total, dev_avail = device_pressure(self.tree)
+        budget = self.budget_tokens if self.budget_tokens is not None else dev_total
+        return Pressure(dev_total, dev_avail, budget, max(0, min(budget, budget - self.pinned_tokens)))
 
     def reset(self) -> None:
         return None

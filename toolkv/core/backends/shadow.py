@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, SynchronousLoads
+from toolkv.core.backends.base import Agreement, LocalAgreement, LockPins, SynchronousLoads, device_pressure
+from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to, walk
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
@@ -34,7 +35,7 @@ class Snapshot:
         return int(self.k[0].shape[0]) if self.k else 0
 
 
-class ShadowBackend(SynchronousLoads):
+class ShadowBackend(SynchronousLoads, LockPins):
     name = "shadow"
 
     def __init__(
@@ -125,13 +126,26 @@ class ShadowBackend(SynchronousLoads):
         return True
 
     def release(self, rec: SessionRecord) -> None:
+        self.unpin(rec)
+        self.release_protection(rec)
+
+    def release_protection(self, rec: SessionRecord) -> None:
         snap = rec.backend_state
         if snap is not None:
             self.host_tokens -= snap.tokens
             rec.backend_state = None
 
     def forget(self, rec: SessionRecord) -> None:
-        self.release(rec)  # snapshots live outside the tree: a reset does not invalidate them
+        rec.pinned = None  # the pinned node went with the tree
+        self.release_protection(rec)  # snapshots live outside the tree: a reset does not invalidate them
+
+    def worth_prefetching(self, rec: SessionRecord) -> bool:
+        return True
+
+    def pressure(self) -> Pressure:
+        dev_total, dev_avail = device_pressure(self.tree)
+        budget = self.budget_tokens if self.budget_tokens is not None else dev_total
+        return Pressure(dev_total, dev_avail, budget, max(0, min(budget, budget - self.host_tokens)))
 
     def reset(self) -> None:
         return None

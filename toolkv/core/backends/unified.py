@@ -40,7 +40,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, OwnLoads, free_set, record_freed
+from toolkv.core.backends.base import (
+    Agreement,
+    LocalAgreement,
+    OwnLoads,
+    device_pressure,
+    free_set,
+    path_resident,
+    record_freed,
+)
+from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, Unsupported
@@ -285,12 +294,46 @@ class UnifiedBackend(OwnLoads):
             self.protected_tokens -= rec.offload_tokens
 
     def release(self, rec: SessionRecord) -> None:
-        receipts = self._receipts(rec)
+        self.unpin(rec)
+        self._release_protection(rec)
+
+    def release_protection(self, rec: SessionRecord) -> None:
+        self._release_protection(rec)
+
+    # ---- the per-call policy ----------------------------------------------------------------------------
+    def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        """Spec ``Keep``: one path lock on the leaf (its receipt kept) if the path is resident."""
+        assert rec.pinned is None, f"session {rec.session_id!r} holds a pin already"
+        resident = path_resident(
+            self.tree, leaf, on_device=lambda m: full(m).value is not None and not self._node_loading(m)
+        )
+        if not self.agree.all_true(resident):
+            return False
+        self._receipts(rec).pin = self.tree.inc_lock_ref(leaf.id).to_dec_params()
+        rec.pinned = leaf
+        return True
+
+    def unpin(self, rec: SessionRecord) -> None:
         if rec.pinned is not None:
+            receipts = self._receipts(rec)
             self.tree.dec_lock_ref(rec.pinned.id, receipts.pin)
             receipts.pin = None
             rec.pinned = None
-        self._release_protection(rec)
+
+    def worth_prefetching(self, rec: SessionRecord) -> bool:
+        assert rec.node is not None
+        need = _ntok([m for m in path_to(self.tree, rec.node) if full(m).value is None])
+        return self.agree.all_true(need == 0 or need >= self.tree.load_back_threshold)
+
+    def pressure(self) -> Pressure:
+        dev_total, dev_avail = device_pressure(self.tree)
+        pool = self.tree.cache_controller.mem_pool_host
+        host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
+        host_avail = int(pool.available_size())
+        if self.host_budget_tokens is not None:
+            host_total = min(host_total, self.host_budget_tokens)
+            host_avail = min(host_avail, max(0, self.host_budget_tokens - self.protected_tokens))
+        return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total))
 
     def forget(self, rec: SessionRecord) -> None:
         if rec.protected is not None:

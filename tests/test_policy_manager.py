@@ -1,0 +1,263 @@
+"""The per-call policy in the manager, on the real HiRadixCache (CPU harness).
+
+Spec actions ``Keep``, ``LetGo``, ``Demote`` and ``Prefetch`` (spec/ToolKV.tla) as the manager
+runs them, and ``tool_start`` with ``policy="auto"`` choosing among them:
+
+* keep: a short tool's KV stays on the GPU under one path lock; tool_end returns the lock;
+* let go: a KV too small to be worth two transfers is not held at all; tool_end just resumes;
+* offload + early restore: a long tool's KV goes to host, and the tick loads it back before the
+  tool is expected to return, so tool_end finds it resident (bytes equal to the offloaded ones);
+* demotion: when the host budget is reached, the least valuable offloaded session is demoted
+  (its protection released) instead of a 507;
+* the TTL bounds a kept or prefetched session's pin; a stale epoch changes nothing;
+* the duration model learns per tool name from accepted tool_ends.
+
+Every test ends with the tree's accounting back at its initial value: every lock, host
+reference and slot taken is returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.policy import PolicyConfig
+from toolkv.core.treeops import path_to
+from toolkv.errors import BadRequest, StaleEpoch, WrongState
+from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+
+@pytest.fixture
+def h() -> Iterator[CacheHarness]:
+    with CacheHarness(HarnessConfig(device_tokens=2048)) as harness:
+        yield harness
+
+
+def auto(h: CacheHarness, **kw: object) -> ToolKVManager:
+    policy = kw.pop("policy_config", PolicyConfig(min_offload_tokens=64))
+    return ToolKVManager(h.tree, config=ManagerConfig(policy="auto", policy_config=policy, **kw))  # type: ignore[arg-type]
+
+
+def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torch.Tensor:
+    """A turn of ``sid`` finishes; HiCache's own write-through of it is acknowledged."""
+    assert h.run_request(tokens)
+    m.record_turn(sid, tokens)
+    h.complete("write")
+    h.check_events()
+    return h.device_kv(h.match(tokens).device_indices).clone()
+
+
+def step(h: CacheHarness, m: ToolKVManager, now: float, *, writes: bool = False, loads: bool = False) -> None:
+    m.tick(now)
+    if writes:
+        h.complete("write")
+    if loads:
+        h.complete("load")
+    h.check_events()
+    m.tick(now)
+
+
+def locks_on(h: CacheHarness, tokens: list[int]) -> list[int]:
+    node = h.match(tokens).last_device_node
+    return [n.lock_ref for n in path_to(h.tree, node)]
+
+
+def test_a_short_tool_is_kept_on_the_gpu_under_one_lock(h: CacheHarness) -> None:
+    initial = h.accounting()
+    m = auto(h)
+    a = list(range(1, 201))
+    kv = turn(h, m, "a", a)
+    free = h.allocator.available_size()
+    r = m.tool_start("a", tool="grep", expected_s=0.2)
+    assert (r["state"], r["decision"], r["reason"], r["tool"]) == ("Kept", "keep", "short_tool_hint", "grep")
+    assert r["epoch"] == 1 and r["protected"] is False and r["deadline"] == 600.0
+    assert locks_on(h, a) == [1], "kept: one path lock, nothing copied"
+    assert h.allocator.available_size() == free and h.tree.ongoing_write_through == {}
+    assert h.evict_device(10_000) == 0 or h.match(a).device_indices.numel() == 200, (
+        "a pinned path is not evicted"
+    )
+    with pytest.raises(StaleEpoch):
+        m.tool_end("a", 0)
+    assert m.kv_meta("a")["state"] == "Kept" and locks_on(h, a) == [1]
+    m.set_clock(0.2)
+    assert m.tool_end("a", 1)["state"] == "Runnable"
+    assert locks_on(h, a) == [0]
+    assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
+    assert m.durations.count("grep") == 1 and m.counters["decision_keep"] == 1
+    m.close("a")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_a_small_kv_is_let_go_and_tool_end_just_resumes(h: CacheHarness) -> None:
+    initial = h.accounting()
+    m = auto(h, policy_config=PolicyConfig(min_offload_tokens=256, keep_max_s=0.5))
+    a = list(range(1, 101))  # 100 tokens: below min_offload_tokens
+    turn(h, m, "a", a)
+    held = h.accounting()
+    r = m.tool_start("a", expected_s=30.0)  # long: not kept either
+    assert (r["state"], r["decision"], r["reason"]) == ("Released", "let_go", "small_kv_hint")
+    assert h.accounting() == held, "let go: nothing taken"
+    assert m.tool_end("a", 1)["state"] == "Running"
+    turn(h, m, "a", [*a, 7, 8, 9])  # the next turn records as usual
+    assert m.kv_meta("a")["state"] == "Running"
+    m.close("a")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_a_long_tool_is_offloaded_and_restored_early(h: CacheHarness) -> None:
+    initial = h.accounting()
+    m = auto(h, restore_tokens_per_s=1000.0)  # 300 tokens restore in 0.3 s
+    a = list(range(1, 301))
+    kv = turn(h, m, "a", a)
+    r = m.tool_start("a", tool="build", expected_s=10.0)
+    assert (r["decision"], r["reason"]) == ("offload", "long_tool_hint")
+    step(h, m, 0.0, writes=True)
+    assert m.kv_meta("a")["state"] == "Offloaded" and m.kv_meta("a")["device_tokens"] == 0
+    due = m.sessions["a"].prefetch_at
+    assert due == pytest.approx(10.0 - 0.3 - 0.05), "start the load so that it ends as the tool returns"
+    step(h, m, due - 0.01)
+    assert m.kv_meta("a")["state"] == "Offloaded", "not before it is due"
+    h.scribble_unreferenced()
+    m.tick(due)
+    meta = m.kv_meta("a")
+    assert meta["state"] == "Prefetching" and meta["protected"] is True
+    step(h, m, due, loads=True)
+    meta = m.kv_meta("a")
+    assert meta["state"] == "Kept" and meta["protected"] is False and meta["device_tokens"] == 300
+    assert locks_on(h, a)[-1] == 1, "kept after the early restore: pinned until tool_end"
+    m.set_clock(10.0)
+    assert m.tool_end("a", 1)["state"] == "Runnable"
+    assert torch.equal(h.device_kv(h.match(a).device_indices), kv), "restored bytes equal the offloaded ones"
+    assert m.counters["prefetched"] == 1
+    m.close("a")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_tool_end_during_an_early_restore_takes_it_over(h: CacheHarness) -> None:
+    initial = h.accounting()
+    m = auto(h, restore_tokens_per_s=1000.0)
+    a = list(range(1, 301))
+    kv = turn(h, m, "a", a)
+    m.tool_start("a", expected_s=10.0)
+    step(h, m, 0.0, writes=True)
+    m.tick(9.7)
+    assert m.kv_meta("a")["state"] == "Prefetching"
+    assert m.tool_end("a", 1)["state"] == "Restoring", "the load in flight becomes the restore"
+    step(h, m, 9.8)
+    assert m.kv_meta("a")["state"] == "Restoring", "never runnable before the load ack"
+    step(h, m, 9.9, loads=True)
+    assert m.kv_meta("a")["state"] == "Runnable"
+    assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
+    m.close("a")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_the_ttl_bounds_a_kept_and_a_prefetching_session(h: CacheHarness) -> None:
+    initial = h.accounting()
+    m = auto(h, ttl_s=5.0, restore_tokens_per_s=1000.0)
+    a, b = list(range(1, 301)), list(range(1000, 1300))
+    turn(h, m, "a", a)
+    turn(h, m, "b", b)
+    assert m.tool_start("a", expected_s=0.1)["state"] == "Kept"
+    m.tool_start("b", expected_s=4.0)
+    step(h, m, 0.0, writes=True)
+    m.tick(3.7)  # b's early restore starts
+    assert m.kv_meta("b")["state"] == "Prefetching"
+    m.tick(5.0)  # neither tool_end came
+    assert m.kv_meta("a")["state"] == "Expired" and m.kv_meta("b")["state"] == "Expired"
+    assert locks_on(h, a) == [0], "the kept session's pin is returned"
+    with pytest.raises(StaleEpoch):
+        m.tool_end("a", 0)
+    step(h, m, 5.1, loads=True)  # b's load still finishes: sglang holds its own lock until then
+    assert m.kv_meta("b")["state"] == "Expired"
+    m.close("a")
+    m.close("b")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_the_host_budget_demotes_the_least_valuable_instead_of_507(h: CacheHarness) -> None:
+    initial = h.accounting()
+    m = auto(h, host_budget_tokens=450, prefetch=False)
+    a, b = list(range(1, 301)), list(range(1000, 1300))
+    turn(h, m, "a", a)
+    turn(h, m, "b", b)
+    m.tool_start("a", expected_s=600.0)  # a: expected back in 10 minutes
+    step(h, m, 0.0, writes=True)
+    m.set_clock(1.0)
+    r = m.tool_start("b", expected_s=30.0)  # 300 + 300 > 450: a must go
+    assert r["decision"] == "offload" and r["state"] in ("Offloading", "Offloaded")
+    assert m.kv_meta("a")["state"] == "Released" and m.kv_meta("a")["protected"] is False
+    assert m.counters["demoted"] == 1
+    assert m.backend.protected_tokens == 300  # type: ignore[attr-defined]
+    assert m.tool_end("a", 1)["state"] == "Running", "a demoted session resumes; missing KV is recomputed"
+    step(h, m, 1.0, writes=True)
+    m.close("a")
+    m.close("b")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_the_duration_model_learns_per_tool_and_changes_the_decision(h: CacheHarness) -> None:
+    m = auto(h, prefetch=False)
+    a = list(range(1, 301))
+    turn(h, m, "a", a)
+    now = 0.0
+    for _ in range(6):  # "build" takes two minutes every time
+        r = m.tool_start("a", tool="build")
+        step(h, m, now, writes=True)
+        now += 120.0
+        m.set_clock(now)
+        m.tool_end("a", int(r["epoch"]))  # type: ignore[call-overload]
+        step(h, m, now, loads=True)
+        turn(h, m, "a", a)
+    assert m.durations.median("build") > 30.0
+    assert m.tool_start("a", tool="build")["decision"] == "offload"
+    step(h, m, now, writes=True)
+    m.set_clock(now + 120.0)
+    m.tool_end("a", m.sessions["a"].epoch)
+    step(h, m, now + 120.0, loads=True)
+    turn(h, m, "a", a)
+    assert m.tool_start("a", tool="ls")["decision"] == "keep", "an unseen tool gets the prior: short"
+    assert m.kv_meta()["tools"]["build"]["n"] == 7
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"tool": ""},
+        {"tool": "x" * 300},
+        {"tool": 5},
+        {"expected_s": -1.0},
+        {"expected_s": float("nan")},
+        {"expected_s": True},
+    ],
+)
+def test_bad_hints_are_refused_and_change_nothing(h: CacheHarness, kw: dict[str, object]) -> None:
+    m = auto(h)
+    turn(h, m, "a", list(range(1, 301)))
+    before = (h.accounting(), m.kv_meta("a"))
+    with pytest.raises(BadRequest):
+        m.tool_start("a", **kw)  # type: ignore[arg-type]
+    assert (h.accounting(), m.kv_meta("a")) == before
+
+
+def test_policy_actions_refuse_the_wrong_state(h: CacheHarness) -> None:
+    m = auto(h)
+    turn(h, m, "a", list(range(1, 301)))
+    for op in (m.demote, m.prefetch):
+        with pytest.raises(WrongState):
+            op("a")
+    m.keep("a")
+    for op2 in (m.keep, m.let_go, m.demote, m.prefetch):
+        with pytest.raises(WrongState):
+            op2("a")
+    assert m.kv_meta("a")["state"] == "Kept"
+    m.close("a")
