@@ -144,6 +144,13 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], set[str]]] = {
     "EarlyRunnable": (frozenset({"EarlyRunnable"}), frozenset(), {"RunnableOnlyWhenLoaded"}),
     "NoEpochCheck": (frozenset({"NoEpochCheck"}), frozenset(), {"StaleEpochNoop"}),
     "EpochReuse": (frozenset({"EpochReuse"}), frozenset(), {"EpochMonotone"}),
+    "KeepNoPin": (frozenset({"KeepNoPin"}), frozenset(), {"LockAccounting", "KeptIsResident"}),
+    "DemoteKeepsRef": (
+        frozenset({"DemoteKeepsRef"}),
+        frozenset(),
+        {"ProtectionOwned", "ReleasedHoldsNothing"},
+    ),
+    "EarlyKept": (frozenset({"EarlyKept"}), frozenset(), {"KeptIsResident"}),
 }
 
 

@@ -449,7 +449,8 @@ Prefetch(s) ==
         C == {m \in Path(n) : ~dev[m]}
         lk2 == [m \in Nodes |-> IF m \in C THEN n ELSE loadKey[m]]
         loads == IF C = {} THEN 0 ELSE 1
-        ready == \A m \in Path(n) : lk2[m] = NoNode
+        \* EarlyKept: Kept at once, with the load still in flight
+        ready == (\A m \in Path(n) : lk2[m] = NoNode) \/ BUG = "EarlyKept"
     IN
     /\ Policy /\ phase[s] = "Offloaded"
     /\ DevFits(C)

@@ -332,12 +332,16 @@ class ToolKVManager:
             raise WrongState(
                 f"demote needs an Offloaded session; {session_id!r} is {rec.state}", state=rec.state
             )
-        self.backend.release(rec)
+        self._demote_release(rec)
         self._settle(rec)
         fire(rec, "demote", "Released")
         self.counters["demoted"] += 1
         log.debug("session %s demoted (host budget)", session_id)
         return self._meta(rec)
+
+    def _demote_release(self, rec: SessionRecord) -> None:
+        """What a demotion gives back: the session's host protection (it holds no pin)."""
+        self.backend.release(rec)
 
     def _demotion_candidates(self, but: str) -> list[str]:
         """Offloaded sessions, least valuable first (policy.demotion_order)."""
@@ -364,6 +368,9 @@ class ToolKVManager:
         if runnable:  # nothing to load: the path is resident; pin it
             kept = rec.node is not None and self.backend.keep(rec, rec.node)
             assert kept, "a restored path must be resident"
+            fire(rec, "prefetch", "Kept")
+        elif self._prefetch_readable(rec):  # never, with a load in flight (restore pinned the path)
+            self.backend.release_protection(rec)
             fire(rec, "prefetch", "Kept")
         else:
             fire(rec, "prefetch", "Prefetching")
@@ -548,7 +555,7 @@ class ToolKVManager:
             return 0
         self.backend.poll_loads()
         done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
-        warm = [r for r in self._prefetching.values() if not self.backend.restore_pending(r)]
+        warm = [r for r in self._prefetching.values() if self._prefetch_readable(r)]
         for rec in done:
             self.backend.release(rec)
             self._settle(rec)
@@ -560,6 +567,11 @@ class ToolKVManager:
             fire(rec, "load_ack", "Kept")
             self._measured_restore(rec)
         return len(done) + len(warm)
+
+    def _prefetch_readable(self, rec: SessionRecord) -> bool:
+        """An early restore is done when no load into the session's path is in flight (caveat 7's
+        read side: never Kept, i.e. served, before the load is acknowledged)."""
+        return not self.backend.restore_pending(rec)
 
     def _measured_restore(self, rec: SessionRecord) -> None:
         """Fold a finished load into the restore rate the policy assumes (EWMA, agreed clock)."""

@@ -86,6 +86,22 @@ class EpochReuseManager(ToolKVManager):
         rec.epoch = 0
 
 
+class DemoteKeepsRefManager(ToolKVManager):
+    """``DemoteKeepsRef`` (policy): a demoted session keeps its host protection — released in
+    name, protected in fact, and the host budget never recovers."""
+
+    def _demote_release(self, rec: SessionRecord) -> None:
+        return None
+
+
+class EarlyKeptManager(ToolKVManager):
+    """``EarlyKept`` (policy): an early restore counts as done at any load ack, before its own
+    load is acknowledged, so a kept session may be served KV still in flight."""
+
+    def _prefetch_readable(self, rec: SessionRecord) -> bool:
+        return True
+
+
 # ---- backend defects (mixins for HiRadixBackend and UnifiedBackend) --------------------------------
 
 
@@ -124,6 +140,14 @@ class FreeBeforeAckUnifiedMixin(FreeBeforeAckMixin):
         self.tree._demote(m.id, tracker)  # type: ignore[attr-defined]
 
 
+class KeepNoPinMixin:
+    """``KeepNoPin`` (policy): keep takes no path lock, so HiCache may evict the KV that the
+    session was promised to find on the GPU."""
+
+    def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
+        return True
+
+
 class EarlyRunnableMixin:
     """Caveat 7 (``EarlyRunnable``): runnable before the load is acknowledged."""
 
@@ -139,6 +163,8 @@ MANAGER_MUTANTS: dict[str, type[ToolKVManager]] = {
     "FreeBeforeAck": FreeBeforeAckManager,
     "NoEpochCheck": NoEpochCheckManager,
     "EpochReuse": EpochReuseManager,
+    "DemoteKeepsRef": DemoteKeepsRefManager,
+    "EarlyKept": EarlyKeptManager,
 }
 
 # backend class -> defect -> the mixin that seeds it there
@@ -147,11 +173,13 @@ BACKEND_MUTANTS: dict[type, dict[str, type]] = {
         "EvictProtected": EvictProtectedMixin,
         "FreeBeforeAck": FreeBeforeAckMixin,
         "EarlyRunnable": EarlyRunnableMixin,
+        "KeepNoPin": KeepNoPinMixin,
     },
     UnifiedBackend: {
         "EvictProtected": EvictProtectedUnifiedMixin,
         "FreeBeforeAck": FreeBeforeAckUnifiedMixin,
         "EarlyRunnable": EarlyRunnableMixin,
+        "KeepNoPin": KeepNoPinMixin,
     },
 }
 

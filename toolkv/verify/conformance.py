@@ -90,7 +90,7 @@ def _diff(spec: Mapping[str, Any], impl: Mapping[str, Any], keys: Iterable[str])
     return out
 
 
-MERGED = {"Offloading": "Offloaded", "Restoring": "Runnable"}
+MERGED = {"Offloading": "Offloaded", "Restoring": "Runnable", "Prefetching": "Kept"}
 
 
 def radix_view_spec(st: Mapping[str, Any], b: Bounds) -> dict[str, Any]:
@@ -145,11 +145,13 @@ def radix_invariants(r: Replayer) -> list[str]:
         if o is not None:
             for m in _up(r, o):
                 locks[id(m)] += 1
-    if r.backend_name == "pin":
-        for rec in r.mgr.sessions.values():
-            if rec.protected is not None:
-                for m in _up(r, rec.protected):
-                    locks[id(m)] += 1
+    for rec in r.mgr.sessions.values():
+        held = [rec.pinned] if rec.pinned is not None else []  # a kept session's pin (any backend)
+        if r.backend_name == "pin" and rec.protected is not None:
+            held.append(rec.protected)
+        for o in held:
+            for m in _up(r, o):
+                locks[id(m)] += 1
     for node in r.h.iter_nodes():
         if node is not r.h.tree.root_node and node.lock_ref != locks[id(node)]:
             bad.append("LockAccounting")
@@ -169,7 +171,9 @@ def radix_shares(u: Mapping[str, Any], v: Mapping[str, Any], b: Bounds) -> str |
 
     These are the places where a synchronous backend without a host tier differs by design: a
     backed-up node that the spec keeps host-only is deleted; a session the spec still has
-    ``Restoring`` is already runnable, so a sweep or a reset that the spec applies to it does not."""
+    ``Restoring`` is already runnable, so a sweep or a reset that the spec applies to it does not;
+    and a session the policy released (let go, demoted) keeps its KV on the device, where the spec
+    may have moved it to the host or lost it."""
     act = v["act"]
     name = act[0]
     restoring = [s for s in b.sessions if u["phase"][s] == "Restoring"]
@@ -179,6 +183,10 @@ def radix_shares(u: Mapping[str, Any], v: Mapping[str, Any], b: Bounds) -> str |
         return "sweep expires a restoring session"
     if name == "TreeReset" and restoring:
         return "reset loses a restoring session"
+    if name == "ToolEnd" and u["phase"][act[1]] == "Released":
+        n = v["ref"][act[1]]
+        if n == NO_NODE or not specstep.path_valid(v, n, len(b.nodes)):
+            return "a released session's KV stays on the device"
     return None
 
 

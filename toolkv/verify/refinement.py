@@ -56,6 +56,7 @@ class Bounds:
     env_writes: bool = True
     ring: int = 0
     sys_loads: bool = False
+    policy: bool = False
 
     @classmethod
     def from_cfg(cls, consts: Mapping[str, Any]) -> Bounds:
@@ -75,6 +76,7 @@ class Bounds:
             env_writes=bool(consts.get("EnvWrites", True)),
             ring=int(consts.get("Ring", 0)),
             sys_loads=bool(consts.get("SysLoads", False)),
+            policy=bool(consts.get("Policy", False)),
         )
 
     def rules(self, *, bug: str = "none", fits: bool | None = None, slots: bool = True) -> Rules:
@@ -92,6 +94,7 @@ class Bounds:
             env_writes=self.env_writes,
             ring=self.ring,
             sys_loads=self.sys_loads,
+            policy=self.policy,
             bug=bug,
             fits=fits,
             slots=slots,
@@ -280,8 +283,9 @@ def ring_state(
 
 
 # ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
-PROTECTING = {"Offloading", "Offloaded", "Restoring"}
-EXPIRING = {"Offloading", "Offloaded"}  # spec Expiring: the TTL stops once tool_end is accepted
+PROTECTING = {"Offloading", "Offloaded", "Restoring", "Prefetching"}
+PINNING = {"Restoring", "Prefetching", "Kept"}  # spec Pinning: the phases that hold a path lock
+EXPIRING = {"Offloading", "Offloaded", "Prefetching", "Kept"}  # spec Expiring: until tool_end is accepted
 
 
 def _path(st: Mapping[str, Any], n: str, limit: int) -> list[str]:
@@ -321,9 +325,7 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
         expect += sum(
             1
             for s in sess
-            if st["phase"][s] == "Restoring"
-            and st["ref"][s] != NO_NODE
-            and n in paths.get(st["ref"][s], set())
+            if st["phase"][s] in PINNING and st["ref"][s] != NO_NODE and n in paths.get(st["ref"][s], set())
         )
         if st["lockRef"][n] != expect:
             bad.append("LockAccounting")
@@ -364,6 +366,17 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
             break
     if b.ring > 0 and not ring_bounded(st, b.ring):
         bad.append("RingBounded")
+    for s in sess:  # the per-call policy
+        r = st["ref"][s]
+        if st["phase"][s] == "Kept" and not (
+            r != NO_NODE
+            and st["status"][r] == "InTree"
+            and all(st["dev"][m] and st["loadKey"][m] == NO_NODE for m in _path(st, r, lim))
+        ):
+            bad.append("KeptIsResident")
+            break
+    if any(st["phase"][s] == "Released" and st["prot"][s] != NO_NODE for s in sess):
+        bad.append("ReleasedHoldsNothing")
     return bad
 
 

@@ -549,9 +549,7 @@ def hi_start_loads(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     load is in flight). When a protection is due the tick would also sweep (spec ``TtlSweep``, an
     action of its own): then only the tick's other steps run."""
     mgr = r.mgr
-    due = any(
-        pre["phase"][s] in specstep.PROTECTING and pre["deadline"][s] <= pre["now"] for s in r.b.sessions
-    )
+    due = any(pre["phase"][s] in specstep.EXPIRING and pre["deadline"][s] <= pre["now"] for s in r.b.sessions)
     if due:
         mgr.backend.start_loads()
         mgr.process_load_acks()
@@ -590,13 +588,35 @@ def ttl_sweep(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     if pre["now"] >= r.b.max_time:
         # the spec's clock saturates at MaxTime ("MaxTime or later") and clamps deadlines to it:
         # every armed deadline is due there. Real time simply moves on that far.
-        due = [x.deadline for x in mgr.sessions.values() if x.state in specstep.PROTECTING]
+        due = [x.deadline for x in mgr.sessions.values() if x.state in specstep.EXPIRING]
         mgr.set_clock(max([mgr.now, *due]))
     mgr.ttl_sweep()
 
 
 def close(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.mgr.close(a[0])
+
+
+# the per-call policy: the manager's spec actions (tool_start's choice among them is the policy's)
+def keep(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.mgr.keep(a[0])
+
+
+def let_go(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.mgr.let_go(a[0])
+
+
+def demote(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    r.mgr.demote(a[0])
+
+
+def hi_prefetch(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``Prefetch``: enabled only where the evicted path fits (DevFits), so the device is
+    sized as the spec says and the manager's early restore must go through."""
+    r.mgr.prefetch(a[0])
+
+
+POLICY: dict[str, Executor] = {"Keep": keep, "LetGo": let_go, "Demote": demote, "Prefetch": hi_prefetch}
 
 
 def lock(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -681,6 +701,7 @@ HIRADIX: dict[str, Executor] = {
     "StartLoads": hi_start_loads,
     "SysStart": hi_sys_start,
     "RingDone": hi_ring_done,
+    **POLICY,
 }
 
 

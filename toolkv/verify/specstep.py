@@ -23,8 +23,11 @@ from typing import Any
 
 NO = "NoNode"
 ROOT = "Root"
-PROTECTING = ("Offloading", "Offloaded", "Restoring")
-EXPIRING = ("Offloading", "Offloaded")  # spec Expiring: the TTL stops once tool_end is accepted
+PROTECTING = ("Offloading", "Offloaded", "Restoring", "Prefetching")
+PINNING = ("Restoring", "Prefetching", "Kept")  # spec Pinning: the phases that hold a path lock
+# spec Expiring: the TTL stops once tool_end is accepted; it bounds a kept or prefetched pin
+EXPIRING = ("Offloading", "Offloaded", "Prefetching", "Kept")
+HOLDING = (*PROTECTING, "Kept")  # spec Holding: what a tree reset loses
 State = dict[str, Any]
 
 
@@ -44,6 +47,7 @@ class Rules:
     env_writes: bool = True
     ring: int = 0
     sys_loads: bool = False
+    policy: bool = False  # the per-call policy's actions (Keep, LetGo, Demote, Prefetch)
     bug: str = "none"
     fits: bool | None = None  # HostFits/DevFits decided by the implementation (None: the spec's)
     slots: bool = True  # False: InsertFits, WriteFits, SplitFits are TRUE (token pools decide)
@@ -63,6 +67,7 @@ class Rules:
             env_writes=bool(c.get("EnvWrites", True)),
             ring=int(c.get("Ring", 0)),
             sys_loads=bool(c.get("SysLoads", False)),
+            policy=bool(c.get("Policy", False)),
             bug=str(c.get("BUG", "none")),
         )
 
@@ -214,14 +219,21 @@ def write_ack(st: State, r: Rules, k: str) -> State | None:
 def tool_end(st: State, r: Rules, sid: str, e: Any) -> State | None:
     e = int(e)
     ph = st["phase"][sid]
-    if ph not in ("Offloading", "Offloaded", "Restoring", "Expired", "Lost") or not 0 <= e <= r.max_epoch:
+    phases = ("Offloading", "Offloaded", "Restoring", "Expired", "Lost", "Kept", "Prefetching", "Released")
+    if ph not in phases or not 0 <= e <= r.max_epoch:
         return None
     lim = len(r.nodes)
     n = st["ref"][sid]
-    pn = path(st, n, lim)
-    c = [m for m in pn if not st["dev"][m]]
     s = copy.deepcopy(st)
     s["tgt"] = []
+    if ph in ("Kept", "Prefetching", "Released") and e == st["epoch"][sid]:
+        s["phase"][sid] = {"Kept": "Runnable", "Prefetching": "Restoring"}.get(ph, "Running")
+        if ph == "Kept":
+            s["lockRef"] = _locked(st, r, st["lockRef"], [n], -1)
+        s["tgt"] = [] if ph == "Released" else [n]
+        return s
+    pn = path(st, n, lim)
+    c = [m for m in pn if not st["dev"][m]]
     if ph in ("Offloading", "Offloaded") and (e == st["epoch"][sid] or r.bug == "NoEpochCheck"):
         s["tgt"] = [n]
         fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
@@ -266,12 +278,12 @@ def load_ack(st: State, r: Rules, k: str) -> State | None:
     la2 = dict(st["loadAcks"])
     la2[k] -= 1
     lk2 = {m: (NO if v == k else v) for m, v in st["loadKey"].items()} if la2[k] == 0 else st["loadKey"]
-    done = [
-        x
-        for x in r.sessions
-        if st["phase"][x] == "Restoring"
-        and all(st["dev"][m] and lk2[m] == NO for m in path(st, st["ref"][x], lim))
-    ]
+
+    def loaded(x: str) -> bool:
+        return all(st["dev"][m] and lk2[m] == NO for m in path(st, st["ref"][x], lim))
+
+    done = [x for x in r.sessions if st["phase"][x] == "Restoring" and loaded(x)]
+    warm = [x for x in r.sessions if st["phase"][x] == "Prefetching" and (loaded(x) or r.bug == "EarlyKept")]
     ps = _paths(st, r)
     s["loadAcks"] = la2
     s["loadKey"] = dict(lk2)
@@ -282,8 +294,12 @@ def load_ack(st: State, r: Rules, k: str) -> State | None:
     for x in done:
         s["phase"][x] = "Runnable"
         s["prot"][x] = NO
-    s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in done if st["prot"][x] == m) for m in st["hostRef"]}
-    s["tgt"] = sorted({st["ref"][x] for x in done})
+    for x in warm:
+        s["phase"][x] = "Kept"
+        s["prot"][x] = NO
+    both = done + warm
+    s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in both if st["prot"][x] == m) for m in st["hostRef"]}
+    s["tgt"] = sorted({st["ref"][x] for x in both})
     return s
 
 
@@ -323,7 +339,7 @@ def _released(st: State, s: State, r: Rules, who: Sequence[str]) -> None:
     s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in who if st["prot"][x] == m) for m in st["hostRef"]}
     s["lockRef"] = {
         m: st["lockRef"][m]
-        - sum(1 for x in who if st["phase"][x] == "Restoring" and m in ps.get(st["ref"][x], ()))
+        - sum(1 for x in who if st["phase"][x] in PINNING and m in ps.get(st["ref"][x], ()))
         for m in st["lockRef"]
     }
 
@@ -338,7 +354,7 @@ def ttl_sweep(st: State, r: Rules) -> State | None:
         s["phase"][x] = "Expired"
         if r.bug == "EpochReuse":
             s["epoch"][x] = 0
-    s["tgt"] = sorted({st["prot"][x] for x in due})
+    s["tgt"] = sorted({st["prot"][x] if st["prot"][x] != NO else st["ref"][x] for x in due})
     return s
 
 
@@ -348,7 +364,75 @@ def close(st: State, r: Rules, sid: str) -> State | None:
     s = copy.deepcopy(st)
     _released(st, s, r, [sid])
     s["phase"][sid] = "Closed"
-    s["tgt"] = [st["prot"][sid]] if st["prot"][sid] != NO else []
+    held = {st["prot"][sid]} | ({st["ref"][sid]} if st["phase"][sid] in PINNING else set())
+    s["tgt"] = sorted(held - {NO})
+    return s
+
+
+# ---- the per-call policy ----------------------------------------------------------------------------
+def keep(st: State, r: Rules, sid: str) -> State | None:
+    n = st["ref"][sid]
+    ok = r.policy and st["phase"][sid] == "Running" and n != NO and st["epoch"][sid] < r.max_epoch
+    if not (ok and path_valid(st, n, len(r.nodes))):
+        return None
+    s = copy.deepcopy(st)
+    if r.bug != "KeepNoPin":
+        s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
+    s["epoch"][sid] += 1
+    s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
+    s["phase"][sid] = "Kept"
+    s["tgt"] = [n]
+    return s
+
+
+def let_go(st: State, r: Rules, sid: str) -> State | None:
+    if not (r.policy and st["phase"][sid] == "Running" and st["epoch"][sid] < r.max_epoch):
+        return None
+    s = copy.deepcopy(st)
+    s["epoch"][sid] += 1
+    s["phase"][sid] = "Released"
+    s["tgt"] = []
+    return s
+
+
+def demote(st: State, r: Rules, sid: str) -> State | None:
+    if not (r.policy and st["phase"][sid] == "Offloaded"):
+        return None
+    s = copy.deepcopy(st)
+    if r.bug != "DemoteKeepsRef":
+        _released(st, s, r, [sid])
+    s["phase"][sid] = "Released"
+    s["tgt"] = [st["prot"][sid]]
+    return s
+
+
+def prefetch(st: State, r: Rules, sid: str) -> State | None:
+    if not (r.policy and st["phase"][sid] == "Offloaded"):
+        return None
+    lim = len(r.nodes)
+    n = st["ref"][sid]
+    pn = path(st, n, lim)
+    c = [m for m in pn if not st["dev"][m]]
+    fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
+    if not fits:
+        return None
+    s = copy.deepcopy(st)
+    lk2 = {m: (n if m in c else v) for m, v in st["loadKey"].items()}
+    loads = 1 if c else 0
+    ready = all(lk2[m] == NO for m in pn) or r.bug == "EarlyKept"
+    for m in c:
+        s["dev"][m] = True
+    s["devFree"] -= len(c)
+    s["loadKey"] = lk2
+    s["loadAcks"][n] += loads
+    s["lockRef"] = _locked(st, r, st["lockRef"], [n], loads + 1)
+    s["phase"][sid] = "Kept" if ready else "Prefetching"
+    s["prot"][sid] = NO if ready else n
+    if ready:
+        s["hostRef"][n] -= 1
+    if r.ring > 0 and c:
+        s["queued"] = sorted({*st["queued"], n})
+    s["tgt"] = [n]
     return s
 
 
@@ -438,7 +522,7 @@ def split(st: State, r: Rules, n: str, m: str) -> State | None:
 
 
 def insert(st: State, r: Rules, sid: str, p: str, n: str) -> State | None:
-    ok = st["phase"][sid] in ("New", "Running", "Runnable", "Expired", "Lost")
+    ok = st["phase"][sid] in ("New", "Running", "Runnable", "Expired", "Lost", "Released")
     ok = ok and st["status"][n] == "Unborn" and path_valid(st, p, len(r.nodes))
     if not (ok and (not r.slots or st["devFree"] >= 1)):
         return None
@@ -466,7 +550,7 @@ def tree_reset(st: State, r: Rules) -> State | None:
         s[var] = dict.fromkeys(st[var], NO)
     s["loadAcks"] = dict.fromkeys(st["loadAcks"], 0)
     s["devFree"], s["hostFree"] = r.dev_slots, r.host_slots
-    s["phase"] = {x: ("Lost" if v in PROTECTING else v) for x, v in st["phase"].items()}
+    s["phase"] = {x: ("Lost" if v in HOLDING else v) for x, v in st["phase"].items()}
     s["prot"] = dict.fromkeys(st["prot"], NO)
     s["resets"] += 1
     s["tgt"] = []
@@ -493,6 +577,10 @@ ACTIONS: dict[str, Action] = {
     "StartLoads": start_loads,
     "TtlSweep": ttl_sweep,
     "Close": close,
+    "Keep": keep,
+    "LetGo": let_go,
+    "Demote": demote,
+    "Prefetch": prefetch,
     "Lock": lock,
     "Unlock": unlock,
     "GpuEvict": gpu_evict,
