@@ -28,7 +28,7 @@ def _core_key(st: dict[str, Any]) -> tuple[int, ...]:
 def _instances(b: Bounds) -> list[list[Any]]:
     nodes, sess, root = list(b.nodes), list(b.sessions), ["Root"]
     out: list[list[Any]] = [["TtlSweep"], ["TreeReset"], ["Tick"], ["StartLoads"], ["SysStart"], ["RingDone"]]
-    out += [[a, s] for a in ("ToolStart", "Close") for s in sess]
+    out += [[a, s] for a in ("ToolStart", "Close", "Keep", "LetGo", "Demote", "Prefetch") for s in sess]
     out += [["ToolEnd", s, e] for s in sess for e in range(b.max_epoch + 1)]
     out += [
         [a, n]
@@ -40,7 +40,7 @@ def _instances(b: Bounds) -> list[list[Any]]:
     return out
 
 
-@pytest.mark.parametrize("graph", ["dump", "split", "loadring"])
+@pytest.mark.parametrize("graph", ["dump", "split", "loadring", "policy"])
 def test_python_successor_equals_tlc_on_every_transition(graphs: Any, graph: str) -> None:
     g, b = graphs.get(graph)
     rules = b.rules()
@@ -59,7 +59,7 @@ def test_python_successor_equals_tlc_on_every_transition(graphs: Any, graph: str
     assert checked > 0
 
 
-@pytest.mark.parametrize("graph", ["dump", "split", "loadring"])
+@pytest.mark.parametrize("graph", ["dump", "split", "loadring", "policy"])
 def test_python_enables_nothing_tlc_does_not(graphs: Any, graph: str) -> None:
     g, b = graphs.get(graph)
     rules = b.rules()

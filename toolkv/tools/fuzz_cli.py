@@ -33,6 +33,9 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
     "EarlyRunnable": (frozenset({"EarlyRunnable"}), frozenset(), "7 runnable before the load ack"),
     "NoEpochCheck": (frozenset({"NoEpochCheck"}), frozenset(), "stale epoch accepted"),
     "EpochReuse": (frozenset({"EpochReuse"}), frozenset(), "epoch restarted on expiry"),
+    "KeepNoPin": (frozenset({"KeepNoPin"}), frozenset(), "policy: kept KV not pinned"),
+    "DemoteKeepsRef": (frozenset({"DemoteKeepsRef"}), frozenset(), "policy: demoted session still protected"),
+    "EarlyKept": (frozenset({"EarlyKept"}), frozenset(), "policy: early restore kept before its load ack"),
 }
 
 

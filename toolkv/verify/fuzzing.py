@@ -57,6 +57,10 @@ OPTIONAL = frozenset(
         "memory_pressure",
         "tree_reset",
         "close",
+        "keep",
+        "let_go",
+        "demote",
+        "prefetch",
     }
 )
 
@@ -101,6 +105,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             ttl=self.ttl,
             max_epoch=BIG,
             max_resets=BIG,
+            policy=True,
         )
         unit = 4 * max(16, self.page_size)
         self.r = Replayer(
@@ -221,7 +226,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     WEIGHTS: ClassVar[dict[str, int]] = {
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
-        "memory_pressure": 4, "tree_reset": 1,
+        "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 1, "prefetch": 2,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
 
@@ -246,7 +251,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     def insert(self, data: st.DataObject) -> None:
         """A turn of session s finishes; its new leaf lands under a readable node (shared prefix)."""
         s = data.draw(st.sampled_from(SESSIONS), label="session")
-        if self.state["phase"][s] not in ("New", "Running", "Runnable", "Expired", "Lost"):
+        if self.state["phase"][s] not in ("New", "Running", "Runnable", "Expired", "Lost", "Released"):
             return
         parents = [ROOT] + [n for n in self._in_tree() if self._path_valid(n)]
         p = data.draw(st.sampled_from(parents), label="parent")
@@ -261,13 +266,40 @@ class ToolKVMachine(RuleBasedStateMachine):
     def tool_end(self, data: st.DataObject) -> None:
         """tool_end with the current epoch, or a stale one; mostly on offloaded sessions."""
         s = data.draw(
-            st.sampled_from(self._biased(("Offloaded", "Offloading", "Restoring"))), label="session"
+            st.sampled_from(
+                self._biased(("Offloaded", "Offloading", "Restoring", "Kept", "Prefetching", "Released"))
+            ),
+            label="session",
         )
         delta = data.draw(st.sampled_from((0, 0, 0, -1, 1)), label="epoch delta")
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
 
     def close(self, data: st.DataObject) -> None:
         self._do(["Close", data.draw(st.sampled_from(SESSIONS), label="session")])
+
+    # the per-call policy: each of tool_start's other choices, a demotion, an early restore
+    def keep(self, data: st.DataObject) -> None:
+        """tool_start kept the KV on the GPU (spec Keep: only where the path is resident)."""
+        s = data.draw(st.sampled_from(self._biased(("Running",))), label="session")
+        n = self.state["ref"][s]
+        if self.state["phase"][s] == "Running" and n != NO_NODE and self._path_valid(n):
+            self._do(["Keep", s])
+
+    def let_go(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self._biased(("Running",))), label="session")
+        if self.state["phase"][s] == "Running":
+            self._do(["LetGo", s])
+
+    def demote(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
+        if self.state["phase"][s] == "Offloaded":
+            self._do(["Demote", s])
+
+    def prefetch(self, data: st.DataObject) -> None:
+        """An early restore of an offloaded session, before its tool_end."""
+        s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
+        if self.state["phase"][s] == "Offloaded":
+            self._do(["Prefetch", s])
 
     def write_ack(self, data: st.DataObject) -> None:
         """The copy engine finishes the oldest write; sglang retires it; the manager reacts."""
@@ -484,6 +516,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             "sessions": list(SESSIONS),
             "ttl": self.ttl,
             "caveats": sorted(self.caveats),
+            "policy": True,
         }
         with path.open("w") as f:
             f.write(json.dumps({"header": header}) + "\n")

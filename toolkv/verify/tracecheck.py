@@ -50,6 +50,10 @@ ACTIONS = {
     "Insert": "Insert(a[2], a[3], a[4])",
     "TreeReset": "TreeReset",
     "Tick": "Tick",
+    "Keep": "Keep(a[2])",
+    "LetGo": "LetGo(a[2])",
+    "Demote": "Demote(a[2])",
+    "Prefetch": "Prefetch(a[2])",
 }
 
 
@@ -164,7 +168,7 @@ TraceNext == TNext \\/ Done
     Hist = TRUE
     Ring = 0
     SysLoads = FALSE
-    Policy = FALSE
+    Policy = {"TRUE" if header.get("policy") else "FALSE"}
     BUG = "none"
     HostFits <- THostFits
     DevFits <- TDevFits
