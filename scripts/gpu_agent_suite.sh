@@ -9,6 +9,8 @@
 #   SERVERS comma list of
 #     hicache16   --enable-hierarchical-cache --hicache-size 16: configs stock, explicit, zero-change
 #     hicache80   the same with an 80 GB host pool (the strongest stock setting here): config stock-large
+#     auto16      hicache16 with TOOLKV_POLICY=auto (keep / offload with early restore / let go per call,
+#                 tool names sent): configs policy (explicit) and policy-zero-change (on-request)
 #     radix       plain RadixCache: configs radix (stock) and pin (toolkv's GPU pin, TTL 30 s, budget
 #                 half the device pool)
 # Every server: Llama-3.1-8B shape, dummy weights, 64K context, triton attention, the toolkv plugin
@@ -68,6 +70,13 @@ for s in "${LIST[@]}"; do
       bench explicit explicit --twins 2 $([ "$REGIME" = constrained ] && echo --probe)
       bench zero-change on-request
       for p in ${POLICY_CONFIGS:-}; do bench "$p" explicit; done
+      stop ;;
+    auto16)
+      export TOOLKV_TTL_S=600 TOOLKV_POLICY=auto; unset TOOLKV_HOST_BUDGET_TOKENS
+      serve auto16 --enable-hierarchical-cache --hicache-size 16 || { FAIL=1; continue; }
+      bench policy explicit --send-tool
+      bench policy-zero-change on-request --send-tool
+      unset TOOLKV_POLICY
       stop ;;
     hicache80)
       serve hicache80 --enable-hierarchical-cache --hicache-size 80 || { FAIL=1; continue; }

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from agent_stand_in import StandInServer
 
+from toolkv.sglang.config import ToolKVConfig
 from toolkv.testing.harness import HarnessConfig
 from toolkv.tools.agent_bench import run_plan
 from toolkv.tools.agent_metrics import Turn, occupancy, pct, summarize
@@ -113,6 +114,28 @@ def test_the_load_generator_against_the_real_cache(server: StandInServer, mode: 
     assert meta["protected_tokens"] == 0 and meta["device_locked_tokens"] == 0
     s = summarize(rec.turns, rec.calls, window_start_s=0.0, window_end_s=SMALL.duration_s * 0.02, wall_s=wall)
     assert s["turns_ok"] == len(rec.turns) and s["http_5xx"] == 0
+
+
+def test_the_per_call_policy_under_agent_load() -> None:
+    """TOOLKV_POLICY=auto behind the stand-in: tool names sent, every decision taken, nothing left held."""
+    s = StandInServer(
+        HarnessConfig(device_tokens=8192, host_ratio=3.0, context_len=2048),
+        ToolKVConfig(enable=True, policy="auto"),
+    )
+    try:
+        plan = make_plan(SMALL)
+        rec, _ = run_plan(
+            s, plan, "explicit", scale=0.02, progress_s=1e9, sample_s=0.01, device_total=8192, send_tool=True
+        )
+        assert not rec.errors and rec.turns and all(t.status == 200 for t in rec.turns)
+        decided = dict(rec.decisions)
+        tool_calls = sum(1 for t in rec.turns if t.turn > 0)
+        assert sum(decided.values()) >= tool_calls and set(decided) <= {"keep", "offload", "let_go"}
+        _, meta = s.kv_meta()
+        assert meta["protected_tokens"] == 0 and meta["device_locked_tokens"] == 0
+        assert set(meta["tools"]) <= {"read", "build"} and meta["tools"], "the model learned per tool name"
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("folder", ["agent", "agent_replicate"])

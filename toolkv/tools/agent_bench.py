@@ -165,6 +165,7 @@ class HttpServer:
 class RunRecord:
     turns: list[Turn] = field(default_factory=list)
     calls: Counter[str] = field(default_factory=Counter)  # "tool_start 200", "tool_end 503", ...
+    decisions: Counter[str] = field(default_factory=Counter)  # tool_start's answer: keep, offload, let_go
     errors: list[str] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[float, str, str]] = field(default_factory=list)  # (t, session, what)
@@ -190,9 +191,10 @@ class RunRecord:
 
 def run_session(
     server: AgentServer, sp: SessionPlan, mode: str, w: Workload, rec: RunRecord, clock: Any,
-    stop_at: float, scale: float,
+    stop_at: float, scale: float, send_tool: bool = False,
 ) -> None:  # fmt: skip
-    """One agent session; no turn starts after ``stop_at`` (run clock)."""
+    """One agent session; no turn starts after ``stop_at`` (run clock). ``send_tool``: name the
+    tool in ``tool_start`` (for the per-call policy; servers before it refuse the field)."""
     ctx = list(sp.first)
     sid = sp.sid if mode != "stock" else None
     epoch: int | None = None
@@ -223,9 +225,19 @@ def run_session(
             break
         epoch = None
         if mode in ("explicit", "on-request"):
-            st, body = server.call("tool_start", {"session_id": sp.sid})
+            start_body: dict[str, Any] = {"session_id": sp.sid}
+            if send_tool:
+                start_body["tool"] = w.tools.name_of(sp.tools_s[t])
+            st, body = server.call("tool_start", start_body)
             rec.count(f"tool_start {st}")
-            rec.event(clock(), sp.sid, f"tool_start {st}")
+            rec.event(
+                clock(),
+                sp.sid,
+                f"tool_start {st}" + (f" {body.get('decision')}" if "decision" in body else ""),
+            )
+            if isinstance(body.get("decision"), str):
+                with rec.lock:
+                    rec.decisions[str(body["decision"])] += 1
             epoch = int(body["epoch"]) if st == 200 and "epoch" in body else None
             if st >= 500 and str(st) not in REFUSALS:
                 rec.error(f"tool_start {sp.sid}: {st} {body}")
@@ -264,7 +276,7 @@ def _sample(server: AgentServer, t: float, device_total: int | None) -> dict[str
 
 def run_plan(
     server: AgentServer, plan: Plan, mode: str, *, scale: float = 1.0, progress_s: float = 10.0,
-    sample_s: float = 1.0, device_total: int | None = None, drain_s: float = 900.0,
+    sample_s: float = 1.0, device_total: int | None = None, drain_s: float = 900.0, send_tool: bool = False,
 ) -> tuple[RunRecord, float]:  # fmt: skip
     """Start each planned session at its time (times scaled by ``scale``), sample the pools while
     they run, and wait for the last turn. Returns the record and the wall time."""
@@ -292,7 +304,7 @@ def run_plan(
 
     def session(sp: SessionPlan) -> None:
         try:
-            run_session(server, sp, mode, w, rec, clock, stop_at, scale)
+            run_session(server, sp, mode, w, rec, clock, stop_at, scale, send_tool)
         except Exception as e:  # a dead server surfaces here: record it, the others go on
             rec.error(f"session {sp.sid}: {type(e).__name__}: {e}")
 
@@ -386,6 +398,9 @@ def parser() -> argparse.ArgumentParser:
         "--drain", type=float, default=300.0, help="seconds to wait for turns still running at the end"
     )
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument(
+        "--send-tool", action="store_true", help="name each tool in tool_start (for TOOLKV_POLICY=auto)"
+    )
     ap.add_argument("--out", required=True, help="JSON results file")
     return ap
 
@@ -412,10 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     device_total = ld.get("max_total_num_tokens")
     plan = make_plan(w)
     _st0, meta0 = server.kv_meta()
-    rec, wall = run_plan(server, plan, a.mode, device_total=device_total, drain_s=a.drain)
+    rec, wall = run_plan(
+        server, plan, a.mode, device_total=device_total, drain_s=a.drain, send_tool=a.send_tool
+    )
     window = (w.ramp_s + a.warmup, w.duration_s)
     summary = summarize(rec.turns, rec.calls, window_start_s=window[0], window_end_s=window[1], wall_s=wall)
     summary["errors"] = len(rec.errors)
+    summary["decisions"] = dict(rec.decisions)
     deadline = time.time() + 120  # let abandoned requests finish before anything else runs
     while time.time() < deadline and (ld := server.loads() or {}).get("num_running_reqs", 0) + ld.get(
         "num_waiting_reqs", 0

@@ -69,6 +69,12 @@ class ToolMixture:
         w = self.long_weight
         return (1 - w) * self.short_mean_s + w * self.long_mean_s
 
+    def name_of(self, seconds: float) -> str:
+        """The tool's name as an agent would send it with ``tool_start``: its duration class
+        (``build`` for a tail-length call, ``read`` otherwise). It carries what a real tool name
+        tells a server, the kind of call, and no more than that."""
+        return "build" if seconds >= self.long_min_s else "read"
+
     def sample(self, rng: random.Random) -> float:
         if rng.random() < self.long_weight:
             return math.exp(rng.uniform(math.log(self.long_min_s), math.log(self.long_max_s)))
