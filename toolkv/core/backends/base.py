@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode, path_to
-from toolkv.errors import HostMemoryFull
+from toolkv.errors import DeviceMemoryFull, HostMemoryFull
 
 
 class Agreement(Protocol):
@@ -195,6 +195,59 @@ class LockPins:
         if rec.pinned is not None:
             self.tree.dec_lock_ref(rec.pinned)
             rec.pinned = None
+
+
+def device_full(rec: SessionRecord, need: int, free: int, evictable: int, reserved: int) -> DeviceMemoryFull:
+    """The 503 for a restore that eviction cannot make room for, with the numbers."""
+    return DeviceMemoryFull(
+        f"cannot load {need} tokens back now: {free} free and {evictable} evictable on device, "
+        f"{reserved} promised to running requests; session {rec.session_id!r} stays offloaded",
+        need_tokens=need,
+        device_free_tokens=free,
+        device_evictable_tokens=evictable,
+        promised_tokens=reserved,
+    )
+
+
+def make_room(
+    tree: Tree,
+    agree: Agreement,
+    rec: SessionRecord,
+    *,
+    need: int,
+    reserved: int,
+    evict: Callable[[int], None],
+) -> None:
+    """Make ``need`` device tokens free next to ``reserved`` (tokens sglang promised to running
+    requests) by evicting unlocked cache with sglang's own eviction (``evict(tokens)``), the way
+    its ``load_back`` does. The caller locks what must survive (the session's own device prefix).
+    Raises ``DeviceMemoryFull`` before evicting anything when even that cannot make room."""
+    alloc = tree.token_to_kv_pool_allocator
+    free = int(alloc.available_size())
+    evictable = int(tree.evictable_size())
+    short = need + reserved - free
+    if not agree.all_true(short <= evictable):
+        raise device_full(rec, need, free, evictable, reserved)
+    # Every rank evicts the largest shortfall of any rank (an all-reduce MAX): the same count on
+    # the same LRU order evicts the same nodes, so the ranks' trees stay equal.
+    short = int(agree.max_time(float(short)))
+    if short > 0:
+        evict(short)
+        free = int(alloc.available_size())
+    if not agree.all_true(need + reserved <= free):  # eviction came up short
+        raise device_full(rec, need, free, int(tree.evictable_size()), reserved)
+
+
+def give_up_suffix(tree: Tree, rec: SessionRecord, boundary: TreeNode, need: int) -> None:
+    """Below sglang's ``load_back_threshold`` nothing is worth loading (sglang itself recomputes
+    such a suffix): the session runs on its device prefix (up to ``boundary``), so that, as the
+    spec requires of a Runnable session, its recorded path is all on device; its next request
+    recomputes the suffix. The caller releases the protection."""
+    keep = sum(len(m.key) for m in path_to(tree, boundary)) if boundary is not tree.root_node else 0
+    rec.node = boundary if keep else None
+    del rec.tokens[keep:]
+    rec.restored_tokens, rec.recompute_tokens = 0, need
+    rec.restore = "below_load_back_threshold"
 
 
 class SynchronousLoads:

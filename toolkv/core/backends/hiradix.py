@@ -34,13 +34,14 @@ from toolkv.core.backends.base import (
     ProtectionLedger,
     device_pressure,
     free_set,
+    give_up_suffix,
     host_full,
+    make_room,
     record_freed,
 )
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
-from toolkv.errors import DeviceMemoryFull
 
 
 def _ntok(nodes: Sequence[TreeNode]) -> int:
@@ -189,58 +190,29 @@ class HiRadixBackend(OwnLoads, LockPins):
         return False
 
     def _make_room(self, rec: SessionRecord, need: int, boundary: TreeNode) -> None:
-        """Make ``need`` device tokens free next to ``headroom()`` (tokens sglang promised to running
-        requests), evicting unlocked cache with sglang's own ``evict`` the way its ``load_back``
-        does: least recently used leaves first, a backed-up node keeping its host copy. Never
-        evicted: locked nodes (running requests, writes and loads in flight, restoring sessions'
-        pins) and the session's own device prefix (locked here for the duration). Raises
-        ``DeviceMemoryFull`` before evicting anything when even that cannot make room."""
+        """Make room as sglang's ``load_back`` does (``base.make_room``), next to ``headroom()``
+        (tokens sglang promised to running requests). Never evicted: locked nodes (running
+        requests, writes and loads in flight, restoring sessions' pins) and the session's own
+        device prefix (locked here for the duration)."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         tree = self.tree
-        alloc = tree.token_to_kv_pool_allocator
-        reserved = int(self.headroom())
         tree.inc_lock_ref(boundary)  # a no-op for the root
         try:
-            free = int(alloc.available_size())
-            evictable = int(tree.evictable_size())
-            short = need + reserved - free
-            if not self.agree.all_true(short <= evictable):
-                raise self._device_full(rec, need, free, evictable, reserved)
-            # Every rank evicts the largest shortfall of any rank (an all-reduce MAX): the same
-            # count on the same LRU order evicts the same nodes, so the ranks' trees stay equal.
-            short = int(self.agree.max_time(float(short)))
-            if short > 0:
-                tree.evict(EvictParams(num_tokens=short))
-                free = int(alloc.available_size())
-            if not self.agree.all_true(need + reserved <= free):  # eviction came up short
-                raise self._device_full(rec, need, free, int(tree.evictable_size()), reserved)
+            make_room(
+                tree,
+                self.agree,
+                rec,
+                need=need,
+                reserved=int(self.headroom()),
+                evict=lambda n: tree.evict(EvictParams(num_tokens=n)),
+            )
         finally:
             tree.dec_lock_ref(boundary)
 
-    @staticmethod
-    def _device_full(
-        rec: SessionRecord, need: int, free: int, evictable: int, reserved: int
-    ) -> DeviceMemoryFull:
-        return DeviceMemoryFull(
-            f"cannot load {need} tokens back now: {free} free and {evictable} evictable on device, "
-            f"{reserved} promised to running requests; session {rec.session_id!r} stays offloaded",
-            need_tokens=need,
-            device_free_tokens=free,
-            device_evictable_tokens=evictable,
-            promised_tokens=reserved,
-        )
-
     def _give_up_suffix(self, rec: SessionRecord, boundary: TreeNode, need: int) -> None:
-        """Below sglang's ``load_back_threshold`` nothing is worth loading (sglang itself recomputes
-        such a suffix): release the protection and let the session run on its device prefix, so
-        that, as the spec requires of a Runnable session, its recorded path is all on device."""
         self._release_protection(rec)
-        keep = _ntok(path_to(self.tree, boundary)) if boundary is not self.tree.root_node else 0
-        rec.node = boundary if keep else None
-        del rec.tokens[keep:]
-        rec.restored_tokens, rec.recompute_tokens = 0, need
-        rec.restore = "below_load_back_threshold"
+        give_up_suffix(self.tree, rec, boundary, need)
 
     def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
         """True when no load into ``path`` is in flight, so the session may run now (caveat 7:

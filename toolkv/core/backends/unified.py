@@ -36,7 +36,7 @@ Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,15 +44,19 @@ from toolkv.core.backends.base import (
     Agreement,
     LocalAgreement,
     OwnLoads,
+    ProtectionLedger,
     device_pressure,
     free_set,
+    give_up_suffix,
+    host_full,
+    make_room,
     path_resident,
     record_freed,
 )
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
-from toolkv.errors import DeviceMemoryFull, HostMemoryFull, Unsupported
+from toolkv.errors import Unsupported
 
 FULL = 0  # sglang ComponentType.FULL: the KV component every unified tree has
 
@@ -120,7 +124,15 @@ class UnifiedBackend(OwnLoads):
         # leaf up to, not including, the boundary (the deepest ancestor on device at load_back
         # time); a split during the load inserts a node into the chain, and it is loading too.
         self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
-        self.protected_tokens = 0
+        self._ledger = ProtectionLedger()
+        # Device tokens sglang has promised but not allocated yet (bound by the scheduler side): a
+        # restore leaves them free, as on the HiRadixCache.
+        self.headroom: Callable[[], int] = lambda: 0
+
+    @property
+    def protected_tokens(self) -> int:
+        """Host tokens toolkv protects now, a node shared by several sessions counted once."""
+        return self._ledger.tokens
 
     @staticmethod
     def _receipts(rec: SessionRecord) -> Receipts:
@@ -137,14 +149,11 @@ class UnifiedBackend(OwnLoads):
         to_write = [m for m in path if full(m).host_value is None]
         need = _ntok(to_write)
         host_free = int(tree.cache_controller.mem_pool_host.available_size())
-        host_ok = need <= host_free
-        if self.host_budget_tokens is not None:
-            host_ok = host_ok and self.protected_tokens + _ntok(path) <= self.host_budget_tokens
-        if not self.agree.all_true(host_ok):
-            raise HostMemoryFull(
-                f"host pool cannot take {need} more tokens for session {rec.session_id!r}",
-                need_tokens=need,
-                host_free_tokens=host_free,
+        extra, budget = self._ledger.extra(path), self.host_budget_tokens
+        fits = need <= host_free and (budget is None or self._ledger.tokens + extra <= budget)
+        if not self.agree.all_true(fits):
+            raise host_full(
+                rec, need=need, host_free=host_free, extra=extra, protected=self._ledger.tokens, budget=budget
             )
         if to_write:  # root-down: a backup needs a backed-up parent
             tree._execute_and_commit_kv_backup(BackupKV(node_ids=[m.id for m in to_write]))
@@ -153,7 +162,7 @@ class UnifiedBackend(OwnLoads):
         self._take_host_protection(rec, leaf)
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
-        self.protected_tokens += rec.offload_tokens
+        self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
@@ -216,42 +225,59 @@ class UnifiedBackend(OwnLoads):
 
     # ---- ToolEnd --------------------------------------------------------------------------------------
     def restore(self, rec: SessionRecord) -> bool:
+        """Spec ``ToolEnd`` with sglang 0.5.23's ``load_back``, answering as the HiRadixCache backend
+        does: nothing missing (``resident``); a missing suffix under ``load_back_threshold``, which
+        sglang never loads (``below_load_back_threshold``: the session runs on its device prefix, the
+        next request recomputes the suffix); else room is made by evicting unlocked cache the way
+        sglang's own ``load_back`` does, or ``DeviceMemoryFull`` with nothing changed."""
         tree = self.tree
         leaf = rec.node
         assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
         path = path_to(tree, leaf)
         missing = [m for m in path if full(m).value is None]
         need = _ntok(missing)
-        free = int(tree.token_to_kv_pool_allocator.available_size())
-        ok = need == 0 or (need <= free and need >= tree.load_back_threshold)
-        if not self.agree.all_true(ok):
-            why = (
-                f"below sglang's load_back_threshold ({tree.load_back_threshold})"
-                if need <= free
-                else f"only {free} free on device"
-            )
-            raise DeviceMemoryFull(
-                f"cannot load {need} tokens back now ({why}); session {rec.session_id!r} stays offloaded",
-                need_tokens=need,
-                device_free_tokens=free,
-            )
         if missing:
             boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
+            if self.agree.all_true(need < tree.load_back_threshold):
+                self._release_protection(rec)
+                give_up_suffix(tree, rec, boundary, need)
+                return True
+            self._make_room(rec, need, boundary)  # raises DeviceMemoryFull before changing anything
             queued = tree.load_back(leaf.id)  # enqueues only: the copy starts in start_loads or a batch
             assert queued, "load_back refused after the capacity check"
             self._loads[leaf.id] = (leaf, boundary)
-            rec.restored_tokens = need
             # The session's next request is due: make the restored path the most recently used
             # (a tree walk on the recorded tokens, which end on a node boundary: no split).
             from sglang.srt.mem_cache.radix_cache import RadixKey
 
             tree.touch_prefix(RadixKey(rec.tokens, rec.extra_key))
+        rec.restored_tokens, rec.recompute_tokens = need, 0
+        rec.restore = "loading" if missing else "resident"
         if self._readable_after_load_back(path):
             self._release_protection(rec)
             return True
         self._receipts(rec).pin = tree.inc_lock_ref(leaf.id).to_dec_params()  # until every load is acked
         rec.pinned = leaf
         return False
+
+    def _make_room(self, rec: SessionRecord, need: int, boundary: TreeNode) -> None:
+        """``base.make_room`` with the session's own device prefix locked for the duration."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree = self.tree
+        receipt = None if boundary is tree.root_node else tree.inc_lock_ref(boundary.id).to_dec_params()
+        try:
+            make_room(
+                tree,
+                self.agree,
+                rec,
+                need=need,
+                reserved=int(self.headroom()),
+                evict=lambda n: tree.evict(EvictParams(num_tokens=n)),
+            )
+        finally:
+            if receipt is not None:
+                tree.dec_lock_ref(boundary.id, receipt)
 
     def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
         """True when no load into ``path`` is in flight, so the session may run now (caveat 7:
@@ -291,7 +317,7 @@ class UnifiedBackend(OwnLoads):
         if rec.protected is not None:
             self._drop_host_protection(rec)
             rec.protected = None
-            self.protected_tokens -= rec.offload_tokens
+            self._ledger.give(rec.session_id)
 
     def release(self, rec: SessionRecord) -> None:
         self.unpin(rec)
@@ -336,8 +362,7 @@ class UnifiedBackend(OwnLoads):
         return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total))
 
     def forget(self, rec: SessionRecord) -> None:
-        if rec.protected is not None:
-            self.protected_tokens -= rec.offload_tokens
+        self._ledger.give(rec.session_id)
         rec.protected = None
         rec.pinned = None
         rec.backend_state = Receipts()
