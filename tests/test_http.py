@@ -24,6 +24,7 @@ from toolkv.sglang.http_api import (
     build_app,
     is_tool_calls_chunk,
     openapi_document,
+    tool_call_name,
 )
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.scheduler_side import SchedulerToolKV
@@ -346,6 +347,10 @@ def test_tool_calls_chunk_detection() -> None:
     assert is_tool_calls_chunk(b'data: {"finish_reason": "tool_calls"}\n\n')
     assert not is_tool_calls_chunk('data: {"finish_reason":"stop"}\n\n')
     assert not is_tool_calls_chunk("data: [DONE]\n\n")
+    delta = 'data: {"choices":[{"delta":{"tool_calls":[{"id":"c1","function":{"name":"run_tests","arguments":""}}]}}]}\n\n'
+    assert tool_call_name(delta) == "run_tests" and tool_call_name(delta.encode()) == "run_tests"
+    assert tool_call_name('data: {"choices":[{"delta":{"content":"hi"}}]}\n\n') is None
+    assert tool_call_name(None) is None
 
 
 def test_openapi_document_is_current() -> None:

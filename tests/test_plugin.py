@@ -373,6 +373,37 @@ def test_http_side_zero_change_hook_sends_auto_offload(hh: CacheHarness) -> None
     assert tk.manager.kv_meta("agent")["state"] == "Offloading"
 
 
+def test_zero_change_names_the_models_tool_for_the_policy(hh: CacheHarness) -> None:
+    import toolkv.sglang.plugin as plugin
+
+    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True, policy="auto"))
+    hh.tree._toolkv = tk
+    assert finish_turn(hh, "agent", PROMPT, [41])
+    channel = LoopbackChannel(tk)
+    plugin._transport, saved = channel, plugin._transport
+    try:
+        call = SimpleNamespace(function=SimpleNamespace(name="web_search", arguments="{}"))
+        msg = SimpleNamespace(tool_calls=[call])
+        response = SimpleNamespace(choices=[SimpleNamespace(finish_reason="tool_calls", message=msg)])
+
+        async def original(serving: Any, adapted: Any, request: Any, raw: Any) -> Any:
+            return response
+
+        async def run() -> Any:
+            got = await around_chat_non_streaming(
+                original, object(), object(), SimpleNamespace(session_id="agent"), object()
+            )
+            await asyncio.sleep(0)
+            return got
+
+        assert asyncio.run(run()) is response
+    finally:
+        plugin._transport = saved
+    assert [r.body for r in channel.sent] == [{"session_id": "agent", "tool": "web_search"}]
+    meta = tk.manager.kv_meta("agent")
+    assert meta["tool"] == "web_search" and meta["decision"] in ("keep", "offload", "let_go")
+
+
 # ---- fail-closed start-up, through sglang's real loader -------------------------------------------
 _SCENARIOS = r"""
 import json, os, sys

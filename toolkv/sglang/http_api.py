@@ -413,6 +413,20 @@ def openapi_document() -> dict[str, Any]:
 _TOOL_CALLS = re.compile(r'"finish_reason"\s*:\s*"tool_calls"')
 
 
+_TOOL_NAME = re.compile(r'"function"\s*:\s*\{\s*"name"\s*:\s*"([^"\\]{1,256})"')
+
+
+def tool_call_name(chunk: Any) -> str | None:
+    """The first tool's name in an SSE chat chunk (``"function":{"name":...}`` of a tool-call
+    delta), or None. The name is what the per-call policy learns durations by."""
+    if isinstance(chunk, bytes):
+        chunk = chunk.decode("utf-8", "replace")
+    if not isinstance(chunk, str):
+        return None
+    m = _TOOL_NAME.search(chunk)
+    return m.group(1) if m else None
+
+
 def is_tool_calls_chunk(chunk: Any) -> bool:
     """True for an SSE chat chunk whose finish_reason is "tool_calls"."""
     if isinstance(chunk, bytes):

@@ -385,11 +385,26 @@ def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
         install_routes(http_server.app, _transport)
 
 
-async def _notify_tool_calls(request: Any) -> None:
+def _first_tool_name(choices: Any) -> str | None:
+    """The first tool call's function name in a chat response's choices, if any."""
+    for c in choices:
+        for call in getattr(getattr(c, "message", None), "tool_calls", None) or []:
+            name = getattr(getattr(call, "function", None), "name", None)
+            if isinstance(name, str) and 0 < len(name) <= 256:
+                return name
+    return None
+
+
+async def _notify_tool_calls(request: Any, tool: str | None = None) -> None:
+    """Send the zero-change offload, naming the (first) tool the model called: the per-call
+    policy learns its durations by name."""
     sid = getattr(request, "session_id", None)
     if _transport is not None and isinstance(sid, str) and sid:
+        body: dict[str, Any] = {"session_id": sid}
+        if tool is not None:
+            body["tool"] = tool
         try:
-            await _transport.send_nowait("auto_offload", {"session_id": sid})
+            await _transport.send_nowait("auto_offload", body)
         except Exception:
             log.exception("toolkv: zero-change offload of session %s not sent", sid)
 
@@ -405,7 +420,7 @@ async def around_chat_non_streaming(
     request = args[1] if len(args) > 1 else kwargs.get("request")
     choices = getattr(response, "choices", None) or []
     if any(getattr(c, "finish_reason", None) == "tool_calls" for c in choices):
-        await _notify_tool_calls(request)
+        await _notify_tool_calls(request, _first_tool_name(choices))
     return response
 
 
@@ -413,12 +428,15 @@ async def around_chat_stream(
     original: Callable[..., Any], serving: Any, *args: Any, **kwargs: Any
 ) -> AsyncIterator[Any]:
     """Streaming twin: the finish chunk carries ``"finish_reason":"tool_calls"`` (serving_chat.py:1329-1341)."""
-    from toolkv.sglang.http_api import is_tool_calls_chunk
+    from toolkv.sglang.http_api import is_tool_calls_chunk, tool_call_name
 
     request = args[1] if len(args) > 1 else kwargs.get("request")
     sent = False
+    tool: str | None = None
     async for chunk in original(serving, *args, **kwargs):
-        if not sent and is_tool_calls_chunk(chunk):
-            await _notify_tool_calls(request)
-            sent = True
+        if not sent:
+            tool = tool or tool_call_name(chunk)
+            if is_tool_calls_chunk(chunk):
+                await _notify_tool_calls(request, tool)
+                sent = True
         yield chunk

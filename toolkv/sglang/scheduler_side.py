@@ -307,7 +307,8 @@ class SchedulerToolKV:
         if op == "close":
             return _jsonable(m.close(_need_str(body, "session_id")))
         if op == "auto_offload":
-            return self.on_tool_calls(_need_str(body, "session_id"))
+            tool = body.get("tool")
+            return self.on_tool_calls(_need_str(body, "session_id"), tool if isinstance(tool, str) else None)
         if op == "status":
             return self.status()
         raise BadRequest(f"unknown toolkv operation {op!r}")
@@ -374,13 +375,14 @@ class SchedulerToolKV:
         operator sees why a session is not tracked without reading debug logs."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
-    def on_tool_calls(self, sid: str) -> dict[str, Any]:
-        """Zero-change: the turn ended in tool calls, offload like an explicit tool_start would."""
+    def on_tool_calls(self, sid: str, tool: str | None = None) -> dict[str, Any]:
+        """Zero-change: the turn ended in tool calls, offload like an explicit tool_start would
+        (with ``TOOLKV_POLICY=auto``: decide per call, by the model's tool name)."""
         decision = decide_on_tool_calls(self._state(sid), zero_change=self.config.zero_change)
         if decision != "offload":
             return self._skip(decision)
         try:
-            return _jsonable(self.manager.tool_start(sid))
+            return _jsonable(self.manager.tool_start(sid, tool=tool))
         except ToolKVError as e:  # e.g. host_memory_full, kv_lost: the turn just stays on GPU
             return self._skip(f"skip:{e.code}")
 
