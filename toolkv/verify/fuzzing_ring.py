@@ -104,8 +104,12 @@ class RingToolKVMachine(ToolKVMachine):
         self.counts[what] = self.counts.get(what, 0) + 1
 
     def tree_reset(self, data: st.DataObject) -> None:
-        """``flush_cache`` waits for an idle scheduler: no load in flight (spec ``ring = <<>>``)."""
-        if not self.state["ring"]:
+        """``flush_cache`` waits for an idle scheduler (``is_fully_idle``, scheduler.py:3686-3730):
+        no load in flight (spec ``ring = <<>>``) and none queued either, since ``load_back`` enters
+        ``ongoing_load_back`` when it queues and an idle scheduler has that empty. (The spec lets a
+        reset drop the queue; sglang would then keep the queued load's ``ongoing_load_back`` entry
+        forever, so the campaign does not draw what sglang cannot do.)"""
+        if not self.state["ring"] and not self.state["queued"]:
             super().tree_reset(data)
 
     def teardown(self) -> None:
