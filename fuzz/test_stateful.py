@@ -38,10 +38,8 @@ def test_campaign_reaches_every_action() -> None:
         assert r["actions"].get(action, 0) > 0, f"the campaign never performed {action}: {r['actions']}"
 
 
-# HostLockLeak acts only on a refused restore. Since restores evict unlocked cache to make room and
-# leave a suffix under sglang's load threshold to recompute, the campaign no longer draws a refused
-# restore; the conformance trace replay kills it. strict: the day the campaign kills it, this fails.
-_SURVIVES = {"HostLockLeak": "the campaign draws no refused restore; killed by the conformance trace replay"}
+# Mutants the campaign cannot kill, with the reason (strict: the day the campaign kills one, this fails).
+_SURVIVES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,7 @@ OPTIONAL = frozenset(
         "let_go",
         "demote",
         "prefetch",
+        "tool_end_promised",
     }
 )
 
@@ -168,8 +169,9 @@ class ToolKVMachine(RuleBasedStateMachine):
         of several keys at once: that is the spec's ``LoadAck`` of each of them, in a row (they
         commute). A ``ToolEnd`` that found the device full of unlocked cache made room with sglang's
         own ``evict`` first: that is the environment's ``GpuEvict`` of each evicted node, children
-        first, then the ``ToolEnd``. Every other action is one spec step."""
-        if act[0] == "ToolEnd":
+        first, then the ``ToolEnd`` (an early restore, ``Prefetch``, makes room the same way).
+        Every other action is one spec step."""
+        if act[0] in ("ToolEnd", "Prefetch"):
             post = self.state
             gone = [n for n, d in pre["dev"].items() if d and not post["dev"].get(n, False)]
 
@@ -227,6 +229,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
         "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 1, "prefetch": 2,
+        "tool_end_promised": 2,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
 
@@ -273,6 +276,22 @@ class ToolKVMachine(RuleBasedStateMachine):
         )
         delta = data.draw(st.sampled_from((0, 0, 0, -1, 1)), label="epoch delta")
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
+
+    def tool_end_promised(self, data: st.DataObject) -> None:
+        """tool_end while sglang has promised running requests every device token a restore could
+        use (the rest of a chunked prefill, the decode budget: the backend's ``headroom``): the
+        restore is refused (503, spec ``DevFits`` false) and must change nothing but the answer."""
+        s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
+        be: Any = self.r.mgr.backend
+        if not hasattr(be, "headroom"):
+            return
+        h = self.r.h
+        promised = int(h.allocator.available_size()) + int(h.tree.evictable_size())
+        be.headroom = lambda: promised
+        try:
+            self._do(["ToolEnd", s, self.state["epoch"][s]])
+        finally:
+            be.headroom = lambda: 0
 
     def close(self, data: st.DataObject) -> None:
         self._do(["Close", data.draw(st.sampled_from(SESSIONS), label="session")])
