@@ -73,7 +73,7 @@ def test_a_short_tool_is_kept_on_the_gpu_under_one_lock(h: CacheHarness) -> None
     free = h.allocator.available_size()
     r = m.tool_start("a", tool="grep", expected_s=0.2)
     assert (r["state"], r["decision"], r["reason"], r["tool"]) == ("Kept", "keep", "short_tool_hint", "grep")
-    assert r["epoch"] == 1 and r["protected"] is False and r["deadline"] == 600.0
+    assert r["epoch"] == 1 and r["protected"] is False and r["deadline"] == 30.0, "a GPU pin: the keep TTL"
     assert locks_on(h, a) == [1], "kept: one path lock, nothing copied"
     assert h.allocator.available_size() == free and h.tree.ongoing_write_through == {}
     assert h.evict_device(10_000) == 0 or h.match(a).device_indices.numel() == 200, (
@@ -155,6 +155,33 @@ def test_tool_end_during_an_early_restore_takes_it_over(h: CacheHarness) -> None
     assert m.kv_meta("a")["state"] == "Runnable"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
     m.close("a")
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_a_gpu_pin_waits_at_most_the_keep_ttl(h: CacheHarness) -> None:
+    """A client that crashed mid-call must not pin the GPU for the whole TTL: the policy's pins
+    (kept, or restored early) expire after keep_ttl_s; the KV stays in the cache, unpinned."""
+    initial = h.accounting()
+    m = auto(h, ttl_s=600.0, keep_ttl_s=20.0, restore_tokens_per_s=1000.0)
+    a, b = list(range(1, 301)), list(range(1000, 1300))
+    turn(h, m, "a", a)
+    turn(h, m, "b", b)
+    assert m.tool_start("a", expected_s=0.1)["deadline"] == 20.0
+    m.tool_start("b", expected_s=10.0)
+    step(h, m, 0.0, writes=True)
+    m.tick(9.7)
+    step(h, m, 9.8, loads=True)
+    meta = m.kv_meta("b")
+    assert meta["state"] == "Kept" and meta["deadline"] == pytest.approx(29.8), "re-armed at the load ack"
+    m.tick(20.0)
+    assert m.kv_meta("a")["state"] == "Expired" and locks_on(h, a) == [0]
+    assert m.kv_meta("b")["state"] == "Kept"
+    m.tick(29.8)
+    assert m.kv_meta("b")["state"] == "Expired" and locks_on(h, b) == [0]
+    assert h.match(b).device_indices.numel() == 300, "the KV stays in the cache, unpinned"
+    m.close("a")
+    m.close("b")
     h.drain()
     assert h.accounting() == initial
 

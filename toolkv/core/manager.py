@@ -58,10 +58,15 @@ class ManagerConfig:
     # the restore rate the policy assumes until it has measured one (tokens per second)
     restore_tokens_per_s: float = 200_000.0
     prefetch: bool = True  # with policy "auto": restore early, before the tool is expected back
+    # with policy "auto": how long a pin on the GPU (a kept or early-restored session) may wait for
+    # its tool_end before the TTL releases it (never longer than ttl_s)
+    keep_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if not self.keep_ttl_s >= 0:
+            raise ValueError("keep_ttl_s must be a number of seconds >= 0")
         if not (self.restore_tokens_per_s > 0 and self.restore_tokens_per_s < float("inf")):
             raise ValueError("restore_tokens_per_s must be a positive number")
 
@@ -130,9 +135,9 @@ class ToolKVManager:
             return found
         return None
 
-    def _arm_deadline(self, rec: SessionRecord) -> None:
+    def _arm_deadline(self, rec: SessionRecord, ttl_s: float | None = None) -> None:
         self._seq += 1
-        rec.deadline = self.now + self.config.ttl_s
+        rec.deadline = self.now + (self.config.ttl_s if ttl_s is None else ttl_s)
         rec.deadline_seq = self._seq
         heapq.heappush(self._deadlines, (rec.deadline, self._seq, rec.session_id))
 
@@ -299,7 +304,9 @@ class ToolKVManager:
 
     def _kept(self, rec: SessionRecord, tool: str | None, d: Decision | None) -> None:
         rec.epoch += 1
-        self._arm_deadline(rec)
+        # A pin chosen by the policy holds device memory nobody else can use: bounded by the
+        # shorter keep TTL (a client that crashed mid-call must not pin the GPU for the full TTL).
+        self._arm_deadline(rec, None if d is None else self._keep_ttl())
         fire(rec, "keep", "Kept")
         self.counters["kept"] += 1
         if d is not None:
@@ -566,7 +573,12 @@ class ToolKVManager:
             del self._prefetching[rec.session_id]
             fire(rec, "load_ack", "Kept")
             self._measured_restore(rec)
+            if self.config.policy == "auto":  # the pin is bounded like a kept session's
+                self._arm_deadline(rec, min(self._keep_ttl(), max(0.0, rec.deadline - self.now)))
         return len(done) + len(warm)
+
+    def _keep_ttl(self) -> float:
+        return min(self.config.ttl_s, self.config.keep_ttl_s)
 
     def _prefetch_readable(self, rec: SessionRecord) -> bool:
         """An early restore is done when no load into the session's path is in flight (caveat 7's

@@ -77,6 +77,7 @@ class ToolKVConfig:
     policy: str = "offload"  # TOOLKV_POLICY: offload (every tool_start) or auto (per call)
     prefetch: bool = True  # TOOLKV_PREFETCH: with policy auto, restore before the tool is expected back
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
+    keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: with policy auto, the longest a GPU pin waits for tool_end
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -111,6 +112,7 @@ class ToolKVConfig:
             policy=policy,
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
             restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
+            keep_ttl_s=_float(e, "TOOLKV_KEEP_TTL_S", cls.keep_ttl_s, lo=0.0),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -127,4 +129,5 @@ class ToolKVConfig:
             policy=self.policy,
             prefetch=self.prefetch,
             restore_tokens_per_s=self.restore_tokens_per_s,
+            keep_ttl_s=self.keep_ttl_s,
         )
