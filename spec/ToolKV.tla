@@ -573,14 +573,18 @@ Insert(s, p, n) ==
                    epoch, prot, deadline, envVars>>
     /\ Rec(<<"Insert", s, p, n>>, {})
 
-\* flush_cache (only when no request runs): a new tree; controller queues cleared, so no ack
-\* of the old tree is ever delivered.  The manager's reset hook drops every protection without
-\* releasing (the objects are gone) and marks offloaded sessions Lost; running sessions keep
-\* their now stale reference and must re-resolve it.
+\* flush_cache (only on a fully idle scheduler): a new tree.  The manager's reset hook drops every
+\* protection and pin without releasing (the objects are gone) and marks offloaded and kept
+\* sessions Lost; running sessions keep their now stale reference and must re-resolve it.
 TreeReset ==
     /\ resets < MaxResets
     /\ \A n \in Nodes : ~extLock[n]
-    /\ ring = <<>>                 \* flush_cache waits for idle: no DMA in flight (is_fully_idle)
+    \* flush_cache needs is_fully_idle (scheduler.py:3686-3730): no request runs, no DMA in
+    \* flight, and no write-through or load-back pending (ongoing_write_through and
+    \* ongoing_load_back empty; load_back enters the latter when it queues)
+    /\ ring = <<>>
+    /\ WriteKeys = {}
+    /\ \A k \in Nodes : loadAcks[k] = 0
     /\ queued' = {}                \* controller.reset clears the load queue
     /\ status' = [n \in Nodes |-> IF status[n] = "InTree" THEN "Gone" ELSE status[n]]
     /\ dev' = [n \in Nodes |-> FALSE]

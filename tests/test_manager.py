@@ -211,7 +211,8 @@ def test_tree_reset_loses_offloaded_sessions_and_stale_nodes_are_rewalked(hh: Ca
     turn(h, m, "a", list(range(1, 65)))
     turn(h, m, "b", list(range(300, 364)))
     m.tool_start("a")
-    h.synchronize()
+    step(h, m, 1, writes=True)  # flush_cache runs only on an idle scheduler: the offload has finished
+    assert m.kv_meta("a")["state"] == "Offloaded"
     h.tree.reset()
     m.on_tree_reset()
     assert m.kv_meta("a")["state"] == "Lost"

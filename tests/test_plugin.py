@@ -263,7 +263,8 @@ def test_tree_reset_hook_marks_offloaded_sessions_lost(hh: CacheHarness) -> None
     after_scheduler_init(None, sched)
     assert finish_turn(hh, "s1", PROMPT, [41])
     call(sched, "tool_start", session_id="s1")
-    hh.synchronize()
+    iteration(hh, hh.tree._toolkv, writes=True)  # flush_cache needs an idle scheduler: the offload finished
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Offloaded"
     hh.tree.reset()  # what flush_cache does (scheduler.py:3851)
     after_tree_reset(None, hh.tree)  # the AFTER hook on RadixCache.reset
     assert call(sched, "kv_meta", session_id="s1").body["state"] == "Lost"

@@ -288,3 +288,24 @@ def test_policy_actions_refuse_the_wrong_state(h: CacheHarness) -> None:
             op2("a")
     assert m.kv_meta("a")["state"] == "Kept"
     m.close("a")
+
+
+def test_a_reset_with_copies_in_flight_closes_the_session_instead_of_crashing(
+    h: CacheHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sglang flushes only an idle scheduler, so the spec has no such reset; should one happen
+    anyway, the manager must not take the scheduler down."""
+    m = auto(h)
+    turn(h, m, "b", list(range(1000, 1300)))
+    a = list(range(1, 301))
+    assert h.run_request(a)  # its write-through is still in flight
+    m.record_turn("a", a)
+    m.tool_start("a", expected_s=60.0)
+    m.tool_start("b", expected_s=0.1)
+    assert m.kv_meta("a")["state"] == "Offloading" and m.kv_meta("b")["state"] == "Kept"
+    h.tree.reset()
+    h.allocator.clear()
+    with caplog.at_level("ERROR", logger="toolkv"):
+        m.on_tree_reset()
+    assert m.kv_meta("a")["state"] == "Closed" and "tree reset while session a was Offloading" in caplog.text
+    assert m.kv_meta("b")["state"] == "Lost" and m.counters["reset_mid_copy"] == 1

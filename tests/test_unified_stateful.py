@@ -200,6 +200,9 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
             h.tree.ready_to_load_host_cache()
         h.synchronize()
         h.check_events()
+        self.mgr.tick(
+            self.mgr.now
+        )  # the scheduler's tick after the acks: finished offloads and restores settle
         h.tree.reset()
         h.allocator.clear()
         self.mgr.on_tree_reset()

@@ -66,7 +66,8 @@ SESSION_TRANSITIONS: tuple[Row, ...] = (
         ("Offloading", "Offloaded", "Prefetching", "Kept"),
         "Expired",
     ),  # not Restoring: tool_end was accepted
-    ("tree_reset", ("Offloading", "Offloaded", "Restoring", "Prefetching", "Kept"), "Lost"),
+    # flush_cache needs an idle scheduler: no write or load pending, so only these are lost
+    ("tree_reset", ("Offloaded", "Kept"), "Lost"),
     # the per-call policy
     ("keep", "Running", "Kept"),
     ("let_go", "Running", "Released"),
@@ -114,7 +115,7 @@ TIER_TRANSITIONS: tuple[Row, ...] = (
     ("demote", "CpuProtected", "CpuUnprotected"),  # the policy released the protection
     ("prefetch", ("CpuProtected", "CpuUnprotected"), "Loading"),  # an early restore's load_back
     ("close", "CpuProtected", "CpuUnprotected"),  # close released the protection
-    ("tree_reset", ("GPU", "BackingUp", "CpuProtected", "CpuUnprotected", "Loading"), "Evicted"),
+    ("tree_reset", ("GPU", "CpuProtected", "CpuUnprotected"), "Evicted"),  # nothing in flight (is_fully_idle)
 )
 
 

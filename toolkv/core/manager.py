@@ -631,15 +631,26 @@ class ToolKVManager:
     # ---- TreeReset ------------------------------------------------------------------------------------
     def on_tree_reset(self) -> None:
         """The tree was replaced (flush_cache): every node object is gone, so drop references
-        without releasing; offloaded sessions lose their KV."""
+        without releasing; offloaded and kept sessions lose their KV.
+
+        sglang flushes only a fully idle scheduler (no write or load pending), so no session can
+        be mid-copy here (spec ``TreeReset``). Should a future sglang reset with copies in flight,
+        such a session is closed with an error line instead of taking the scheduler down."""
         self.tree_gen += 1
         self.backend.reset()
+        mid_copy: list[str] = []
         for rec in self.sessions.values():
             self.backend.forget(rec)
-            if rec.state in HOLDING:
+            if rec.state in ("Offloaded", "Kept"):
                 self._settle(rec)
                 fire(rec, "tree_reset", "Lost")
                 self.counters["lost"] += 1
+            elif rec.state in HOLDING:
+                mid_copy.append(rec.session_id)
+        for sid in mid_copy:
+            log.error("tree reset while session %s was %s: closing it", sid, self.sessions[sid].state)
+            self.counters["reset_mid_copy"] += 1
+            self.close(sid)
         self._offloading.clear()
         self._restoring.clear()
         self._prefetching.clear()

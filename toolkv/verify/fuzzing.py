@@ -395,10 +395,37 @@ class ToolKVMachine(RuleBasedStateMachine):
             self._do(["Split", n, self._fresh_node()])
 
     def tree_reset(self, data: st.DataObject) -> None:
-        """flush_cache: only when no request runs (no locks, no memory held by others)."""
-        if any(self.state["extLock"].values()) or self.ballast_dev or self.ballast_host:
+        """flush_cache: only on a fully idle scheduler (sglang's ``is_fully_idle``): no request runs
+        (no locks, no memory held by others) and no write-through or load-back is pending. A flush
+        asked for while copies are in flight succeeds once they are done, so the copies finish
+        first, each as its own spec step."""
+        s = self.state
+        if any(s["extLock"].values()) or self.ballast_dev or self.ballast_host:
             return
-        self._do(["TreeReset"])
+        for _ in range(64):
+            if not self._pending():
+                self._do(["TreeReset"])
+                return
+            before = self.state
+            self._finish_one()
+            if self.state == before:
+                return  # nothing could finish now: the flush is refused, as sglang's would be
+
+    def _pending(self) -> bool:
+        s = self.state
+        return (
+            any(v != NO_NODE for v in s["writeKey"].values())
+            or any(s["loadAcks"].values())
+            or bool(s.get("ring"))
+            or bool(s.get("queued"))
+        )
+
+    def _finish_one(self) -> None:
+        """One step towards an idle scheduler: the oldest write, else the oldest load, finishes."""
+        if any(v != NO_NODE for v in self.state["writeKey"].values()):
+            self._ack("write")
+        else:
+            self._ack("load")
 
     def memory_pressure(self, data: st.DataObject) -> None:
         """Other requests take (or give back) device or host memory: not a spec variable, but it

@@ -100,17 +100,20 @@ class RingToolKVMachine(ToolKVMachine):
         if finished and self._do(["LoadAck", finished[0]]) is not None and len(finished) > 1:
             self._note("LoadAck of bunched restores")
 
+    def _finish_one(self) -> None:
+        """Towards idle with the ring: start the queue, finish the oldest copy, retire its ack."""
+        s = self.state
+        if any(v != "NoNode" for v in s["writeKey"].values()):
+            self._ack("write")
+        elif s["queued"] and not s["ring"]:
+            self._do(["StartLoads"])
+        elif s["ring"]:
+            self._do(["RingDone"])
+        else:
+            self._ack("load")
+
     def _note(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
-
-    def tree_reset(self, data: st.DataObject) -> None:
-        """``flush_cache`` waits for an idle scheduler (``is_fully_idle``, scheduler.py:3686-3730):
-        no load in flight (spec ``ring = <<>>``) and none queued either, since ``load_back`` enters
-        ``ongoing_load_back`` when it queues and an idle scheduler has that empty. (The spec lets a
-        reset drop the queue; sglang would then keep the queued load's ``ongoing_load_back`` entry
-        forever, so the campaign does not draw what sglang cannot do.)"""
-        if not self.state["ring"] and not self.state["queued"]:
-            super().tree_reset(data)
 
     def teardown(self) -> None:
         for key, n in self.counts.items():

@@ -538,7 +538,9 @@ def insert(st: State, r: Rules, sid: str, p: str, n: str) -> State | None:
 
 
 def tree_reset(st: State, r: Rules) -> State | None:
-    if not (st["resets"] < r.max_resets and not any(st["extLock"].values()) and not st.get("ring")):
+    idle = not st.get("ring") and all(v == NO for v in st["writeKey"].values())
+    idle = idle and not any(st["loadAcks"].values())  # is_fully_idle: nothing pending
+    if not (st["resets"] < r.max_resets and not any(st["extLock"].values()) and idle):
         return None
     s = copy.deepcopy(st)
     if "queued" in s:
