@@ -433,8 +433,8 @@ def test_tree_reset_hook_marks_offloaded_sessions_lost(h: UnifiedCacheHarness) -
     after_scheduler_init(None, sched)
     finish_turn(h, "s1", PROMPT, [41])
     call(sched, "tool_start", session_id="s1")
-    h.check_events()
-    h.synchronize()
+    writes_acked(h, sched._toolkv)  # flush_cache needs an idle scheduler: the offload has finished
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Offloaded"
     h.tree.reset()  # what flush_cache does; the AFTER hook on UnifiedRadixCache.reset runs
     assert call(sched, "kv_meta", session_id="s1").body["state"] == "Lost"
     assert call(sched, "tool_end", session_id="s1", epoch=1).status == 409
