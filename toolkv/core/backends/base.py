@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
-from toolkv.core.treeops import Tree, TreeNode, path_to
+from toolkv.core.treeops import Tree, TreeNode, attached, path_to
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
 
 
@@ -248,6 +248,85 @@ def give_up_suffix(tree: Tree, rec: SessionRecord, boundary: TreeNode, need: int
     del rec.tokens[keep:]
     rec.restored_tokens, rec.recompute_tokens = 0, need
     rec.restore = "below_load_back_threshold"
+
+
+class HostRestore:
+    """Spec ``ToolEnd`` on a tree with a host tier (HiRadixCache, UnifiedRadixCache): load the
+    evicted part of the path back, all or nothing. Three answers besides a load: nothing is
+    missing (``resident``); the missing suffix is under sglang's ``load_back_threshold``, which
+    sglang never loads (``below_load_back_threshold``: the protection is released, the session
+    runs on its device prefix and its next request recomputes the suffix, as sglang does for its
+    own requests); or the device cannot take it even after evicting unlocked cache the way
+    sglang's own ``load_back`` does (``DeviceMemoryFull``, nothing changed). A backend supplies
+    the primitives of its sglang release (the ``_``-methods below)."""
+
+    tree: Tree
+    agree: Agreement
+    headroom: Callable[[], int]
+
+    def _on_device(self, m: TreeNode) -> bool:
+        raise NotImplementedError
+
+    def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
+        """Lock the session's device prefix (up to ``boundary``) while room is made; returns the unlock."""
+        raise NotImplementedError
+
+    def _queue_load(self, rec: SessionRecord, leaf: TreeNode, boundary: TreeNode, need: int) -> None:
+        """``load_back`` the chain below ``boundary`` (enqueue only) and make the path most recent."""
+        raise NotImplementedError
+
+    def _pin_path(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        """Pin the path until every load into it is acknowledged (``rec.pinned``)."""
+        raise NotImplementedError
+
+    def _release_protection(self, rec: SessionRecord) -> None:
+        raise NotImplementedError
+
+    def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
+        raise NotImplementedError
+
+    def restore(self, rec: SessionRecord) -> bool:
+        tree = self.tree
+        leaf = rec.node
+        assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
+        path = path_to(tree, leaf)
+        missing = [m for m in path if not self._on_device(m)]
+        need = sum(len(m.key) for m in missing)
+        if missing:
+            boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
+            if self.agree.all_true(need < tree.load_back_threshold):
+                self._release_protection(rec)
+                give_up_suffix(tree, rec, boundary, need)
+                return True
+            self._make_room(rec, need, boundary)  # raises DeviceMemoryFull before changing anything
+            self._queue_load(rec, leaf, boundary, need)
+        rec.restored_tokens, rec.recompute_tokens = need, 0
+        rec.restore = "loading" if missing else "resident"
+        if self._readable_after_load_back(path):
+            self._release_protection(rec)
+            return True
+        self._pin_path(rec, leaf)
+        return False
+
+    def _make_room(self, rec: SessionRecord, need: int, boundary: TreeNode) -> None:
+        """``make_room`` next to ``headroom()`` (tokens sglang promised to running requests). Never
+        evicted: locked nodes (running requests, writes and loads in flight, pins) and the
+        session's own device prefix (locked here for the duration)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree = self.tree
+        unlock = self._lock_boundary(boundary)
+        try:
+            make_room(
+                tree,
+                self.agree,
+                rec,
+                need=need,
+                reserved=int(self.headroom()),
+                evict=lambda n: tree.evict(EvictParams(num_tokens=n)),
+            )
+        finally:
+            unlock()
 
 
 class SynchronousLoads:

@@ -28,15 +28,14 @@ from typing import Any
 
 from toolkv.core.backends.base import (
     Agreement,
+    HostRestore,
     LocalAgreement,
     LockPins,
     OwnLoads,
     ProtectionLedger,
     device_pressure,
     free_set,
-    give_up_suffix,
     host_full,
-    make_room,
     record_freed,
 )
 from toolkv.core.policy import Pressure
@@ -50,7 +49,7 @@ def _ntok(nodes: Sequence[TreeNode]) -> int:
     return sum(len(n.key) for n in nodes)
 
 
-class HiRadixBackend(OwnLoads, LockPins):
+class HiRadixBackend(HostRestore, OwnLoads, LockPins):
     """Host offload on a ``HiRadixCache``. The steps a seeded defect would change are small
     methods of their own (:meth:`_take_host_protection`, :meth:`_free_candidate_ready`,
     :meth:`_readable_after_load_back`), so mutation testing overrides them from outside
@@ -152,67 +151,27 @@ class HiRadixBackend(OwnLoads, LockPins):
         request holds the node, and no load is filling it."""
         return m.write_through_pending_id is None and m.lock_ref == 0 and not self._node_loading(m)
 
-    # ---- ToolEnd ----------------------------------------------------------------------------------------
-    def restore(self, rec: SessionRecord) -> bool:
-        """Spec ``ToolEnd``: load the evicted part of the path back (all or nothing). Three answers
-        besides a load: nothing is missing (``resident``); the missing suffix is under sglang's
-        ``load_back_threshold``, which sglang never loads (``below_load_back_threshold``: the
-        protection is released, the session runs on its device prefix and its next request
-        recomputes the suffix, as sglang does for its own requests); or the device cannot take it
-        even after evicting unlocked cache (``DeviceMemoryFull``, nothing changed)."""
-        tree = self.tree
-        leaf = rec.node
-        assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
-        path = path_to(tree, leaf)
-        missing = [m for m in path if m.value is None]
-        need = _ntok(missing)
-        if missing:
-            boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
-            if self.agree.all_true(need < tree.load_back_threshold):
-                self._give_up_suffix(rec, boundary, need)
-                return True
-            self._make_room(rec, need, boundary)  # raises DeviceMemoryFull before changing anything
-            dev = tree.load_back(leaf)  # enqueues only: the DMA starts in start_loads or sglang's batch
-            assert dev is not None and len(dev) == need, "load_back refused after the capacity check"
-            self._loads[id(leaf)] = (leaf, boundary)
-            # The session's next request is due: make the restored path the most recently used, or
-            # sglang's LRU eviction takes it first (its access time is from the previous turn).
-            stamp = time.monotonic()
-            for m in path:
-                m.last_access_time = stamp
-        rec.restored_tokens, rec.recompute_tokens = need, 0
-        rec.restore = "loading" if missing else "resident"
-        if self._readable_after_load_back(path):
-            self._release_protection(rec)
-            return True
-        tree.inc_lock_ref(leaf)  # pin the path until every load into it is acknowledged
+    # ---- ToolEnd (``HostRestore.restore`` with HiRadixCache's primitives) ---------------------------
+    def _on_device(self, m: TreeNode) -> bool:
+        return m.value is not None
+
+    def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
+        self.tree.inc_lock_ref(boundary)  # a no-op for the root
+        return lambda: self.tree.dec_lock_ref(boundary)
+
+    def _queue_load(self, rec: SessionRecord, leaf: TreeNode, boundary: TreeNode, need: int) -> None:
+        dev = self.tree.load_back(leaf)  # enqueues only: the DMA starts in start_loads or sglang's batch
+        assert dev is not None and len(dev) == need, "load_back refused after the capacity check"
+        self._loads[id(leaf)] = (leaf, boundary)
+        # The session's next request is due: make the restored path the most recently used, or
+        # sglang's LRU eviction takes it first (its access time is from the previous turn).
+        stamp = time.monotonic()
+        for m in path_to(self.tree, leaf):
+            m.last_access_time = stamp
+
+    def _pin_path(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        self.tree.inc_lock_ref(leaf)
         rec.pinned = leaf
-        return False
-
-    def _make_room(self, rec: SessionRecord, need: int, boundary: TreeNode) -> None:
-        """Make room as sglang's ``load_back`` does (``base.make_room``), next to ``headroom()``
-        (tokens sglang promised to running requests). Never evicted: locked nodes (running
-        requests, writes and loads in flight, restoring sessions' pins) and the session's own
-        device prefix (locked here for the duration)."""
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        tree = self.tree
-        tree.inc_lock_ref(boundary)  # a no-op for the root
-        try:
-            make_room(
-                tree,
-                self.agree,
-                rec,
-                need=need,
-                reserved=int(self.headroom()),
-                evict=lambda n: tree.evict(EvictParams(num_tokens=n)),
-            )
-        finally:
-            tree.dec_lock_ref(boundary)
-
-    def _give_up_suffix(self, rec: SessionRecord, boundary: TreeNode, need: int) -> None:
-        self._release_protection(rec)
-        give_up_suffix(self.tree, rec, boundary, need)
 
     def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
         """True when no load into ``path`` is in flight, so the session may run now (caveat 7:

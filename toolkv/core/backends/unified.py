@@ -42,14 +42,13 @@ from typing import Any
 
 from toolkv.core.backends.base import (
     Agreement,
+    HostRestore,
     LocalAgreement,
     OwnLoads,
     ProtectionLedger,
     device_pressure,
     free_set,
-    give_up_suffix,
     host_full,
-    make_room,
     path_resident,
     record_freed,
 )
@@ -99,7 +98,7 @@ class Receipts:
     pin: Any = None  # from inc_lock_ref on the restoring leaf
 
 
-class UnifiedBackend(OwnLoads):
+class UnifiedBackend(HostRestore, OwnLoads):
     """Host offload on a ``UnifiedRadixCache`` with HiCache. The steps a seeded defect would
     change are small methods of their own (:meth:`_take_host_protection`,
     :meth:`_free_candidate_ready`, :meth:`_free_device_copy`, :meth:`_readable_after_load_back`),
@@ -223,61 +222,30 @@ class UnifiedBackend(OwnLoads):
         is an unlocked device leaf: a second line of defence behind :meth:`_free_candidate_ready`."""
         self.tree._evict_device_leaf(m.id, tracker)
 
-    # ---- ToolEnd --------------------------------------------------------------------------------------
-    def restore(self, rec: SessionRecord) -> bool:
-        """Spec ``ToolEnd`` with sglang 0.5.23's ``load_back``, answering as the HiRadixCache backend
-        does: nothing missing (``resident``); a missing suffix under ``load_back_threshold``, which
-        sglang never loads (``below_load_back_threshold``: the session runs on its device prefix, the
-        next request recomputes the suffix); else room is made by evicting unlocked cache the way
-        sglang's own ``load_back`` does, or ``DeviceMemoryFull`` with nothing changed."""
-        tree = self.tree
-        leaf = rec.node
-        assert leaf is not None and attached(tree, leaf), "a protected leaf cannot leave the tree"
-        path = path_to(tree, leaf)
-        missing = [m for m in path if full(m).value is None]
-        need = _ntok(missing)
-        if missing:
-            boundary = missing[0].parent  # the deepest ancestor still on device (or the root)
-            if self.agree.all_true(need < tree.load_back_threshold):
-                self._release_protection(rec)
-                give_up_suffix(tree, rec, boundary, need)
-                return True
-            self._make_room(rec, need, boundary)  # raises DeviceMemoryFull before changing anything
-            queued = tree.load_back(leaf.id)  # enqueues only: the copy starts in start_loads or a batch
-            assert queued, "load_back refused after the capacity check"
-            self._loads[leaf.id] = (leaf, boundary)
-            # The session's next request is due: make the restored path the most recently used
-            # (a tree walk on the recorded tokens, which end on a node boundary: no split).
-            from sglang.srt.mem_cache.radix_cache import RadixKey
+    # ---- ToolEnd (``HostRestore.restore`` with sglang 0.5.23's primitives) --------------------------
+    def _on_device(self, m: TreeNode) -> bool:
+        return full(m).value is not None
 
-            tree.touch_prefix(RadixKey(rec.tokens, rec.extra_key))
-        rec.restored_tokens, rec.recompute_tokens = need, 0
-        rec.restore = "loading" if missing else "resident"
-        if self._readable_after_load_back(path):
-            self._release_protection(rec)
-            return True
-        self._receipts(rec).pin = tree.inc_lock_ref(leaf.id).to_dec_params()  # until every load is acked
+    def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
+        tree = self.tree
+        if boundary is tree.root_node:
+            return lambda: None
+        receipt = tree.inc_lock_ref(boundary.id).to_dec_params()
+        return lambda: tree.dec_lock_ref(boundary.id, receipt)
+
+    def _queue_load(self, rec: SessionRecord, leaf: TreeNode, boundary: TreeNode, need: int) -> None:
+        queued = self.tree.load_back(leaf.id)  # enqueues only: the copy starts in start_loads or a batch
+        assert queued, "load_back refused after the capacity check"
+        self._loads[leaf.id] = (leaf, boundary)
+        # The session's next request is due: make the restored path the most recently used
+        # (a tree walk on the recorded tokens, which end on a node boundary: no split).
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        self.tree.touch_prefix(RadixKey(rec.tokens, rec.extra_key))
+
+    def _pin_path(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        self._receipts(rec).pin = self.tree.inc_lock_ref(leaf.id).to_dec_params()
         rec.pinned = leaf
-        return False
-
-    def _make_room(self, rec: SessionRecord, need: int, boundary: TreeNode) -> None:
-        """``base.make_room`` with the session's own device prefix locked for the duration."""
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        tree = self.tree
-        receipt = None if boundary is tree.root_node else tree.inc_lock_ref(boundary.id).to_dec_params()
-        try:
-            make_room(
-                tree,
-                self.agree,
-                rec,
-                need=need,
-                reserved=int(self.headroom()),
-                evict=lambda n: tree.evict(EvictParams(num_tokens=n)),
-            )
-        finally:
-            if receipt is not None:
-                tree.dec_lock_ref(boundary.id, receipt)
 
     def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
         """True when no load into ``path`` is in flight, so the session may run now (caveat 7:
