@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import _cycle
 import pytest
 import torch
+from _cycle import step
 
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.core.policy import PolicyConfig
@@ -43,21 +45,7 @@ def auto(h: CacheHarness, **kw: object) -> ToolKVManager:
 
 def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torch.Tensor:
     """A turn of ``sid`` finishes; HiCache's own write-through of it is acknowledged."""
-    assert h.run_request(tokens)
-    m.record_turn(sid, tokens)
-    h.complete("write")
-    h.check_events()
-    return h.device_kv(h.match(tokens).device_indices).clone()
-
-
-def step(h: CacheHarness, m: ToolKVManager, now: float, *, writes: bool = False, loads: bool = False) -> None:
-    m.tick(now)
-    if writes:
-        h.complete("write")
-    if loads:
-        h.complete("load")
-    h.check_events()
-    m.tick(now)
+    return _cycle.turn(h, m, sid, tokens, ack_writes=True)
 
 
 def locks_on(h: CacheHarness, tokens: list[int]) -> list[int]:

@@ -19,29 +19,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _cycle import step, turn
 
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.core.treeops import path_to
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
 from toolkv.testing.harness import CacheHarness, HarnessConfig
-
-
-def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torch.Tensor:
-    """A turn of ``sid`` finishes (its KV lands in the tree, reusing a cached prefix); returns its KV."""
-    assert h.run_request(tokens)
-    m.record_turn(sid, tokens)
-    return h.device_kv(h.match(tokens).device_indices).clone()
-
-
-def step(h: CacheHarness, m: ToolKVManager, now: float, *, writes: bool = False, loads: bool = False) -> None:
-    """One scheduler iteration: the tick starts queued loads, copies finish, sglang's ack checks, tick."""
-    m.tick(now)
-    if writes:
-        h.complete("write")
-    if loads:
-        h.complete("load")
-    h.check_events()
-    m.tick(now)
 
 
 def offloaded(h: CacheHarness, m: ToolKVManager, sid: str, now: float) -> int:

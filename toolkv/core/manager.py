@@ -33,7 +33,7 @@ from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.lifecycle import EXPIRING, HOLDING, fire
 from toolkv.core.policy import Decision, DurationModel, PolicyConfig, Pressure, decide, demotion_order
 from toolkv.core.session import SessionRecord
-from toolkv.core.treeops import Tree, attached, walk
+from toolkv.core.treeops import Tree, attached, path_to, walk
 from toolkv.errors import (
     BadRequest,
     DeviceMemoryFull,
@@ -207,11 +207,12 @@ class ToolKVManager:
             return self._meta(self._let_go(rec, tool, self._decision("let_go", "no_kv", expected_s)))
         rec.node, rec.tree_gen = node, self.tree_gen
         hint = None if expected_s is None else float(expected_s)
+        kv_tokens = sum(len(m.key) for m in path_to(self.tree, node))
         d = decide(
-            kv_tokens=self._path_tokens(node),
+            kv_tokens=kv_tokens,
             tool=tool,
             expected_s=hint,
-            pressure=self._pressure(session_id, tool, hint),
+            pressure=self._pressure(session_id, tool, hint, kv_tokens),
             model=self.durations,
             config=self.config.policy_config,
             restore_tokens_per_s=self.restore_rate,
@@ -231,11 +232,14 @@ class ToolKVManager:
             return self._meta(rec)
         return self._meta(self._let_go(rec, tool, d))
 
-    def _pressure(self, session_id: str, tool: str | None, hint: float | None) -> Pressure:
+    def _pressure(self, session_id: str, tool: str | None, hint: float | None, kv_tokens: int) -> Pressure:
         """The backend's pressure, with the host room that demotions could make counted as room:
         the protected tokens of offloaded sessions expected back later than this call would be
-        (they are worth less on the host than this one)."""
+        (they are worth less on the host than this one). ``decide`` only asks whether the host can
+        take ``kv_tokens``, so the scan over sessions runs only when it cannot already."""
         p = self.backend.pressure()
+        if p.host_available_tokens >= kv_tokens:
+            return p
         expected = (
             hint
             if hint is not None
@@ -255,13 +259,6 @@ class ToolKVManager:
 
     def _decision(self, action: str, reason: str, expected_s: float | None) -> Decision:
         return Decision(action, reason, float(expected_s or 0.0), 0.0, None)  # type: ignore[arg-type]
-
-    def _path_tokens(self, node: Any) -> int:
-        n, root = 0, self.tree.root_node
-        while node is not None and node is not root:
-            n += len(node.key)
-            node = node.parent
-        return n
 
     def _note_call(self, rec: SessionRecord, tool: str | None, d: Decision | None) -> None:
         """Remember the tool call (for the duration model at tool_end) and the decision taken."""
