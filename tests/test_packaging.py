@@ -27,7 +27,7 @@ def _third_party_imports(paths: list[Path]) -> set[str]:
                 mods |= {a.name.split(".")[0] for a in n.names}
             elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
                 mods.add(n.module.split(".")[0])
-    local = {"toolkv", "_turns", "agent_stand_in", "conftest"}
+    local = {"toolkv", "conftest"} | {p.stem for p in (ROOT / "tests").glob("*.py")}  # test helper modules
     return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
 
 
