@@ -39,7 +39,8 @@ CONSTANTS
 Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "StaleNode", "NoTtl", "FreeBeforeAck", "EarlyRunnable",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
-         "KeepNoPin", "DemoteKeepsRef", "EarlyKept"}
+         "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
+         "EarlyRelease", "RoomIgnored", "RoomEvictsProtected"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
@@ -95,18 +96,23 @@ Sym == Permutations(Nodes) \cup Permutations(Sessions)
 \* The per-call policy adds three phases of a paused session: Kept (its KV stays on the GPU under
 \* a session pin), Prefetching (an early restore is loading it before tool_end) and Released
 \* (nothing is held: the policy let it go, or demoted it from the host).
+\* Handover: the tool call is over and the KV is on the GPU, pinned until the session's next
+\* request has matched and locked its prefix (Admit) or the pin's TTL ends the wait.
 Phases == {"New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed",
-           "Kept", "Prefetching", "Released"}
+           "Kept", "Prefetching", "Released", "Handover"}
 \* The phases that hold a host protection (prot, host_ref_counter).
 Protecting == {"Offloading", "Offloaded", "Restoring", "Prefetching"}
 \* The phases that hold a session pin: a path lock on the session's node, as a running request holds.
-Pinning == {"Restoring", "Prefetching", "Kept"}
+\* The EarlyRelease mutant is the old manager: it let go at the load ack, so its hand-over holds nothing.
+Pinning == IF BUG = "EarlyRelease" THEN {"Restoring", "Prefetching", "Kept"}
+           ELSE {"Restoring", "Prefetching", "Kept", "Handover"}
 \* The phases the TTL applies to: a tool call whose tool_end was accepted (Restoring) is no longer
 \* abandoned; its load ack ends the protection, so the sweep leaves it alone.  A kept or
 \* prefetched session is still waiting for its tool_end, so the TTL bounds its pin.
-Expiring == {"Offloading", "Offloaded", "Prefetching", "Kept"}
+\* A hand-over waits for a request that may never come: the TTL bounds it too.
+Expiring == {"Offloading", "Offloaded", "Prefetching", "Kept", "Handover"}
 \* The phases whose KV a tree reset loses.
-Holding == Protecting \cup {"Kept"}
+Holding == Protecting \cup {"Kept", "Handover"}
 \* A paused session is resolved once it holds nothing and waits for nothing of the manager.
 Settled == {"Runnable", "Expired", "Lost", "Closed", "Released"}
 
@@ -169,7 +175,19 @@ FreeSetNoAck(L, d) ==
 
 \* Capacity decisions, named so that trace validation (TraceCheck.tla) can replace them with the
 \* decisions the implementation actually took against its token-granular pools (cfg `<-`).
-HostFits(W) == Cardinality(W) <= hostFree     \* ToolStart: the unbacked path fits on host
+\* Host copies sglang's evict_host may free on demand: host-only (evict_host skips a node still on
+\* device), unlocked, and no node of its subtree protected (it evicts leaves, so a protected
+\* descendant keeps its ancestors).  The set is closed towards the leaves, so it can be freed
+\* leaf by leaf.  A ToolStart's own path is never in it: W # {} means the leaf is on device, and
+\* device copies are closed towards the root.  RoomEvictsProtected ignores the protections.
+HostEvictable ==
+    {m \in InTree : /\ host[m] /\ ~dev[m] /\ lockRef[m] = 0
+                   /\ (BUG = "RoomEvictsProtected" \/ \A c \in InTree : m \in Path(c) => hostRef[c] = 0)}
+\* ToolStart: the unbacked path fits on host, counting the copies evict_host can free for it
+\* (RoomIgnored: only the free slots, the old rule that refused while HiCache could make room).
+HostFits(W) == Cardinality(W) <= hostFree + IF BUG = "RoomIgnored" THEN 0 ELSE Cardinality(HostEvictable)
+\* ... but not into the free slots alone: room must be made first (HostRoom).
+HostShort(W) == Cardinality(W) > hostFree
 DevFits(C) == Cardinality(C) <= devFree       \* ToolEnd: the evicted path fits on device
 InsertFits == devFree >= 1                    \* a turn's new leaf fits on device
 WriteFits == hostFree >= 1                    \* a write-through fits on host
@@ -231,9 +249,11 @@ ToolStart(s) ==
        ELSE
          LET W == {m \in Path(n) : ~host[m]} IN
          IF ~HostFits(W)
-         THEN \* host pool full at write: the offload is refused, nothing changes
+         THEN \* host pool full at write, nothing evictable: the offload is refused, nothing changes
               /\ UNCHANGED core
               /\ Rec(<<"ToolStart", s>>, {})
+         ELSE IF HostShort(W)
+         THEN FALSE  \* HostRoom first
          ELSE
            LET wk2 == [m \in Nodes |-> IF m \in W THEN m ELSE writeKey[m]]
                lr2 == Locked(lockRef, W, 1)
@@ -291,12 +311,16 @@ ToolEnd(s, e) ==
        THEN \* Kept: drop the pin, the path is resident.  Prefetching: the early restore becomes the
             \* restore (its pin and protection stay until LoadAck).  Released: nothing is held; the
             \* KV is wherever HiCache left it, and the next turn recomputes what is missing.
-            /\ phase' = [phase EXCEPT ![s] = CASE phase[s] = "Kept" -> "Runnable"
+            \* Kept: the pin stays until the next request holds the path (Handover).
+            /\ phase' = [phase EXCEPT ![s] = CASE phase[s] = "Kept" -> "Handover"
                                                 [] phase[s] = "Prefetching" -> "Restoring"
                                                 [] OTHER -> "Running"]
-            /\ lockRef' = IF phase[s] = "Kept" THEN Locked(lockRef, {n}, -1) ELSE lockRef
+            /\ lockRef' = IF phase[s] = "Kept" /\ BUG = "EarlyRelease" THEN Locked(lockRef, {n}, -1)
+                          ELSE lockRef
+            /\ deadline' = IF phase[s] = "Kept" THEN [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)]
+                           ELSE deadline
             /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, extLock,
-                           devFree, hostFree, queued, ring, ref, epoch, prot, deadline, envVars>>
+                           devFree, hostFree, queued, ring, ref, epoch, prot, envVars>>
             /\ Rec(<<"ToolEnd", s, e>>, IF phase[s] = "Released" THEN {} ELSE {n})
        ELSE IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
        THEN IF ~DevFits(C) \/ (BUG = "RingOverrun" /\ C # {} /\ Len(ring) >= Ring)
@@ -312,16 +336,18 @@ ToolEnd(s, e) ==
                   loads == IF C = {} THEN 0 ELSE 1
                   ready == \A m \in Path(n) : lk2[m] = NoNode
                   runnable == ready \/ BUG = "EarlyRunnable"
-                  pin == IF runnable THEN 0 ELSE 1
+                  \* the pin is held through the load and the hand-over alike
+                  pin == IF runnable /\ BUG = "EarlyRelease" THEN 0 ELSE 1
               IN
               /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
               /\ devFree' = devFree - Cardinality(C)
               /\ loadKey' = lk2
               /\ loadAcks' = [loadAcks EXCEPT ![n] = @ + loads]
               /\ lockRef' = Locked(lockRef, {n}, loads + pin)
-              /\ phase' = [phase EXCEPT ![s] = IF runnable THEN "Runnable" ELSE "Restoring"]
+              /\ phase' = [phase EXCEPT ![s] = IF runnable THEN "Handover" ELSE "Restoring"]
               /\ prot' = [prot EXCEPT ![s] = IF runnable THEN NoNode ELSE n]
               /\ hostRef' = [hostRef EXCEPT ![n] = IF runnable THEN @ - 1 ELSE @]
+              /\ deadline' = IF runnable THEN [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)] ELSE deadline
               \* load_back only enqueues; the DMA starts when a producer slot is taken (StartLoads,
               \* SysStart).  The RingOverrun mutant is the old code: start at once, in the request
               \* handler, checking only that the next slot is free.
@@ -331,8 +357,7 @@ ToolEnd(s, e) ==
                            /\ queued' = {}
                       ELSE /\ queued' = queued \cup {n}
                            /\ UNCHANGED ring
-              /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, deadline,
-                             envVars>>
+              /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, envVars>>
               /\ Rec(<<"ToolEnd", s, e>>, {n})
        ELSE IF BUG = "DoubleLoad" /\ phase[s] = "Restoring" /\ e = epoch[s] /\ loadKey[n] # NoNode
        THEN \* a retried tool_end issues a second load for a node whose load is still in flight
@@ -346,7 +371,9 @@ ToolEnd(s, e) ==
 
 \* loading_check acknowledged the H2D load with id k: the loaded nodes become readable, the
 \* load's path lock is dropped, and (manager hook) every restoring session whose whole path is
-\* now readable becomes Runnable, dropping its pin and its protection.
+\* now readable is handed over: its pin stays until its next request holds the path (Admit),
+\* its protection is returned (evict_host never frees a copy still on device, so the pin keeps
+\* the host copy too).
 LoadAck(k) ==
     /\ loadAcks[k] > 0
     /\ ~InFlight(k)
@@ -357,17 +384,20 @@ LoadAck(k) ==
            Done == {s \in Sessions : phase[s] = "Restoring" /\ Loaded(s)}
            \* an early restore that is readable now: Kept until its tool_end (EarlyKept: any ack)
            Warm == {s \in Sessions : phase[s] = "Prefetching" /\ (Loaded(s) \/ BUG = "EarlyKept")}
-           pins == [m \in Nodes |-> Cardinality({s \in Done : m \in Path(ref[s])})]
+           \* EarlyRelease (the old manager) drops the restoring session's pin here
+           pins == [m \in Nodes |-> IF BUG = "EarlyRelease" THEN Cardinality({s \in Done : m \in Path(ref[s])})
+                                   ELSE 0]
        IN
        /\ loadAcks' = la2
        /\ loadKey' = lk2
        /\ lockRef' = [m \in Nodes |-> lockRef[m] - Through(m, {k}) - pins[m]]
-       /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Runnable"
+       /\ phase' = [s \in Sessions |-> IF s \in Done THEN "Handover"
                                        ELSE IF s \in Warm THEN "Kept" ELSE phase[s]]
        /\ prot' = [s \in Sessions |-> IF s \in Done \cup Warm THEN NoNode ELSE prot[s]]
        /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in Done \cup Warm : prot[s] = m})]
+       /\ deadline' = [s \in Sessions |-> IF s \in Done THEN Min(now + TTL, MaxTime) ELSE deadline[s]]
        /\ UNCHANGED <<status, parent, dev, host, writeKey, extLock, devFree, hostFree,
-                      queued, ring, ref, epoch, deadline, envVars>>
+                      queued, ring, ref, epoch, envVars>>
        /\ Rec(<<"LoadAck", k>>, {ref[s] : s \in Done \cup Warm})
 
 \* The manager's tick starts the queued loads, only when no load at all is in flight: then the
@@ -396,7 +426,9 @@ TtlSweep ==
     /\ BUG # "NoTtl"
     /\ Due # {}
     /\ Released(Due)
-    /\ phase' = [s \in Sessions |-> IF s \in Due THEN "Expired" ELSE phase[s]]
+    \* an expired hand-over leaves the KV on the GPU, unpinned: the session is simply runnable
+    /\ phase' = [s \in Sessions |-> IF s \in Due THEN IF phase[s] = "Handover" THEN "Runnable" ELSE "Expired"
+                                    ELSE phase[s]]
     /\ epoch' = IF BUG = "EpochReuse" THEN [s \in Sessions |-> IF s \in Due THEN 0 ELSE epoch[s]]
                 ELSE epoch
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
@@ -467,6 +499,35 @@ Prefetch(s) ==
             /\ UNCHANGED ring
     /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, deadline, envVars>>
     /\ Rec(<<"Prefetch", s>>, {n})
+
+\* tool_start found the host short of free slots for the session's unbacked path, but HiCache can
+\* free enough unprotected host copies (HostFits): the manager has sglang's evict_host free one
+\* evictable host leaf m, as HostEvict would.  Repeated until ToolStart fits the free slots.
+HostRoom(s, m) ==
+    LET n == ref[s]
+        W == {x \in Path(n) : ~host[x]}
+    IN
+    /\ phase[s] = "Running" /\ n # NoNode /\ status[n] = "InTree" /\ epoch[s] < MaxEpoch
+    /\ HostShort(W) /\ HostFits(W)
+    /\ m \in HostEvictable /\ Kids(m) = {}
+    /\ status' = [status EXCEPT ![m] = "Gone"]
+    /\ host' = [host EXCEPT ![m] = FALSE]
+    /\ hostFree' = hostFree + 1
+    /\ UNCHANGED <<queued, ring, parent, dev, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
+                   sessVars, envVars>>
+    /\ Rec(<<"HostRoom", s, m>>, {})
+
+\* The session's next request is admitted (the scheduler's hook after PrefillAdder matched and
+\* locked its prefix): the request's own lock now holds the path, so the hand-over's pin goes.
+Admit(s) ==
+    LET n == ref[s] IN
+    /\ phase[s] = "Handover" /\ n # NoNode /\ PathValid(n) /\ ~extLock[n]
+    /\ extLock' = [extLock EXCEPT ![n] = TRUE]
+    /\ lockRef' = IF BUG = "EarlyRelease" THEN Locked(lockRef, {n}, 1) ELSE lockRef
+    /\ phase' = [phase EXCEPT ![s] = "Runnable"]
+    /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
+                   queued, ring, ref, epoch, prot, deadline, envVars>>
+    /\ Rec(<<"Admit", s>>, {n})
 
 \* The client closes the session (or it is dropped): release whatever it holds.
 Close(s) ==
@@ -632,6 +693,7 @@ Tick ==
 ManagerNext ==
     \/ \E s \in Sessions : ToolStart(s) \/ Close(s)
     \/ \E s \in Sessions : Keep(s) \/ LetGo(s) \/ Demote(s) \/ Prefetch(s)
+    \/ \E s \in Sessions, m \in Nodes : HostRoom(s, m)
     \/ \E s \in Sessions, e \in 0..MaxEpoch : ToolEnd(s, e)
     \/ \E k \in Nodes : WriteAck(k) \/ LoadAck(k)
     \/ TtlSweep
@@ -641,6 +703,7 @@ EnvNext ==
     \/ \E n \in Nodes : Lock(n) \/ Unlock(n) \/ GpuEvict(n) \/ HostEvict(n) \/ WriteThrough(n)
     \/ \E n, m \in Nodes : Split(n, m)
     \/ \E s \in Sessions, p \in Nodes \cup {Root}, n \in Nodes : Insert(s, p, n)
+    \/ \E s \in Sessions : Admit(s)
     \/ TreeReset
     \/ SysStart \/ RingDone
     \/ Tick
@@ -744,6 +807,10 @@ RingBounded ==
 \* restore is Kept only once its load is acknowledged.
 KeptIsResident == \A s \in Sessions : phase[s] = "Kept" => PathValid(ref[s])
 
+\* Hand-over: a session whose tool call is over keeps its whole path resident and readable until
+\* its next request holds it (EarlyRelease, the old manager, lets sglang evict it meanwhile).
+HandoverResident == \A s \in Sessions : phase[s] = "Handover" => PathValid(ref[s])
+
 \* Policy: a released (let go or demoted) session holds nothing that HiCache must respect.
 ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = NoNode
 
@@ -752,7 +819,15 @@ ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = N
 
 \* Caveat 7 (read side): a session becomes Runnable only when its whole path is readable.
 RunnableOnlyWhenLoaded ==
-    [][\A s \in Sessions : (phase'[s] = "Runnable" /\ phase[s] # "Runnable") => PathValid(ref[s])']_vars
+    [][\A s \in Sessions : (phase'[s] \in {"Runnable", "Handover"} /\ phase[s] \notin {"Runnable", "Handover"})
+                            => PathValid(ref[s])']_vars
+
+\* A tool_start is refused for host room only when sglang could not free enough for it either
+\* (RoomIgnored, the old rule, refuses while unprotected host copies could make the room).
+RefuseOnlyWhenFull ==
+    [][(act'[1] = "ToolStart" /\ phase[act'[2]] = "Running" /\ ref[act'[2]] # NoNode
+        /\ status[ref[act'[2]]] = "InTree" /\ epoch[act'[2]] < MaxEpoch /\ UNCHANGED core)
+       => Cardinality({m \in Path(ref[act'[2]]) : ~host[m]}) > hostFree + Cardinality(HostEvictable)]_vars
 
 \* A tool_end whose epoch is not the session's current one changes nothing.
 StaleEpochNoop ==
@@ -771,5 +846,8 @@ ProtectionReleased == \A s \in Sessions : prot[s] # NoNode ~> prot[s] = NoNode
 \* Policy: every session pin (kept, prefetching, restoring) is eventually released, whether or
 \* not the tool_end comes: an early restore never outlives its tool call.
 PinReleased == \A s \in Sessions : phase[s] \in Pinning ~> phase[s] \notin Pinning
+
+\* Every hand-over ends, whether or not the next request comes.
+HandoverEnds == \A s \in Sessions : phase[s] = "Handover" ~> phase[s] # "Handover"
 
 =============================================================================
