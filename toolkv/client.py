@@ -2,15 +2,33 @@
 
 Errors come back as the same exception classes the server raises (``toolkv.errors``), rebuilt
 from the response's ``error`` code, so agent code can ``except StaleEpoch`` on either side of the
-wire. This module imports neither torch nor sglang: agents install toolkv without the server.
+wire; a request that got no HTTP answer at all raises :class:`TransportError` (never a raw
+``httpx`` exception). This module imports neither torch nor sglang: agents install toolkv
+without the server.
+
+Two rules shape the retries (:class:`RetryPolicy`):
+
+* **Idempotent by epoch.** A call whose reply was lost may be sent again. ``tool_start`` carries
+  the epoch the client last saw (``prior_epoch``); the server answers a re-sent one that it has
+  already applied with the session's record (``replayed``) instead of ``wrong_state``. A re-sent
+  ``tool_end`` or ``close`` that the server refuses as ``wrong_state`` is checked against
+  ``kv_meta``: if the session shows the call's effect at the same epoch, that record is the answer.
+* **Never retry what only delays the next turn.** ``tool_end`` is not retried by default, and no
+  refusal is (``device_memory_full`` 503: sglang's own load-back serves the next request;
+  ``host_memory_full`` 507: the session simply stays on the GPU). Only the outcome-unknown
+  failures of ``tool_start``, ``kv_meta`` and ``close`` are (no answer, 504, toolkv starting).
+
+:meth:`ToolKVClient.tool_call` wraps one tool call and never raises on a refusal: the agent's
+turn goes on whatever toolkv answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -24,15 +42,21 @@ __all__ = [
     "AsyncToolKVClient",
     "HTTPFailure",
     "KVMeta",
+    "NoReply",
     "RetryPolicy",
     "SchedulerTimeout",
     "ServerMeta",
+    "ServerUnreachable",
+    "ToolCall",
     "ToolKVClient",
     "ToolKVNotRunning",
     "ToolKVUnavailable",
+    "TransportError",
     "Unauthorized",
     "error_from_response",
 ]
+
+log = logging.getLogger("toolkv.client")
 
 
 class Unauthorized(errors.ToolKVError):
@@ -76,12 +100,81 @@ _BY_CODE: dict[str, type[errors.ToolKVError]] = {
 }
 
 
-def _start_body(session_id: str, tool: str | None, expected_s: float | None) -> dict[str, Any]:
+class TransportError(errors.ToolKVError):
+    """No HTTP answer came back (``http_status`` 0). ``applied_unknown`` says whether the server
+    may have applied the call: False when the request never left (connection refused), True when
+    it was sent and the answer was lost (timeout, dropped connection). The ``httpx`` exception is
+    the ``__cause__``."""
+
+    http_status = 0
+    code = "transport_error"
+    applied_unknown = True
+
+
+class ServerUnreachable(TransportError):
+    """The request never reached the server (connection refused, DNS, connect timeout, no
+    connection free in the pool): nothing changed there."""
+
+    code = "server_unreachable"
+    applied_unknown = False
+
+
+class NoReply(TransportError):
+    """The request was sent but no complete answer came back within ``timeout_s`` (or the
+    connection dropped): the call may have been applied. Check ``kv_meta``, or send it again:
+    every call is idempotent by epoch."""
+
+    code = "no_reply"
+
+
+_NOT_SENT: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.UnsupportedProtocol,
+    httpx.ProxyError,
+)
+
+
+def transport_error(exc: Exception, what: str) -> TransportError:
+    """The typed error for an ``httpx`` failure without a response (``what``: the call)."""
+    if isinstance(exc, _NOT_SENT):
+        err: TransportError = ServerUnreachable(f"{what}: server not reachable ({type(exc).__name__}: {exc})")
+    else:
+        err = NoReply(f"{what}: no answer ({type(exc).__name__}: {exc}); it may have been applied")
+    err.__cause__ = exc
+    return err
+
+
+# A tool call waiting for its tool_end: what a tool_start leads to.
+OPEN_CALL = frozenset({"Offloading", "Offloaded", "Kept", "Prefetching", "Released"})
+# Where no tool_end was applied at the session's epoch (a tool_end there is refused).
+_NOT_ENDED = OPEN_CALL | {"New", "Expired", "Lost", "Closed"}
+_MUTATING = frozenset({"tool_start", "tool_end", "close"})
+ALL_OPS = frozenset({"tool_start", "tool_end", "kv_meta", "close"})
+# Refusal codes: an answer about the session, not a fault; the tool_call helper logs them at DEBUG.
+REFUSALS = frozenset(
+    {
+        errors.UnknownSession.code,
+        errors.StaleEpoch.code,
+        errors.WrongState.code,
+        errors.SessionKVLost.code,
+        errors.HostMemoryFull.code,
+        errors.DeviceMemoryFull.code,
+    }
+)
+
+
+def _start_body(
+    session_id: str, tool: str | None, expected_s: float | None, prior_epoch: int | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {"session_id": session_id}
     if tool is not None:
         body["tool"] = tool
     if expected_s is not None:
         body["expected_s"] = expected_s
+    if prior_epoch is not None:
+        body["prior_epoch"] = prior_epoch
     return body
 
 
@@ -118,6 +211,11 @@ class KVMeta:
             host_tokens=int(d.get("host_tokens") or 0),
             extra={k: v for k, v in d.items() if k not in known},
         )
+
+    @property
+    def replayed(self) -> bool:
+        """The server recognised a re-sent call it had already applied and changed nothing."""
+        return bool(self.extra.get("replayed", False))
 
 
 @dataclass(frozen=True)
@@ -191,45 +289,78 @@ def error_from_response(r: httpx.Response) -> errors.ToolKVError:
     return err
 
 
-RETRY_STATUSES = frozenset({503, 504})
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of 503 (device memory full right now, toolkv still starting, an overloaded proxy)
-    and 504 (the scheduler did not answer in time), with bounded exponential backoff.
+    """Which failures the client sends again, and how long it waits in between.
 
-    Waits ``backoff_s * 2**attempt`` seconds, or the server's ``Retry-After`` when it sends one,
-    never more than ``max_backoff_s``; at most ``retries`` retries, so the worst case wait is
-    bounded. After a 504 the operation may have been applied: the client reads ``kv_meta`` first
-    and returns that if it shows the operation's effect, instead of sending it again."""
+    Retried, for the operations in ``ops`` only: failures whose outcome is unknown or transient,
+    i.e. no answer (:class:`TransportError`), 504 (the scheduler did not answer in time), 503
+    ``toolkv_unavailable`` (toolkv still starting) and a proxy's 502/503. A refusal (a 4xx,
+    ``device_memory_full``, ``host_memory_full``) is an answer and is not retried unless its code
+    is in ``refusals``.
 
-    retries: int = 3
-    backoff_s: float = 0.25
-    max_backoff_s: float = 4.0
+    The default leaves ``tool_end`` out of ``ops`` because a retried ``tool_end`` only delays the
+    agent's next turn: when it fails, the next request restores the session on arrival
+    (``TOOLKV_RESTORE_ON_REQUEST``) or sglang's own load-back serves its prefix. Waits
+    ``backoff_s * 2**attempt`` seconds, or the server's ``Retry-After``, never more than
+    ``max_backoff_s``; at most ``retries`` retries. Before re-sending a call whose outcome is
+    unknown, the client reads ``kv_meta`` and returns it when it already shows the call's effect."""
+
+    retries: int = 2
+    backoff_s: float = 0.1
+    max_backoff_s: float = 1.0
+    ops: frozenset[str] = frozenset({"tool_start", "kv_meta", "close"})
+    refusals: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.retries < 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError("retries and backoff must be >= 0")
+        unknown = set(self.ops) - ALL_OPS
+        if unknown:
+            raise ValueError(f"unknown operation(s) {sorted(unknown)}; known: {sorted(ALL_OPS)}")
 
-    def delay(self, attempt: int, response: httpx.Response) -> float:
+    def delay(self, attempt: int, response: httpx.Response | None = None) -> float:
         wait: float = self.backoff_s * float(2**attempt)
-        after = response.headers.get("retry-after")
+        after = None if response is None else response.headers.get("retry-after")
         if after is not None:
             with contextlib.suppress(ValueError):
                 wait = float(after)
         return max(0.0, min(wait, self.max_backoff_s))
 
+    def retries_on(self, op: str, err: errors.ToolKVError) -> bool:
+        """Whether ``err`` from ``op`` is worth sending again under this policy."""
+        if op not in self.ops:
+            return False
+        if err.code in self.refusals:
+            return True
+        if isinstance(err, (TransportError, SchedulerTimeout)):
+            return True
+        if isinstance(err, ToolKVNotRunning):  # the route does not exist: a retry cannot help
+            return False
+        if isinstance(err, ToolKVUnavailable):
+            return True
+        return isinstance(err, HTTPFailure) and err.http_status in (502, 503)
+
 
 NO_RETRY = RetryPolicy(retries=0)
 
 
-def _applied(op: str, meta: KVMeta, epoch: int | None) -> bool:
-    """Does ``kv_meta`` show that ``op`` took effect (after a 504, which does not say)?"""
+def _outcome_unknown(err: errors.ToolKVError) -> bool:
+    return isinstance(err, SchedulerTimeout) or (isinstance(err, TransportError) and err.applied_unknown)
+
+
+def _applied(op: str, meta: KVMeta, epoch: int | None, prior: int | None = None) -> bool:
+    """Does ``kv_meta`` show that ``op`` took effect (after an answer that does not say)?
+
+    ``tool_start``: the session is in a tool call, at the epoch after ``prior`` when the client
+    knew it. ``tool_end``: the call of ``epoch`` is over (whatever phase follows: Restoring,
+    Runnable, the next turn's Running, ...). ``close``: Closed."""
     if op == "tool_start":
-        return meta.state in ("Offloading", "Offloaded")
+        if prior is None:
+            return meta.state in OPEN_CALL
+        return meta.epoch == prior + 1 and meta.state not in ("New", "Running", "Closed")
     if op == "tool_end":
-        return meta.epoch == epoch and meta.state in ("Restoring", "Runnable", "Running")
+        return meta.epoch == epoch and meta.state not in _NOT_ENDED
     if op == "close":
         return meta.state == "Closed"
     return False
@@ -239,17 +370,109 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _meta(r: httpx.Response) -> KVMeta:
-    if r.status_code != 200:
-        raise error_from_response(r)
-    return KVMeta.from_json(r.json())
+def _body(r: httpx.Response) -> dict[str, Any]:
+    """A 200's JSON object; a success without one (a proxy's page) is an :class:`HTTPFailure`."""
+    try:
+        data = r.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        err = HTTPFailure(f"HTTP {r.status_code} without toolkv's JSON body: {r.text[:200]!r}")
+        err.http_status = r.status_code
+        raise err
+    return data
 
 
-class ToolKVClient:
+def _as_meta(data: dict[str, Any]) -> KVMeta:
+    try:
+        return KVMeta.from_json(data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise HTTPFailure(f"the answer is not a session record ({type(e).__name__}: {e})") from None
+
+
+class _Plan:
+    """The retry logic of one call, shared by the sync and the async client (they differ only in
+    how they send, sleep and probe). ``prior`` is tool_start's ``prior_epoch``."""
+
+    def __init__(self, client: _Base, op: str, session_id: str | None, epoch: int | None) -> None:
+        self.client, self.op, self.session_id, self.epoch = client, op, session_id, epoch
+        self.prior = client._epochs.get(session_id) if op == "tool_start" and session_id else None
+        self.attempt = 0
+        self.resent = False
+
+    def body(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        if body is not None and self.op == "tool_start" and self.prior is not None:
+            return {**body, "prior_epoch": self.prior}
+        return body
+
+    def must_probe(self, err: errors.ToolKVError) -> bool:
+        """Read kv_meta before deciding: the outcome is unknown, or a re-sent call was refused
+        as wrong_state (its first attempt may be what moved the session)."""
+        if self.op not in _MUTATING or self.session_id is None or self.op not in self.client.retry.ops:
+            return False  # not re-sent under this policy: one more round trip would only delay
+        return _outcome_unknown(err) or (self.resent and isinstance(err, errors.WrongState))
+
+    def settled(self, meta: KVMeta | None) -> bool:
+        """After a probe: True when ``meta`` shows the call applied (it is the answer)."""
+        if meta is None:
+            return False
+        if _applied(self.op, meta, self.epoch, self.prior):
+            return True
+        if self.op == "tool_start" and meta.state == "Running":
+            self.prior = meta.epoch  # a re-send carries it: the server recognises it if the first lands
+        return False
+
+    def again(self, err: errors.ToolKVError) -> bool:
+        if self.attempt >= self.client.retry.retries or not self.client.retry.retries_on(self.op, err):
+            return False
+        return not (self.resent and isinstance(err, errors.WrongState))
+
+
+class _Base:
+    retry: RetryPolicy
+    _epochs: dict[str, int]
+
+    def _note(self, data: dict[str, Any]) -> None:
+        """Remember the latest epoch per session (tool_start's ``prior_epoch``)."""
+        sid, epoch = data.get("session_id"), data.get("epoch")
+        if isinstance(sid, str) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            if data.get("state") == "Closed":
+                self._epochs.pop(sid, None)
+            else:
+                self._epochs[sid] = epoch
+
+
+@dataclass
+class ToolCall:
+    """One tool call under :meth:`ToolKVClient.tool_call`: what toolkv answered, for the record.
+
+    ``start`` is tool_start's answer (None when it was refused or failed: the KV then stays where
+    sglang keeps it), ``end`` tool_end's (None when refused or failed: the next request restores
+    the session, or sglang reloads its prefix), ``failures`` every error swallowed on the way."""
+
+    session_id: str
+    tool: str | None = None
+    start: KVMeta | None = None
+    end: KVMeta | None = None
+    failures: list[errors.ToolKVError] = field(default_factory=list)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.start is not None and self.start.state in ("Offloading", "Offloaded")
+
+    def _failed(self, op: str, err: errors.ToolKVError) -> None:
+        self.failures.append(err)
+        level = logging.DEBUG if err.code in REFUSALS else logging.WARNING
+        log.log(
+            level, "toolkv %s for session %s: %s (%s); the agent goes on", op, self.session_id, err.code, err
+        )
+
+
+class ToolKVClient(_Base):
     """Blocking client. ``base_url`` is the sglang server (e.g. ``http://127.0.0.1:30000``).
 
-    503 and 504 answers are retried under ``retry`` (see :class:`RetryPolicy`); ``sleep`` is how
-    the client waits between attempts."""
+    Failures are retried under ``retry`` (see :class:`RetryPolicy`); ``sleep`` is how the client
+    waits between attempts. Every error is a :class:`toolkv.errors.ToolKVError`."""
 
     def __init__(
         self,
@@ -266,55 +489,111 @@ class ToolKVClient:
         )
         self.retry = retry or RetryPolicy()
         self._sleep = sleep
+        self._epochs = {}
 
-    def _send(
-        self, method: str, path: str, op: str, *, session_id: str | None = None, **kw: Any
-    ) -> httpx.Response:
-        epoch = (kw.get("json") or {}).get("epoch")
-        for attempt in range(self.retry.retries + 1):
-            r = self._http.request(method, path, **kw)
-            if r.status_code not in RETRY_STATUSES or attempt == self.retry.retries:
-                return r
-            self._sleep(self.retry.delay(attempt, r))
-            if r.status_code == 504 and session_id is not None and op != "kv_meta":
-                probe = self._http.get("/session/kv_meta", params={"session_id": session_id})
-                if probe.status_code == 200 and _applied(op, KVMeta.from_json(probe.json()), epoch):
-                    return probe
-        raise AssertionError("unreachable")
+    def _once(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise transport_error(e, f"{method} {path}") from e
+
+    def _probe(self, session_id: str) -> KVMeta | None:
+        """One kv_meta read, no retry; None when it fails (the caller's error stands)."""
+        try:
+            r = self._once("GET", "/session/kv_meta", params={"session_id": session_id})
+            return _as_meta(_body(r)) if r.status_code == 200 else None
+        except errors.ToolKVError:
+            return None
+
+    def _call(
+        self,
+        op: str,
+        method: str,
+        path: str,
+        *,
+        session_id: str | None = None,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"))
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = self._once(method, path, json=plan.body(body), params=params)
+                if response.status_code == 200:
+                    data = _body(response)
+                    self._note(data)
+                    return data
+                err = error_from_response(response)
+            except errors.ToolKVError as e:
+                err = e
+            if plan.must_probe(err) and session_id is not None:
+                meta = self._probe(session_id)
+                if plan.settled(meta):
+                    assert meta is not None
+                    data = {**meta.extra, **_meta_json(meta)}
+                    self._note(data)
+                    return data
+            if not plan.again(err):
+                raise err
+            self._sleep(self.retry.delay(plan.attempt, response))
+            plan.attempt += 1
+            plan.resent = plan.resent or op in _MUTATING
 
     def tool_start(
         self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
     ) -> KVMeta:
         """Offload the session's KV while a tool runs; keep ``.epoch`` for :meth:`tool_end`. ``tool``
-        and ``expected_s`` are optional hints for the server's per-call policy."""
-        return _meta(
-            self._send("POST", "/session/tool_start", "tool_start", session_id=session_id,
-                       json=_start_body(session_id, tool, expected_s))
+        and ``expected_s`` are optional hints for the server's per-call policy. Sends the epoch
+        this client last saw for the session, so a re-send is recognised (``.replayed``)."""
+        return _as_meta(
+            self._call("tool_start", "POST", "/session/tool_start", session_id=session_id,
+                       body=_start_body(session_id, tool, expected_s))
         )  # fmt: skip
 
     def tool_end(self, session_id: str, epoch: int) -> KVMeta:
-        """Restore the session's KV. ``DeviceMemoryFull`` (503) is retried; if it persists the
-        session stays offloaded and its next request restores it."""
-        return _meta(
-            self._send("POST", "/session/tool_end", "tool_end", session_id=session_id,
-                       json={"session_id": session_id, "epoch": epoch})
+        """Restore the session's KV. Not retried by default: ``DeviceMemoryFull`` means the
+        session stays offloaded and its next request restores it (sglang loads it back)."""
+        return _as_meta(
+            self._call("tool_end", "POST", "/session/tool_end", session_id=session_id,
+                       body={"session_id": session_id, "epoch": epoch})
         )  # fmt: skip
 
     def kv_meta(self, session_id: str) -> KVMeta:
-        return _meta(self._send("GET", "/session/kv_meta", "kv_meta", params={"session_id": session_id}))
+        return _as_meta(self._call("kv_meta", "GET", "/session/kv_meta", params={"session_id": session_id}))
 
     def server_meta(self) -> ServerMeta:
-        r = self._send("GET", "/session/kv_meta", "kv_meta")
-        if r.status_code != 200:
-            raise error_from_response(r)
-        return ServerMeta.from_json(r.json())
+        return ServerMeta.from_json(self._call("kv_meta", "GET", "/session/kv_meta"))
 
     def close_session(self, session_id: str) -> KVMeta:
-        return _meta(
-            self._send(
-                "POST", "/session/close", "close", session_id=session_id, json={"session_id": session_id}
-            )
-        )
+        return _as_meta(
+            self._call("close", "POST", "/session/close", session_id=session_id,
+                       body={"session_id": session_id})
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def tool_call(
+        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+    ) -> Iterator[ToolCall]:
+        """``with kv.tool_call(sid, tool="search") as call: result = run_tool()``.
+
+        tool_start before the block, tool_end after it (also when the block raises: the KV
+        comes back for the turn that reports the error). Never raises a toolkv error: a refusal
+        or a failure of either call is logged and kept in ``call.failures``, and the agent's turn
+        goes on exactly as it would without toolkv. Exceptions of the block itself propagate."""
+        call = ToolCall(session_id, tool)
+        try:
+            call.start = self.tool_start(session_id, tool=tool, expected_s=expected_s)
+        except errors.ToolKVError as e:
+            call._failed("tool_start", e)
+        try:
+            yield call
+        finally:
+            if call.start is not None:
+                try:
+                    call.end = self.tool_end(session_id, call.start.epoch)
+                except errors.ToolKVError as e:
+                    call._failed("tool_end", e)
 
     def close(self) -> None:
         self._http.close()
@@ -328,8 +607,12 @@ class ToolKVClient:
         self.close()
 
 
-class AsyncToolKVClient:
-    """The asyncio twin of :class:`ToolKVClient` (same retries)."""
+def _meta_json(meta: KVMeta) -> dict[str, Any]:
+    return {k: getattr(meta, k) for k in KVMeta.__dataclass_fields__ if k != "extra"}
+
+
+class AsyncToolKVClient(_Base):
+    """The asyncio twin of :class:`ToolKVClient` (same retries, same ``tool_call``)."""
 
     def __init__(
         self,
@@ -346,52 +629,102 @@ class AsyncToolKVClient:
         )
         self.retry = retry or RetryPolicy()
         self._sleep = sleep
+        self._epochs = {}
 
-    async def _send(
-        self, method: str, path: str, op: str, *, session_id: str | None = None, **kw: Any
-    ) -> httpx.Response:
-        epoch = (kw.get("json") or {}).get("epoch")
-        for attempt in range(self.retry.retries + 1):
-            r = await self._http.request(method, path, **kw)
-            if r.status_code not in RETRY_STATUSES or attempt == self.retry.retries:
-                return r
-            await self._sleep(self.retry.delay(attempt, r))
-            if r.status_code == 504 and session_id is not None and op != "kv_meta":
-                probe = await self._http.get("/session/kv_meta", params={"session_id": session_id})
-                if probe.status_code == 200 and _applied(op, KVMeta.from_json(probe.json()), epoch):
-                    return probe
-        raise AssertionError("unreachable")
+    async def _once(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise transport_error(e, f"{method} {path}") from e
+
+    async def _probe(self, session_id: str) -> KVMeta | None:
+        try:
+            r = await self._once("GET", "/session/kv_meta", params={"session_id": session_id})
+            return _as_meta(_body(r)) if r.status_code == 200 else None
+        except errors.ToolKVError:
+            return None
+
+    async def _call(
+        self,
+        op: str,
+        method: str,
+        path: str,
+        *,
+        session_id: str | None = None,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"))
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = await self._once(method, path, json=plan.body(body), params=params)
+                if response.status_code == 200:
+                    data = _body(response)
+                    self._note(data)
+                    return data
+                err = error_from_response(response)
+            except errors.ToolKVError as e:
+                err = e
+            if plan.must_probe(err) and session_id is not None:
+                meta = await self._probe(session_id)
+                if plan.settled(meta):
+                    assert meta is not None
+                    data = {**meta.extra, **_meta_json(meta)}
+                    self._note(data)
+                    return data
+            if not plan.again(err):
+                raise err
+            await self._sleep(self.retry.delay(plan.attempt, response))
+            plan.attempt += 1
+            plan.resent = plan.resent or op in _MUTATING
 
     async def tool_start(
         self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
     ) -> KVMeta:
-        return _meta(
-            await self._send("POST", "/session/tool_start", "tool_start", session_id=session_id,
-                             json=_start_body(session_id, tool, expected_s))
+        return _as_meta(
+            await self._call("tool_start", "POST", "/session/tool_start", session_id=session_id,
+                             body=_start_body(session_id, tool, expected_s))
         )  # fmt: skip
 
     async def tool_end(self, session_id: str, epoch: int) -> KVMeta:
-        return _meta(
-            await self._send("POST", "/session/tool_end", "tool_end", session_id=session_id,
-                             json={"session_id": session_id, "epoch": epoch})
+        return _as_meta(
+            await self._call("tool_end", "POST", "/session/tool_end", session_id=session_id,
+                             body={"session_id": session_id, "epoch": epoch})
         )  # fmt: skip
 
     async def kv_meta(self, session_id: str) -> KVMeta:
-        return _meta(
-            await self._send("GET", "/session/kv_meta", "kv_meta", params={"session_id": session_id})
+        return _as_meta(
+            await self._call("kv_meta", "GET", "/session/kv_meta", params={"session_id": session_id})
         )
 
     async def server_meta(self) -> ServerMeta:
-        r = await self._send("GET", "/session/kv_meta", "kv_meta")
-        if r.status_code != 200:
-            raise error_from_response(r)
-        return ServerMeta.from_json(r.json())
+        return ServerMeta.from_json(await self._call("kv_meta", "GET", "/session/kv_meta"))
 
     async def close_session(self, session_id: str) -> KVMeta:
-        return _meta(
-            await self._send("POST", "/session/close", "close", session_id=session_id,
-                             json={"session_id": session_id})
+        return _as_meta(
+            await self._call("close", "POST", "/session/close", session_id=session_id,
+                             body={"session_id": session_id})
         )  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def tool_call(
+        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+    ) -> AsyncIterator[ToolCall]:
+        """``async with kv.tool_call(sid, tool=...) as call:`` (see :meth:`ToolKVClient.tool_call`)."""
+        call = ToolCall(session_id, tool)
+        try:
+            call.start = await self.tool_start(session_id, tool=tool, expected_s=expected_s)
+        except errors.ToolKVError as e:
+            call._failed("tool_start", e)
+        try:
+            yield call
+        finally:
+            if call.start is not None:
+                try:
+                    call.end = await self.tool_end(session_id, call.start.epoch)
+                except errors.ToolKVError as e:
+                    call._failed("tool_end", e)
 
     async def aclose(self) -> None:
         await self._http.aclose()
