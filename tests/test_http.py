@@ -439,8 +439,19 @@ def _hogged(srv: Server) -> Any:
     return hog
 
 
+# Retrying tool_end's device_memory_full only delays the next turn (sglang's load-back serves it),
+# so the default never does; a client that wants it opts in (tests/test_client_calls.py: the default).
+RETRY_DEVICE_FULL = dict(
+    retries=3,
+    backoff_s=0.25,
+    max_backoff_s=4.0,
+    ops=frozenset({"tool_end"}),
+    refusals=frozenset({"device_memory_full"}),
+)
+
+
 def test_client_retries_503_with_backoff_until_memory_frees(srv: Server) -> None:
-    from toolkv.client import ToolKVClient
+    from toolkv.client import RetryPolicy, ToolKVClient
 
     hog = _hogged(srv)
     slept: list[float] = []
@@ -450,7 +461,9 @@ def test_client_retries_503_with_backoff_until_memory_frees(srv: Server) -> None
         srv.h.allocator.free(hog)
 
     tc = TestClient(build_app(LoopbackChannel(srv.tk)))
-    with ToolKVClient("http://t", transport=tc._transport, sleep=sleep) as c:
+    with ToolKVClient(
+        "http://t", transport=tc._transport, sleep=sleep, retry=RetryPolicy(**RETRY_DEVICE_FULL)
+    ) as c:
         assert c.tool_end("s1", 1).state == "Restoring"
     assert slept == [0.25]
 
@@ -464,7 +477,9 @@ def test_client_retries_are_bounded_then_raise(srv: Server) -> None:
     before = srv.snapshot()
     tc = TestClient(build_app(LoopbackChannel(srv.tk)))
     with (
-        ToolKVClient("http://t", transport=tc._transport, sleep=slept.append) as c,
+        ToolKVClient(
+            "http://t", transport=tc._transport, sleep=slept.append, retry=RetryPolicy(**RETRY_DEVICE_FULL)
+        ) as c,
         pytest.raises(DeviceMemoryFull) as ei,
     ):
         c.tool_end("s1", 1)
@@ -502,7 +517,7 @@ def test_client_reconciles_a_504_through_kv_meta_instead_of_resending(srv: Serve
 
 
 def test_async_client_retries_too(srv: Server) -> None:
-    from toolkv.client import AsyncToolKVClient
+    from toolkv.client import AsyncToolKVClient, RetryPolicy
 
     hog = _hogged(srv)
     slept: list[float] = []
@@ -513,7 +528,12 @@ def test_async_client_retries_too(srv: Server) -> None:
 
     async def run() -> str:
         app = build_app(LoopbackChannel(srv.tk))
-        async with AsyncToolKVClient("http://t", transport=httpx.ASGITransport(app=app), sleep=sleep) as c:
+        async with AsyncToolKVClient(
+            "http://t",
+            transport=httpx.ASGITransport(app=app),
+            sleep=sleep,
+            retry=RetryPolicy(**RETRY_DEVICE_FULL),
+        ) as c:
             return (await c.tool_end("s1", 1)).state
 
     assert asyncio.run(run()) == "Restoring" and slept == [0.25]

@@ -2,7 +2,8 @@
 
 Routes (added to sglang's own FastAPI ``app``, so sglang's API-key middleware covers them):
 
-* ``POST /session/tool_start`` ``{"session_id"}`` -> session kv_meta (with the new ``epoch``)
+* ``POST /session/tool_start`` ``{"session_id"[, "tool", "expected_s", "prior_epoch"]}`` -> session
+  kv_meta (with the new ``epoch``; ``replayed`` when ``prior_epoch`` shows it was already applied)
 * ``POST /session/tool_end`` ``{"session_id", "epoch"}`` -> session kv_meta
 * ``GET /session/kv_meta[?session_id=]`` -> one session, or server-wide metrics
 * ``POST /session/close`` ``{"session_id"}`` -> session kv_meta (releases everything it holds)
@@ -60,6 +61,13 @@ class ToolStartBody(BaseModel):
         ge=0,
         allow_inf_nan=False,
         description="The client's own estimate of the tool's duration",
+    )
+    prior_epoch: int | None = Field(
+        default=None,
+        ge=0,
+        description="The session's epoch the client last saw (optional). A tool_start already applied "
+        "since then (its reply was lost) is answered with the session's record, marked replayed, "
+        "instead of 409 wrong_state",
     )
 
 

@@ -24,6 +24,7 @@ from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.metrics import ToolKVMetrics
 from toolkv.sglang.observe import DecisionLog
+from toolkv.sglang.replay import prior_epoch, replayed_tool_start
 from toolkv.sglang.sizing import host_pool, kv_bytes_per_token
 from toolkv.sglang.startup import SUPPORTED, flag_reasons, installed_sglang_version
 from toolkv.sglang.tp import AgreedClock
@@ -296,7 +297,12 @@ class SchedulerToolKV:
         m = self.manager
         if op == "tool_start":
             tool, expected = body.get("tool"), body.get("expected_s")
-            return _jsonable(m.tool_start(_need_str(body, "session_id"), tool=tool, expected_s=expected))
+            sid = _need_str(body, "session_id")
+            # a re-sent tool_start already applied: its record, unchanged (logged as skipped)
+            replay = replayed_tool_start(m, sid, prior_epoch(body))
+            if replay is not None:
+                return _jsonable(replay)
+            return _jsonable(m.tool_start(sid, tool=tool, expected_s=expected))
         if op == "tool_end":
             sid = _need_str(body, "session_id")
             return _jsonable(m.tool_end(sid, body.get("epoch")))  # type: ignore[arg-type]
