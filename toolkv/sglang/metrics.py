@@ -15,7 +15,8 @@ value store when first imported, and must not do so before ``PROMETHEUS_MULTIPRO
 
 Names (documented in docs/operations.md, "Metrics"):
 
-* ``toolkv:sessions{state}`` gauge: tracked sessions by lifecycle state
+* ``toolkv:sessions{state}`` gauge: tracked sessions by lifecycle state, one sample per phase of
+  ``toolkv.core.lifecycle.SESSION_STATES`` (0 when no session is in it)
 * ``toolkv:protected_tokens`` gauge: tokens toolkv holds now (protected host copies; pinned or
   shadowed tokens on a plain RadixCache)
 * ``toolkv:host_used_tokens``, ``toolkv:host_total_tokens`` gauges: HiCache's host pool
@@ -35,6 +36,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from toolkv.core.lifecycle import SESSION_STATES
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 38, 2))  # 64 KiB .. 128 GiB
 GAUGES = (
@@ -45,7 +48,8 @@ GAUGES = (
     "device_evictable_tokens",
     "device_locked_tokens",
 )
-STATES = ("New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost")
+# Every phase of the lifecycle table, read from it (a phase added there is exported at once).
+STATES: tuple[str, ...] = SESSION_STATES
 
 
 class ToolKVMetrics:
@@ -60,6 +64,8 @@ class ToolKVMetrics:
         self.refresh_s = refresh_s
         self._next_refresh = 0.0
         self._seen_counters: dict[str, int] = {}
+        # every state label ever set: a count that falls to zero must be set to 0, not left behind
+        self._seen_states: set[str] = set(STATES)
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return Gauge(
@@ -119,7 +125,9 @@ class ToolKVMetrics:
         """Set the gauges and advance the counters from a server-wide ``kv_meta``."""
         self._next_refresh = time.monotonic() + self.refresh_s
         states: Mapping[str, int] = meta.get("states", {})
-        for state in sorted(set(STATES) | set(states)):
+        # kv_meta counts only the phases some session is in now: every other phase is 0
+        self._seen_states.update(states)
+        for state in sorted(self._seen_states):
             self.sessions.labels(**self.labels, state=state).set(int(states.get(state, 0)))
         held = sum(int(meta.get(k) or 0) for k in ("protected_tokens", "pinned_tokens", "host_tokens"))
         values = {"protected_tokens": held}
