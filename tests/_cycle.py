@@ -14,7 +14,9 @@ def turn(
     h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int], *, ack_writes: bool = False
 ) -> torch.Tensor:
     """A turn of ``sid`` finishes (its KV lands in the tree, reusing a cached prefix); returns its
-    KV. ``ack_writes``: HiCache's own write-through of it is acknowledged too."""
+    KV. ``ack_writes``: HiCache's own write-through of it is acknowledged too. The request is
+    admitted first, as sglang's scheduler does (it ends a hand-over: spec ``Admit``)."""
+    m.admitted(sid)
     assert h.run_request(tokens)
     m.record_turn(sid, tokens)
     if ack_writes:

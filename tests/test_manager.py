@@ -81,7 +81,8 @@ def test_full_cycle_restores_identical_bytes_and_returns_everything(hh: CacheHar
     step(h, m, 3)
     assert m.kv_meta("a")["state"] == "Restoring", "not runnable before the load ack"
     step(h, m, 4, loads=True)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover", "pinned until the next request holds the path"
+    assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv_a)
 
     m.close("a")
@@ -158,7 +159,7 @@ def test_restore_without_device_memory_stays_offloaded_and_protected(hh: CacheHa
     h.allocator.free(hog)
     assert m.tool_end("a", 1)["state"] == "Restoring"  # the retry works
     step(h, m, 2, loads=True)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover"
     m.close("a")
     h.drain()
     assert h.accounting() == initial
@@ -234,7 +235,7 @@ def test_split_keeps_the_protected_leaf(hh: CacheHarness) -> None:
     h.match(a[:32])  # a diverging request splits a's node; the leaf object keeps the suffix
     m.tool_end("a", 1)
     step(h, m, 2, loads=True)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
     m.close("a")
     h.drain()
@@ -265,7 +266,10 @@ def test_pin_backend_on_plain_radix_cache(page_size: int) -> None:
         turn(h, m, "b", list(range(500, 564)))
         with pytest.raises(HostMemoryFull):
             m.tool_start("b")  # 64 + 64 > budget 100
-        assert m.tool_end("a", 1)["state"] == "Runnable"
+        assert m.tool_end("a", 1)["state"] == "Handover"
+        h.evict_device(10**6)  # b's turn goes; a's path is pinned until its next request
+        assert h.match(list(range(1, 65))).device_indices.numel() == 64, "the hand-over keeps the pin"
+        assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
         m.close("a")
         m.close("b")
         h.evict_device(10**6)
@@ -287,7 +291,7 @@ def test_shadow_backend_frees_gpu_and_reinserts_identical_bytes(page_size: int) 
         assert h.allocator.available_size() - free0 == 32, "a's exclusive branch left the GPU"
         assert h.match(a).device_indices.numel() == 32
         h.scribble_unreferenced()
-        assert m.tool_end("a", 1)["state"] == "Runnable"
+        assert m.tool_end("a", 1)["state"] == "Handover"
         assert torch.equal(h.device_kv(h.match(a).device_indices), kv_a)
         m.close("a")
         m.close("b")

@@ -71,7 +71,9 @@ def test_a_short_tool_is_kept_on_the_gpu_under_one_lock(h: CacheHarness) -> None
         m.tool_end("a", 0)
     assert m.kv_meta("a")["state"] == "Kept" and locks_on(h, a) == [1]
     m.set_clock(0.2)
-    assert m.tool_end("a", 1)["state"] == "Runnable"
+    assert m.tool_end("a", 1)["state"] == "Handover"
+    assert locks_on(h, a) == [1], "still pinned: the next request has not been admitted yet"
+    assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
     assert locks_on(h, a) == [0]
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
     assert m.durations.count("grep") == 1 and m.counters["decision_keep"] == 1
@@ -119,7 +121,7 @@ def test_a_long_tool_is_offloaded_and_restored_early(h: CacheHarness) -> None:
     assert meta["state"] == "Kept" and meta["protected"] is False and meta["device_tokens"] == 300
     assert locks_on(h, a)[-1] == 1, "kept after the early restore: pinned until tool_end"
     m.set_clock(10.0)
-    assert m.tool_end("a", 1)["state"] == "Runnable"
+    assert m.tool_end("a", 1)["state"] == "Handover"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv), "restored bytes equal the offloaded ones"
     assert m.counters["prefetched"] == 1
     m.close("a")
@@ -140,7 +142,7 @@ def test_tool_end_during_an_early_restore_takes_it_over(h: CacheHarness) -> None
     step(h, m, 9.8)
     assert m.kv_meta("a")["state"] == "Restoring", "never runnable before the load ack"
     step(h, m, 9.9, loads=True)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
     m.close("a")
     h.drain()

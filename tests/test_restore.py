@@ -71,7 +71,7 @@ def test_restore_evicts_unlocked_cache_but_not_locked_kv_nor_promised_tokens(h: 
     assert held.value is not None and held.lock_ref > 0  # the running request's KV is untouched
     assert shared_node.value is not None  # the session's own device prefix was not evicted
     step(h, m, 2, loads=True)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover"
     assert torch.equal(h.device_kv(h.match([*shared, *range(100, 228)]).device_indices), kv_a)
     h.tree.dec_lock_ref(held)
     for sid in ("a", "b"):
@@ -111,14 +111,15 @@ def test_a_suffix_below_the_load_back_threshold_is_left_to_recompute(h: CacheHar
 
     meta = m.tool_end("a", ep)  # the old restore answered a 503 that no retry could satisfy
 
-    assert meta["state"] == "Runnable" and meta["protected"] is False
+    assert meta["state"] == "Handover" and meta["protected"] is False  # its device prefix is pinned
     assert meta["restore"] == "below_load_back_threshold"
     assert meta["restored_tokens"] == 0 and meta["recompute_tokens"] == 8
     assert meta["tokens"] == meta["device_tokens"] == 100  # runnable on its device prefix
     counters: dict[str, int] = m.kv_meta()["counters"]  # type: ignore[assignment]
     assert counters["restore_below_threshold"] == 1
     assert all(n.host_ref_counter == 0 for n in h.iter_nodes())  # the protection is released
-    # The next turn recomputes the suffix (sglang's own prefill) and offloads as usual.
+    # The next turn is admitted and recomputes the suffix (sglang's own prefill) and offloads as usual.
+    assert m.admitted("a")
     turn(h, m, "a", [*shared, *range(500, 540)])
     assert m.kv_meta("a")["state"] == "Running"
     for sid in ("a", "b"):
@@ -130,7 +131,7 @@ def test_nothing_to_load_is_said_so(h: CacheHarness) -> None:
     turn(h, m, "a", list(range(1, 65)))
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
     meta = m.tool_end("a", ep)  # the write is still in flight: the GPU copy was never freed
-    assert meta["state"] == "Runnable"
+    assert meta["state"] == "Handover"
     assert (meta["restore"], meta["restored_tokens"], meta["recompute_tokens"]) == ("resident", 0, 0)
     step(h, m, 1, writes=True)
     m.close("a")
@@ -175,7 +176,7 @@ def test_the_ttl_stops_once_tool_end_is_accepted(h: CacheHarness) -> None:
     assert m.kv_meta("back")["state"] == "Restoring" and m.kv_meta("back")["deadline"] is None
     assert m.kv_meta("gone")["state"] == "Expired"
     step(h, m, 1_001.0, loads=True)
-    assert m.kv_meta("back")["state"] == "Runnable"
+    assert m.kv_meta("back")["state"] == "Handover"
     leaf = m.sessions["back"].node
     assert leaf is not None
     assert torch.equal(h.device_kv(torch.cat([n.value for n in path_to(h.tree, leaf)])), kv)

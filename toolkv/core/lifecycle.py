@@ -33,7 +33,7 @@ SESSION_STATES: tuple[str, ...] = (
     "Offloading",  # tool_start accepted; GPU→host writes in flight, GPU copy not yet freed
     "Offloaded",  # GPU copy freed; host copy protected
     "Restoring",  # tool_end accepted; host→GPU load in flight
-    "Runnable",  # restored; the whole path is on the GPU and readable
+    "Runnable",  # the tool call is over and the next request holds the KV (or the hand-over ended)
     "Expired",  # the TTL released the protection before a tool_end came
     "Lost",  # the tree was reset while the session was offloaded: the KV is gone
     "Closed",  # the client closed the session
@@ -41,33 +41,38 @@ SESSION_STATES: tuple[str, ...] = (
     "Kept",  # tool_start kept the KV on the GPU: the session pins its path until tool_end or the TTL
     "Prefetching",  # an early restore is loading the offloaded KV before tool_end
     "Released",  # nothing is held: the policy let the KV go, or demoted it from the host
+    # the hand-over
+    "Handover",  # tool call over, KV on the GPU and pinned until the next request holds it (or a TTL)
 )
 # The phases that hold a host protection (spec ``Protecting``).
 PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring", "Prefetching"})
 # The phases that hold a session pin, a path lock (spec ``Pinning``).
-PINNING: frozenset[str] = frozenset({"Restoring", "Prefetching", "Kept"})
-# The TTL applies until tool_end is accepted (spec ``Expiring``); a Restoring session ends with its load.
-EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Prefetching", "Kept"})
+PINNING: frozenset[str] = frozenset({"Restoring", "Prefetching", "Kept", "Handover"})
+# The TTL applies until tool_end is accepted (spec ``Expiring``); a Restoring session ends with its
+# load. A hand-over waits for a request that may never come, so the TTL bounds it too.
+EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Prefetching", "Kept", "Handover"})
 # The phases whose KV a tree reset loses (spec ``Holding``).
-HOLDING: frozenset[str] = PROTECTING | {"Kept"}
+HOLDING: frozenset[str] = PROTECTING | {"Kept", "Handover"}
 
 SESSION_TRANSITIONS: tuple[Row, ...] = (
     ("insert", ("New", "Runnable", "Expired", "Lost", "Released"), "Running"),
     ("tool_start", "Running", "Offloading"),
     ("tool_start", "Running", "Offloaded"),  # nothing was in flight: finished at once
     ("write_ack", "Offloading", "Offloaded"),
-    ("tool_end", "Offloading", "Runnable"),  # cancel before anything was freed
+    ("tool_end", "Offloading", "Handover"),  # cancel before anything was freed
     ("tool_end", "Offloaded", "Restoring"),
-    ("tool_end", "Offloaded", "Runnable"),  # nothing to load (someone else restored it)
+    ("tool_end", "Offloaded", "Handover"),  # nothing to load (someone else restored it)
     ("tool_end", "Offloading", "Restoring"),
-    ("load_ack", "Restoring", "Runnable"),
+    ("load_ack", "Restoring", "Handover"),  # readable: pinned until the next request holds it
     (
         "ttl_sweep",
         ("Offloading", "Offloaded", "Prefetching", "Kept"),
         "Expired",
     ),  # not Restoring: tool_end was accepted
+    ("ttl_sweep", "Handover", "Runnable"),  # the request never came: the KV stays, unpinned
+    ("admit", "Handover", "Runnable"),  # the next request matched and locked its prefix
     # flush_cache needs an idle scheduler: no write or load pending, so only these are lost
-    ("tree_reset", ("Offloaded", "Kept"), "Lost"),
+    ("tree_reset", ("Offloaded", "Kept", "Handover"), "Lost"),
     # the per-call policy
     ("keep", "Running", "Kept"),
     ("let_go", "Running", "Released"),
@@ -75,7 +80,7 @@ SESSION_TRANSITIONS: tuple[Row, ...] = (
     ("prefetch", "Offloaded", "Prefetching"),  # early restore: the load is in flight
     ("prefetch", "Offloaded", "Kept"),  # early restore: nothing to load, the path is resident
     ("load_ack", "Prefetching", "Kept"),  # the early restore is readable; waits for its tool_end
-    ("tool_end", "Kept", "Runnable"),
+    ("tool_end", "Kept", "Handover"),
     ("tool_end", "Prefetching", "Restoring"),  # the early restore becomes the restore
     ("tool_end", "Released", "Running"),  # nothing was held: the next turn recomputes what is missing
     ("close", tuple(s for s in SESSION_STATES if s not in ("New", "Closed")), "Closed"),
@@ -109,6 +114,7 @@ TIER_TRANSITIONS: tuple[Row, ...] = (
     ("write_ack", "GPU", ("CpuProtected", "CpuUnprotected")),  # the path's last ack frees acked nodes too
     ("gpu_evict", "GPU", ("CpuProtected", "CpuUnprotected", "Evicted")),  # sglang's device eviction
     ("host_evict", "CpuUnprotected", "Evicted"),  # sglang's host eviction (never a protected node)
+    ("host_room", "CpuUnprotected", "Evicted"),  # ... asked for by a tool_start short of host room
     ("tool_end", ("CpuProtected", "CpuUnprotected"), "Loading"),  # load_back starts (leaf and ancestors)
     ("load_ack", "Loading", "GPU"),  # the load is acknowledged: readable
     ("ttl_sweep", "CpuProtected", "CpuUnprotected"),  # TTL released the protection

@@ -10,7 +10,8 @@ agreement.
 Spec action → method: ``Insert`` → :meth:`record_turn`, ``ToolStart`` → :meth:`offload`,
 ``Keep`` → :meth:`keep`, ``LetGo`` → :meth:`let_go`, ``Demote`` → :meth:`demote`, ``Prefetch`` →
 :meth:`prefetch`, ``WriteAck`` → :meth:`process_write_acks`, ``ToolEnd`` → :meth:`tool_end`,
-``LoadAck`` → :meth:`process_load_acks`, ``TtlSweep`` → :meth:`ttl_sweep`, ``Close`` →
+``LoadAck`` → :meth:`process_load_acks`, ``Admit`` → :meth:`admitted`, ``HostRoom`` → the room
+:meth:`offload` makes with sglang's ``evict_host``, ``TtlSweep`` → :meth:`ttl_sweep`, ``Close`` →
 :meth:`close`, ``TreeReset`` → :meth:`on_tree_reset`, ``Tick`` → :meth:`set_clock`.
 :meth:`tool_start` is what the HTTP route calls: with ``policy="offload"`` it is ``ToolStart``;
 with ``policy="auto"`` the per-call policy (``toolkv.core.policy``) chooses among ``ToolStart``,
@@ -61,12 +62,18 @@ class ManagerConfig:
     # with policy "auto": how long a pin on the GPU (a kept or early-restored session) may wait for
     # its tool_end before the TTL releases it (never longer than ttl_s)
     keep_ttl_s: float = 30.0
+    # how long a restored (or kept) session stays pinned waiting for its next request to be
+    # admitted (spec Handover); never longer than ttl_s. Under load the next request can queue
+    # for seconds: without the pin sglang evicts the KV it was restored for.
+    handover_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if not self.keep_ttl_s >= 0:
             raise ValueError("keep_ttl_s must be a number of seconds >= 0")
+        if not self.handover_ttl_s >= 0:
+            raise ValueError("handover_ttl_s must be a number of seconds >= 0")
         if not (self.restore_tokens_per_s > 0 and self.restore_tokens_per_s < float("inf")):
             raise ValueError("restore_tokens_per_s must be a positive number")
 
@@ -485,10 +492,9 @@ class ToolKVManager:
                 f"epoch {epoch} is stale for session {session_id!r} (current {rec.epoch})",
                 current_epoch=rec.epoch,
             )
-        if rec.state == "Kept":
-            self.backend.unpin(rec)
+        if rec.state == "Kept":  # the pin stays until the next request holds the path
             self._settle(rec)
-            fire(rec, "tool_end", "Runnable")
+            self._hand_over(rec, "tool_end")
             self._observe_call(rec)
             self.counters["tool_end"] += 1
             return self._meta(rec)
@@ -513,9 +519,10 @@ class ToolKVManager:
             raise
         self._offloading.pop(session_id, None)
         self._observe_call(rec)
-        if runnable:
+        if runnable:  # nothing to load: pin what is resident until the next request holds it
             self._settle(rec)
-            fire(rec, "tool_end", "Runnable")
+            self._pin_for_handover(rec)
+            self._hand_over(rec, "tool_end")
         else:
             fire(rec, "tool_end", "Restoring")
             self._restoring[session_id] = rec
@@ -560,10 +567,10 @@ class ToolKVManager:
         self.backend.poll_loads()
         done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
         warm = [r for r in self._prefetching.values() if self._prefetch_readable(r)]
-        for rec in done:
-            self.backend.release(rec)
+        for rec in done:  # readable: the load's pin stays as the hand-over's, the protection goes
+            self.backend.release_protection(rec)
             self._settle(rec)
-            fire(rec, "load_ack", "Runnable")
+            self._hand_over(rec, "load_ack")
             self._measured_restore(rec)
         for rec in warm:  # an early restore is readable: Kept (pinned) until its tool_end
             self.backend.release_protection(rec)
@@ -588,6 +595,48 @@ class ToolKVManager:
         if rec.restored_tokens > 0 and took > 0:
             self.restore_rate = 0.8 * self.restore_rate + 0.2 * (rec.restored_tokens / took)
 
+    # ---- the hand-over (spec Handover, Admit) ----------------------------------------------------------
+    def _pin_for_handover(self, rec: SessionRecord) -> None:
+        """A restore that needed no load returned the protection and holds no pin yet: pin the
+        resident path (the recorded node, possibly the device prefix left below sglang's
+        ``load_back_threshold``) so that it survives until the next request holds it."""
+        if rec.node is not None and rec.pinned is None:
+            kept = self.backend.keep(rec, rec.node)
+            assert kept, "a path the restore found resident must be pinnable"
+
+    def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
+        """The tool call is over and the KV is on the GPU, pinned (spec ``Handover``): armed with
+        the hand-over TTL. A request already admitted while the load ran ends it at once."""
+        fire(rec, trigger, "Handover")
+        self._arm_deadline(rec, min(self.config.ttl_s, self.config.handover_ttl_s))
+        self.counters["handover"] += 1
+        if rec.admit_pending:
+            self._admit(rec)
+
+    def admitted(self, session_id: str) -> bool:
+        """Spec ``Admit``: the session's next request was admitted: sglang matched its prefix and
+        locked it (the scheduler calls this after the prefill batch is formed). Its own lock now
+        keeps the path on the GPU, so the hand-over's pin goes. A request admitted while the load
+        is still in flight (Restoring) ends the hand-over as soon as the load is acknowledged.
+        Returns True when a hand-over ended; anything else is a no-op (the request is served
+        whatever toolkv holds)."""
+        rec = self.sessions.get(session_id)
+        if rec is None:
+            return False
+        if rec.state == "Restoring":
+            rec.admit_pending = True
+            return False
+        if rec.state != "Handover":
+            return False
+        self._admit(rec)
+        return True
+
+    def _admit(self, rec: SessionRecord) -> None:
+        self.backend.unpin(rec)
+        rec.admit_pending = False
+        fire(rec, "admit", "Runnable")
+        self.counters["admitted"] += 1
+
     # ---- TtlSweep -------------------------------------------------------------------------------------
     def ttl_sweep(self) -> int:
         """Release every protection past its deadline. O(1) when none is due, O(k log n) for k."""
@@ -603,9 +652,15 @@ class ToolKVManager:
 
     def _expire(self, rec: SessionRecord) -> None:
         """Spec ``TtlSweep`` for one session: release what it holds, ``Expired``. The epoch is
-        kept (``EpochMonotone``): a tool_end of the expired call must stay stale."""
+        kept (``EpochMonotone``): a tool_end of the expired call must stay stale. A hand-over
+        whose request never came is ``Runnable``: its KV stays in the tree, unpinned."""
         self.backend.release(rec)
         self._settle(rec)
+        if rec.state == "Handover":
+            rec.admit_pending = False
+            fire(rec, "ttl_sweep", "Runnable")
+            self.counters["handover_expired"] += 1
+            return
         fire(rec, "ttl_sweep", "Expired")
         self.counters["expired"] += 1
         log.debug("session %s expired after %.1fs without tool_end", rec.session_id, self.config.ttl_s)
@@ -638,8 +693,9 @@ class ToolKVManager:
         mid_copy: list[str] = []
         for rec in self.sessions.values():
             self.backend.forget(rec)
-            if rec.state in ("Offloaded", "Kept"):
+            if rec.state in ("Offloaded", "Kept", "Handover"):
                 self._settle(rec)
+                rec.admit_pending = False
                 fire(rec, "tree_reset", "Lost")
                 self.counters["lost"] += 1
             elif rec.state in HOLDING:

@@ -10,6 +10,7 @@ targets (sglang 0.5.16, verified against the installed source):
 | managers/scheduler.py:313 ``Scheduler.__init__`` | AFTER | refuse unsupported configs and unapplied hooks; build the rank's manager (rank/size from ``Scheduler.ps``, l.379) and its metrics; add ``ToolKVReqInput`` to ``_request_dispatcher`` (built at l.536); log the effective config and check the host pool size |
 | managers/scheduler.py:1663 ``Scheduler.process_input_requests`` | AFTER | the tick: once per iteration, every loop type, every rank |
 | managers/scheduler.py:2072 ``Scheduler.handle_generate_request`` | BEFORE | a session's next request restores its KV |
+| managers/scheduler.py:2829 ``Scheduler.get_new_batch_prefill`` | AFTER | the requests of the new prefill batch were admitted (prefix matched and locked by ``PrefillAdder``): their sessions' hand-overs end |
 | managers/scheduler.py:3876 ``Scheduler.get_internal_state`` | AFTER | handshake: ``internal_state["toolkv"]`` |
 | mem_cache/radix_cache.py:437 ``RadixCache.cache_finished_req`` | AROUND | record the finished turn's session leaf (HiRadixCache inherits it) |
 | mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780) |
@@ -160,6 +161,7 @@ def hooks(
         (f"{SCHED}.process_input_requests", after_process_input_requests, "AFTER"),
         (f"{SCHED}.handle_generate_request", before_handle_generate_request, "BEFORE"),
         (f"{SCHED}.get_internal_state", after_get_internal_state, "AFTER"),
+        (f"{SCHED}.get_new_batch_prefill", after_get_new_batch_prefill, "AFTER"),
     ]
     if tree == "unified":
         out += [
@@ -189,7 +191,7 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
 
     from toolkv.sglang.ipc import ToolKVReqInput
     from toolkv.sglang.scheduler_side import SchedulerToolKV, check_server_args, check_tree
-    from toolkv.sglang.sizing import host_pool_warning, pool_sizes
+    from toolkv.sglang.sizing import budget_warning, host_pool_warning, pool_sizes
     from toolkv.sglang.tp import ProcessGroupAgreement
 
     _check_hooks_applied(main_process=False)
@@ -225,9 +227,9 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
         else f" device_pool_tokens={sizes.device_tokens} host_pool_tokens={sizes.host_tokens}"
         f" kv_bytes_per_token={sizes.bytes_per_token}",
     )
-    warning = host_pool_warning(sizes)
-    if warning is not None and rank == 0:
-        log.warning(warning)
+    for warning in (host_pool_warning(sizes), budget_warning(sizes, cfg.host_budget_tokens)):
+        if warning is not None and rank == 0:
+            log.warning(warning)
 
 
 def make_metrics(server_args: Any, sched: Any) -> Any:
@@ -269,6 +271,21 @@ def before_handle_generate_request(sched: Any, recv_req: Any, *args: Any, **kwar
             tk.on_request(sid)
         except Exception:  # the request must be served even if toolkv cannot restore first
             log.exception("toolkv: restore on request of session %s failed", sid)
+
+
+def after_get_new_batch_prefill(result: Any, sched: Any, *args: Any, **kwargs: Any) -> None:
+    """The prefill batch just formed holds its requests' prefixes locked (``PrefillAdder`` ran
+    ``inc_lock_ref`` on each matched node): the hand-over of each one's session ends. 0.5.16 and
+    0.5.23 return a ``NextBatchPlan`` whose ``batch_to_run`` is the batch (or None)."""
+    tk = getattr(sched, "_toolkv", None)
+    batch = getattr(result, "batch_to_run", result)
+    reqs = getattr(batch, "reqs", None)
+    if tk is None or not reqs:
+        return
+    try:
+        tk.on_batch(reqs)
+    except Exception:  # the batch must run even if toolkv cannot account for it
+        log.exception("toolkv: admission hook failed")
 
 
 def after_get_internal_state(result: Any, sched: Any, *args: Any, **kwargs: Any) -> None:

@@ -26,7 +26,7 @@ from toolkv.sglang.metrics import ToolKVMetrics
 from toolkv.sglang.observe import DecisionLog
 from toolkv.sglang.replay import prior_epoch, replayed_tool_start
 from toolkv.sglang.sizing import host_pool, kv_bytes_per_token
-from toolkv.sglang.startup import SUPPORTED, flag_reasons, installed_sglang_version
+from toolkv.sglang.startup import SUPPORTED, fallback_warnings, flag_reasons, installed_sglang_version
 from toolkv.sglang.tp import AgreedClock
 
 log = logging.getLogger("toolkv")
@@ -80,6 +80,8 @@ def unsupported_reasons(server_args: Any, version: str | None = None) -> list[st
 
 
 def check_server_args(server_args: Any) -> None:
+    """Refuse what toolkv cannot serve; then, in the launching process only (the scheduler ranks
+    run the same check and would repeat it), warn about what it serves in a degraded way."""
     reasons = unsupported_reasons(server_args)
     if reasons:
         raise Unsupported(
@@ -88,6 +90,11 @@ def check_server_args(server_args: Any) -> None:
             + " (unset TOOLKV_ENABLE to serve without toolkv)",
             reasons=reasons,
         )
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        for line in fallback_warnings(installed_sglang_version(), server_args):
+            log.warning(line)
 
 
 def check_tree(tree: Any) -> None:
@@ -415,10 +422,24 @@ class SchedulerToolKV:
             return
         self.decisions.decided("restore_on_request", sid, _jsonable(meta), "ok")
 
+    def on_admitted(self, sid: str | None) -> None:
+        """A request of ``sid`` was admitted into a prefill batch: sglang matched its prefix and
+        locked it (the same batch on every rank). A hand-over ends here: the request's lock now
+        keeps the KV on the GPU (spec ``Admit``)."""
+        if sid is not None and self.manager.admitted(sid):
+            self.decisions.decided("admit", sid, None, "ok", "handover_ended")
+
+    def on_batch(self, reqs: Sequence[Any]) -> None:
+        """Every request of a newly formed prefill batch (``get_new_batch_prefill``'s result)."""
+        for req in reqs:
+            self.on_admitted(session_label(req))
+
     def on_finished(self, sid: str, tokens: Sequence[int], extra_key: str | None) -> None:
         """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
         m = self.manager
         rec = m.sessions.get(sid)
+        if rec is not None and rec.state == "Handover":  # a request that ran without being seen admitted
+            m.admitted(sid)
         if rec is not None and rec.state in HOLDING:
             # The session ran a turn while toolkv still held its KV (a request without tool_end,
             # or a restore that was deferred). Settle first so the new turn can be recorded:

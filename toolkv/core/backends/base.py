@@ -135,15 +135,59 @@ class ProtectionLedger:
         assert self.tokens >= 0 and (self.tokens == 0) == (not self._nodes)
 
 
+def host_evictable_tokens(root: TreeNode, data: Callable[[TreeNode], Any]) -> int:
+    """Spec ``HostEvictable``, in tokens: the host copies ``evict_host`` can free on demand. A
+    node counts when it is off the device, holds a host copy, is unlocked, and no node of its
+    subtree is on the device, locked or protected (``host_ref_counter``): ``evict_host`` frees
+    leaves, so such a descendant keeps its ancestors. ``data(m)`` holds ``value``/``host_value``/
+    ``host_ref_counter`` (the node itself on HiRadixCache). One post-order walk, no recursion."""
+    total = 0
+    free_below: dict[int, bool] = {}  # id(node) -> its whole subtree is evictable
+    stack: list[tuple[TreeNode, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = list(node.children.values())
+        if not done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in kids)
+            continue
+        d = data(node)
+        ok = (
+            node is not root
+            and d.value is None
+            and d.host_value is not None
+            and node.lock_ref == 0
+            and d.host_ref_counter == 0
+            and all(free_below[id(c)] for c in kids)
+        )
+        for c in kids:
+            del free_below[id(c)]
+        free_below[id(node)] = ok
+        if ok:
+            total += len(node.key)
+    return total
+
+
 def host_full(
-    rec: SessionRecord, *, need: int, host_free: int, extra: int, protected: int, budget: int | None
+    rec: SessionRecord,
+    *,
+    need: int,
+    host_free: int,
+    extra: int,
+    protected: int,
+    budget: int | None,
+    evictable: int = 0,
 ) -> HostMemoryFull:
     """The 507 for a ToolStart that does not fit, with the numbers of whichever limit refused it:
-    the host pool (``need`` unbacked tokens against ``host_free``) or toolkv's host budget
-    (``extra`` tokens no other session protects yet, against ``protected`` of ``budget``)."""
+    the host pool (``need`` unbacked tokens against ``host_free`` plus the ``evictable`` tokens of
+    unprotected copies sglang could free) or toolkv's host budget (``extra`` tokens no other
+    session protects yet, against ``protected`` of ``budget``)."""
     why = []
-    if need > host_free:
-        why.append(f"the host pool has {host_free} free tokens and the path needs {need} written")
+    if need > host_free + evictable:
+        why.append(
+            f"the host pool has {host_free} free tokens and {evictable} evictable, and the path needs"
+            f" {need} written"
+        )
     if budget is not None and protected + extra > budget:
         why.append(
             f"host_budget_tokens is {budget}, {protected} are protected and the session would add {extra}"
@@ -154,6 +198,7 @@ def host_full(
         f"cannot protect session {rec.session_id!r} on host: " + "; ".join(why),
         need_tokens=need,
         host_free_tokens=host_free,
+        host_evictable_tokens=evictable,
         budget_extra_tokens=extra,
         protected_tokens=protected,
     )

@@ -35,6 +35,7 @@ from toolkv.core.backends.base import (
     ProtectionLedger,
     device_pressure,
     free_set,
+    host_evictable_tokens,
     host_full,
     record_freed,
 )
@@ -80,6 +81,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         # inserts a new node into the chain, and that node is loading too.
         self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
         self._ledger = ProtectionLedger()
+        self.counters_host_room = 0  # tool_starts that had evict_host make room (spec HostRoom)
 
     @property
     def protected_tokens(self) -> int:
@@ -92,13 +94,29 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         path = path_to(tree, leaf)
         to_write = [m for m in path if m.host_value is None]
         need = _ntok(to_write)
-        host_free = int(tree.token_to_kv_pool_host.available_size())
+        pool = tree.token_to_kv_pool_host
+        host_free = int(pool.available_size())
+        # Spec HostFits: free slots plus the unprotected host copies sglang's evict_host can free
+        # (counted only when the free slots are short: it walks the tree).
+        room = self.host_evictable_tokens() if need > host_free else 0
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
-        fits = need <= host_free and (budget is None or self._ledger.tokens + extra <= budget)
+        fits = need <= host_free + room and (budget is None or self._ledger.tokens + extra <= budget)
         if not self.agree.all_true(fits):
             raise host_full(
-                rec, need=need, host_free=host_free, extra=extra, protected=self._ledger.tokens, budget=budget
+                rec,
+                need=need,
+                host_free=host_free,
+                extra=extra,
+                protected=self._ledger.tokens,
+                budget=budget,
+                evictable=room,
             )
+        if need > host_free:  # spec HostRoom, repeated: evict_host frees LRU unprotected leaves
+            # every rank evicts the largest shortfall of any rank: the same count on the same LRU
+            # order evicts the same nodes, so the ranks' trees stay equal
+            tree.evict_host(int(self.agree.max_time(float(need - host_free))))
+            self.counters_host_room += 1
+            assert int(pool.available_size()) >= need, "evict_host freed less than it was counted to"
         for m in to_write:  # root-down: write_backup needs a backed-up parent
             written = tree.write_backup(m)
             assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
@@ -107,6 +125,14 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def host_evictable_tokens(self) -> int:
+        """Tokens of the host copies sglang's ``evict_host`` would free if asked for everything
+        (spec ``HostEvictable``): nodes off the device (hiradix_cache.py ``evict_host`` skips
+        ``not x.evicted``), unlocked (``_update_host_leaf_status``), with no protected node in their
+        subtree (it frees leaves, and skips ``host_ref_counter > 0``, so a protected descendant
+        keeps its ancestors). One walk over the tree."""
+        return host_evictable_tokens(self.tree.root_node, lambda m: m)
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
         """Protect the path's host copy until tool_end or the TTL (caveat 4): ``protect_host``
@@ -233,7 +259,8 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         dev_total, dev_avail = device_pressure(self.tree, int(self.headroom()))
         pool = self.tree.token_to_kv_pool_host
         host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
-        host_avail = int(pool.available_size())
+        # room = free + what evict_host can free (spec HostFits), never another session's protected copy
+        host_avail = min(host_total, int(pool.available_size()) + self.host_evictable_tokens())
         if self.host_budget_tokens is not None:
             host_total = min(host_total, self.host_budget_tokens)
             host_avail = min(host_avail, max(0, self.host_budget_tokens - self._ledger.tokens))
