@@ -20,6 +20,16 @@ ALLOWED: dict[str, set[str]] = {
     "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.client"},
     "toolkv.verify": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.testing"},
     "toolkv.tools": set(),  # top layer: anything
+    # the twin drives the real cache (testing), toolkv's scheduler side and the benchmark's workload
+    # and metrics (tools); only the command line imports it
+    "toolkv.twin": {
+        "toolkv",
+        "toolkv.errors",
+        "toolkv.core",
+        "toolkv.sglang",
+        "toolkv.testing",
+        "toolkv.tools",
+    },
 }
 
 

@@ -1,0 +1,59 @@
+"""The server configurations of the agent benchmark (``scripts/gpu_agent_suite.sh``), as the twin
+builds them: which sglang cache, how large its host pool, which toolkv settings, and what the
+agents do around each tool call (the ``toolkv bench agent`` mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+GB = 1e9
+REGIMES = {"constrained": 120_000, "plentiful": 800_000}  # device pool tokens (--max-total-tokens)
+
+
+@dataclass(frozen=True)
+class TwinConfig:
+    name: str
+    cache: str  # "hiradix" (--enable-hierarchical-cache) or "radix"
+    mode: str  # the agents: stock | explicit | on-request
+    host_gb: float = 16.0  # --hicache-size (HiCache only)
+    policy: str = "offload"  # TOOLKV_POLICY
+    send_tool: bool = False  # name each tool in tool_start (for the per-call policy)
+    ttl_s: float = 600.0  # TOOLKV_TTL_S
+    pin_budget_share: float | None = None  # TOOLKV_HOST_BUDGET_TOKENS as a share of the device pool
+
+    def host_tokens(self, kv_bytes_per_token: int) -> int:
+        """The host pool sglang allocates for ``--hicache-size host_gb`` (pool_host/base.py:
+        ``int(host_size * 1e9 // size_per_token)``, plus one page)."""
+        return int(self.host_gb * GB // kv_bytes_per_token) + 1 if self.cache == "hiradix" else 0
+
+    def with_host_gb(self, host_gb: float) -> TwinConfig:
+        return replace(self, host_gb=host_gb)
+
+    def describe(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+# The suite's labels; ``offload`` is the suite's ``explicit`` and ``auto`` its ``policy``.
+CONFIGS: dict[str, TwinConfig] = {
+    c.name: c
+    for c in (
+        TwinConfig("radix", "radix", "stock", ttl_s=30.0, pin_budget_share=0.5),
+        TwinConfig("pin", "radix", "explicit", ttl_s=30.0, pin_budget_share=0.5),
+        TwinConfig("stock", "hiradix", "stock"),
+        TwinConfig("stock-large", "hiradix", "stock", host_gb=80.0),
+        TwinConfig("offload", "hiradix", "explicit"),
+        TwinConfig("zero-change", "hiradix", "on-request"),
+        TwinConfig("auto", "hiradix", "explicit", policy="auto", send_tool=True),
+    )
+}
+GPU_LABEL = {"offload": "explicit", "auto": "policy"}  # the label the GPU suite's JSON carries
+
+
+def get(name: str) -> TwinConfig:
+    if name in CONFIGS:
+        return CONFIGS[name]
+    back = {v: k for k, v in GPU_LABEL.items()}
+    if name in back:
+        return CONFIGS[back[name]]
+    raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")

@@ -1,0 +1,302 @@
+"""The twin's event loop: one sglang scheduler iteration at a time, on simulated time.
+
+Per iteration, in sglang's order (managers/scheduler.py ``event_loop_normal``):
+
+1. ``process_input_requests``: every agent message due by now. A generate request calls toolkv's
+   ``SchedulerToolKV.on_request`` (the BEFORE hook on ``handle_generate_request``) and enters the
+   waiting queue as a real ``Req``; a toolkv call runs ``SchedulerToolKV.handle`` and is answered.
+2. toolkv's tick (the AFTER hook on ``process_input_requests``).
+3. ``get_next_batch_to_run`` (:class:`~toolkv.twin.scheduler.TwinScheduler`), which runs
+   ``check_hicache_events`` first; every admitted request of a session then gets
+   ``SchedulerToolKV.on_admitted`` when toolkv has it.
+4. The forward: the clock advances by the profile's time for it (a prefill that HiCache loads
+   into also waits for those loads), copies that finish by then complete, results are processed
+   (``cache_finished_req`` -> toolkv's ``on_finished``).
+
+With nothing to run the clock jumps to the next agent message or copy completion (at most
+``idle_s`` ahead, so toolkv's tick still sees time pass).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from toolkv.tools.agent_workload import Plan
+from toolkv.twin.agents import Agents
+from toolkv.twin.configs import TwinConfig
+from toolkv.twin.copies import TimedCopies
+from toolkv.twin.profile import TimeProfile
+from toolkv.twin.scheduler import Batch, TwinScheduler
+from toolkv.twin.stack import Stack, build
+
+VOCAB = 128_256  # Llama-3.1-8B; the workload draws ids below 120,000
+
+
+@dataclass
+class Options:
+    device_tokens: int = 120_000
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    max_running_requests: int = 256
+    idle_s: float = 0.01  # longest idle jump
+    sample_s: float = 1.0  # occupancy samples, like the benchmark's sampler
+    drain_s: float = 5.0  # idle time after the last session (acks land, TTLs fire)
+
+
+@dataclass
+class Outcome:
+    """Everything one simulated run recorded (summarised by :mod:`toolkv.twin.report`)."""
+
+    config: TwinConfig
+    agents: Agents
+    samples: list[dict[str, Any]]
+    end_s: float
+    iterations: int
+    prefill_batches: int
+    decode_steps: int
+    retractions: int
+    prefill_tokens: int
+    cached_tokens: int
+    copied_tokens: dict[str, float]
+    meta_end: dict[str, Any]
+    leaks: dict[str, Any]
+    crashed: str | None
+    host_tokens: int
+    device_tokens: int
+    wall_s: float
+
+
+class Twin:
+    """One configuration over one plan."""
+
+    def __init__(
+        self, plan: Plan, cfg: TwinConfig, profile: TimeProfile, opts: Options | None = None
+    ) -> None:
+        self.plan, self.cfg, self.profile = plan, cfg, profile
+        self.opts = opts or Options()
+        self.now = 0.0
+        self.stack: Stack = build(
+            cfg, device_tokens=self.opts.device_tokens, kv_bytes_per_token=profile.kv_bytes_per_token,
+            now=lambda: self.now,
+        )  # fmt: skip
+        self.h = self.stack.harness
+        self.tk = self.stack.tk
+        self.agents = Agents(plan, cfg.mode, cfg.send_tool)
+        self.copies = TimedCopies(self.h, profile)
+        self.sched = TwinScheduler(
+            self.h, chunked_prefill_size=self.opts.chunked_prefill_size,
+            max_prefill_tokens=self.opts.max_prefill_tokens, max_running_requests=self.opts.max_running_requests,
+            on_admitted=self._admitted, on_first_token=self._first_token, on_finished=self._finished,
+        )  # fmt: skip
+        self.tk.bind_scheduler(self.sched)
+        self.samples: list[dict[str, Any]] = []
+        self.crashed: str | None = None
+        self.iterations = self.prefills = self.decodes = 0
+        self._rid = 0
+
+    # ---- scheduler callbacks ---------------------------------------------------------------------
+    def _sid(self, req: Any) -> str:
+        return str(req.rid).split("#")[0]
+
+    def _admitted(self, req: Any) -> None:
+        hook = getattr(self.tk, "on_admitted", None)
+        if hook is not None and req.session_id is not None:
+            hook(req.session_id)
+
+    def _first_token(self, req: Any) -> None:
+        self.agents.first_token(self._sid(req), self.now)
+
+    def _finished(self, req: Any) -> None:
+        self.agents.turn_done(self._sid(req), req, self.now)
+
+    # ---- input -----------------------------------------------------------------------------------
+    def _new_req(self, sid: str) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        a = self.agents.agents[sid]
+        sp = SamplingParams(max_new_tokens=self.plan.workload.output_tokens, ignore_eos=True, temperature=0)
+        sp.normalize(None)
+        self._rid += 1
+        return Req(
+            f"{sid}#{self._rid}",
+            "",
+            array("q", a.ctx),
+            sp,
+            session_id=self.agents.sid_sent(sid),
+            vocab_size=VOCAB,
+        )
+
+    def _inputs(self) -> None:
+        for t, kind, sid in self.agents.due(self.now):
+            if kind == "turn":
+                self.agents.begin(sid, t)
+            elif kind == "tool_done":
+                self.agents.tool_done(sid, t)
+            elif kind == "generate":
+                self.agents.generate_sent(sid, t)
+                self.tk.on_request(self.agents.sid_sent(sid))
+                self.sched.add_request(self._new_req(sid))
+            elif kind.startswith("op:"):
+                op = kind[3:]
+                body: dict[str, Any] = (
+                    self.agents.tool_start_body(sid) if op == "tool_start" else {"session_id": sid}
+                )
+                if op == "tool_end":
+                    body["epoch"] = self.agents.agents[sid].epoch
+                status, out = self.tk.handle(op, body)
+                self.agents.answered(op, sid, status, out, self.now)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def _batch_time(self, b: Batch) -> float:
+        if b.mode == "decode":
+            return self.profile.decode_s(len(b.reqs), b.context)
+        end = self.now + self.profile.prefill_s(b.chunks)
+        if b.loads:  # the forward waits for the layers HiCache is loading into its prefixes
+            end = max(end, self.copies.last_finish("h2d"))
+        return end - self.now
+
+    def _sample(self) -> None:
+        m = self.tk.metrics()
+        tree = self.h.tree
+        s: dict[str, Any] = {
+            "t": round(self.now, 3),
+            "device_used": self.opts.device_tokens - int(self.h.allocator.available_size()),
+            "device_locked": int(tree.protected_size()),
+            "device_evictable": int(tree.evictable_size()),
+            "protected": m.get("protected_tokens", m.get("pinned_tokens")),
+            "states": m.get("states"),
+            "running": len(self.sched.running_batch.reqs),
+            "waiting": len(self.sched.waiting_queue),
+        }
+        if self.h.host_pool is not None:
+            s["host_used"] = int(self.h.host_pool.size) - int(self.h.host_pool.available_size())
+        self.samples.append(s)
+
+    def iterate(self) -> bool:
+        """One scheduler iteration. Returns False once every session is over and drained."""
+        self.copies.complete_due(self.now)
+        self._inputs()
+        self.tk.tick()
+        self.copies.stamp(self.now)
+        batch = self.sched.next_batch()
+        self.copies.stamp(self.now)
+        self.iterations += 1
+        if batch is not None:
+            self.now += self._batch_time(batch)
+            self.copies.complete_due(self.now)
+            if batch.mode == "prefill":
+                self.prefills += 1
+            else:
+                self.decodes += 1
+            self.sched.finish_batch(batch)
+        else:
+            nxt = [t for t in (self.agents.next_time(), self.copies.next_finish(self.now)) if t is not None]
+            if not nxt and not self.sched.busy and self.agents.finished:
+                return False
+            self.now = max(self.now, min([*nxt, self.now + self.opts.idle_s]))
+        if not self.samples or self.now - self.samples[-1]["t"] >= self.opts.sample_s:
+            self._sample()
+        return True
+
+    def run(self, progress: Callable[[float], None] | None = None) -> Outcome:
+        wall = time.perf_counter()
+        try:
+            while self.iterate():
+                if progress is not None:
+                    progress(self.now)
+        except RuntimeError as e:
+            # sglang's allocator raising here is the scheduler process dying on a GPU server
+            # ("Out of memory" in alloc_for_extend / alloc_req_slots): the run ends, and says so
+            self.crashed = f"t={self.now:.3f}s: {str(e).splitlines()[0]}"
+            out = self._outcome(self.now, time.perf_counter() - wall, {"leaked": -1}, self.tk.metrics())
+            self.stack.close()
+            return out
+        end = self.now
+        drain_until = self.now + self.opts.drain_s
+        while self.now < drain_until:  # idle iterations: acks land, the TTL sweep runs
+            self.copies.complete_due(self.now)
+            self.tk.tick()
+            if self.h.is_hi:
+                self.h.tree.check_hicache_events()
+            self.now = min(drain_until, self.now + self.opts.idle_s * 10)
+        meta_end = self.tk.metrics()
+        leaks = self.leaks()
+        out = self._outcome(end, time.perf_counter() - wall, leaks, meta_end)
+        self.stack.close()
+        return out
+
+    def _outcome(self, end: float, wall: float, leaks: dict[str, Any], meta_end: dict[str, Any]) -> Outcome:
+        return Outcome(
+            self.cfg, self.agents, self.samples, end, self.iterations, self.prefills, self.decodes,
+            self.sched.retractions, self.sched.prefill_tokens, self.sched.cached_tokens,
+            dict(self.copies.tokens_moved), meta_end, leaks, self.crashed, self.stack.host_tokens,
+            self.opts.device_tokens, wall,
+        )  # fmt: skip
+
+    def leaks(self) -> dict[str, Any]:
+        """What must be back at its initial value once no request runs and no session is held:
+        sglang's request slots and locks, toolkv's protections; then, evicting everything the
+        tree still caches, every device and host slot free."""
+        tree = self.h.tree
+        out: dict[str, Any] = {
+            "device_locked_tokens": int(tree.protected_size()),
+            "protected_tokens": int(self.tk.metrics().get("protected_tokens") or 0),
+            "request_slots_in_use": self.h.req_pool.size - self.h.req_pool.available_size(),
+            "waiting_or_running": int(self.sched.busy),
+            "sessions_holding": sum(
+                1
+                for r in self.tk.manager.sessions.values()
+                if r.state not in ("Closed", "Released", "Running", "Runnable", "Expired", "Lost", "New")
+            ),
+        }
+        self.h.drain()
+        acc = self.h.accounting()
+        out["device_free_after_evict"] = acc.device_free - self.opts.device_tokens
+        out["host_free_after_evict"] = (acc.host_free - int(self.h.host_pool.size)) if self.h.is_hi else 0
+        out["lock_refs"] = len(acc.lock_refs)
+        out["host_refs"] = len(acc.host_refs)
+        out["pending_copies"] = acc.pending_writes + acc.pending_loads
+        out["leaked"] = sum(1 for v in out.values() if v)
+        return out
+
+
+def simulate(
+    plan: Plan, cfg: TwinConfig, profile: TimeProfile, opts: Options | None = None, *, progress: bool = False
+) -> Outcome:
+    """Run ``plan`` against ``cfg``; ``progress`` draws a bar of simulated time on stderr."""
+    twin = Twin(plan, cfg, profile, opts)
+    if not progress:
+        return twin.run()
+    total = plan.workload.duration_s
+    try:
+        from tqdm import tqdm
+
+        bar: Any = tqdm(total=round(total), unit="sim s", desc=cfg.name, file=sys.stderr, leave=False)
+    except ImportError:  # pragma: no cover - tqdm is in the pinned environment
+        bar = None
+    shown = [0]
+
+    def tick(now: float) -> None:
+        cur = min(round(now), round(total))
+        if cur > shown[0]:
+            if bar is not None:
+                bar.update(cur - shown[0])
+            else:
+                print(f"\r{cfg.name}: {cur}/{total:.0f} sim s", end="", file=sys.stderr)
+            shown[0] = cur
+
+    out = twin.run(tick)
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def nan_to_none(x: float) -> float | None:
+    return None if isinstance(x, float) and math.isnan(x) else x

@@ -1,0 +1,347 @@
+"""sglang 0.5.16's scheduler, the part that decides what the GPU runs, over the REAL cache.
+
+What is sglang's own code here, called as the scheduler calls it:
+
+- ``Req`` (managers/schedule_batch.py) for every request, with its real ``SamplingParams``;
+  ``Req.init_next_round_input`` matches the prefix in the real tree (device and host hits).
+- ``PrefillAdder`` (managers/schedule_policy.py): the prefill token budget, ``rem_total_tokens``
+  with ``new_token_ratio``, chunked prefill, ``add_one_req``'s lock and HiCache ``init_load_back``,
+  ``add_chunked_req``. Its running batch is a real ``ScheduleBatch`` holding the running ``Req``s.
+- ``SchedulePolicy.calc_priority`` (fcfs, the server default), ``NewTokenRatioTracker``
+  (managers/scheduler_components/new_token_ratio_tracker.py): init, decay per decode step, the
+  estimate after a retraction.
+- Memory: ``alloc_req_slots`` / ``alloc_token_slots`` (mem_cache/allocation.py, which evict from
+  the tree when short), ``release_kv_cache`` / ``maybe_cache_unfinished_req`` (mem_cache/common.py:
+  ``cache_finished_req`` / ``cache_unfinished_req`` of the tree, so write-through and toolkv's
+  ``on_finished`` hook run), ``release_req`` (schedule_batch.py) for a retraction,
+  ``ScheduleBatch.check_decode_mem`` and ``_get_decode_retraction_order``.
+- HiCache: ``check_hicache_events`` every iteration, ``ready_to_load_host_cache`` when a prefill
+  batch is built, ``flush_write_through_acks`` before a decode step.
+
+What is re-implemented, because sglang builds it from a model and GPU tensors (``ScheduleBatch.
+init_new``/``prepare_for_extend``/``prepare_for_decode`` need a ``ModelConfig`` and forward
+buffers), in the order sglang runs it:
+
+- ``Scheduler.get_next_batch_to_run`` (managers/scheduler.py): stash the chunked request
+  (``stash_chunked_request``), merge the last prefill batch into the running batch, prefill first
+  if one can be built, else ``update_running_batch``;
+- ``Scheduler._get_new_batch_prefill_raw``: the waiting-queue walk, ``batch_is_full``;
+- ``alloc_for_extend`` / ``alloc_for_decode`` (mem_cache/allocation.py): the token slots go
+  through sglang's ``alloc_token_slots``; only the ``req_to_token`` write is ours;
+- ``prepare_for_extend``'s ``cached_tokens`` bookkeeping (what ``meta_info.cached_tokens``
+  reports), ``retract_decode`` (schedule_batch.py) without ``filter_batch``'s tensors;
+- ``process_batch_result_prefill``/``_decode`` (scheduler_components/batch_result_processor.py):
+  the first token, ``update_finish_state``, then release or cache-unfinished.
+
+Not modelled: overlap scheduling (a batch's results are processed before the next is built),
+mixed chunks (off by default), priorities, LoRA, grammar, speculative decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Hook = Callable[[Any], None]
+
+
+@dataclass
+class Batch:
+    """One forward: ``chunks`` holds (cached prefix, new tokens) per request for a prefill, and
+    ``context`` the summed sequence length for a decode step."""
+
+    mode: str  # "prefill" | "decode"
+    reqs: list[Any]
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    context: int = 0
+    loads: bool = False  # a HiCache load into this batch's prefixes was started
+
+
+class TwinScheduler:
+    """The scheduling half of sglang's ``Scheduler`` over one real tree.
+
+    ``on_admitted(req)`` is called for every request admitted to a prefill batch right after
+    ``PrefillAdder`` matched and locked its prefix; ``on_first_token(req)`` and ``on_finished(req)``
+    when a result is processed; ``on_retracted(req)`` when decode memory ran out."""
+
+    def __init__(
+        self,
+        harness: Any,
+        *,
+        chunked_prefill_size: int = 8192,
+        max_prefill_tokens: int = 16384,
+        max_running_requests: int = 256,
+        on_admitted: Hook | None = None,
+        on_first_token: Hook | None = None,
+        on_finished: Hook | None = None,
+        on_retracted: Hook | None = None,
+    ) -> None:
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+            NewTokenRatioTracker,
+        )
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        self.h = harness
+        self.tree = harness.tree
+        self.hicache = harness.is_hi
+        args = harness.server_args
+        args.chunked_prefill_size = chunked_prefill_size
+        args.max_prefill_tokens = max_prefill_tokens
+        args.max_running_requests = max_running_requests
+        args.pp_max_micro_batch_size = max_running_requests
+        set_global_server_args_for_scheduler(args)  # Req/PrefillAdder read the global args
+        self.server_args = args
+        self.page_size = harness.cfg.page_size
+        self.chunked_prefill_size = chunked_prefill_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running_requests = max_running_requests
+        self.ratio = NewTokenRatioTracker.from_server_args(args)
+        self.policy = SchedulePolicy(args.schedule_policy, self.tree, self.hicache, False, False)
+        self.waiting_queue: list[Any] = []
+        self.running_batch = self._new_batch([])
+        self.chunked_req: Any = None
+        self.last_batch: Batch | None = None
+        self._batch_cls = ScheduleBatch
+        self.on_admitted = on_admitted
+        self.on_first_token = on_first_token
+        self.on_finished = on_finished
+        self.on_retracted = on_retracted
+        self.retractions = 0
+        self.prefill_tokens = 0  # computed prompt tokens (new KV written by prefill)
+        self.cached_tokens = 0  # prompt tokens served from cache at admission
+
+    def _new_batch(self, reqs: list[Any]) -> Any:
+        """A real ``ScheduleBatch`` that only holds the running requests: what ``PrefillAdder``,
+        ``check_decode_mem`` and toolkv's ``promised_tokens`` read from it."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        return ScheduleBatch(
+            reqs=reqs,
+            req_to_token_pool=self.h.req_pool,
+            token_to_kv_pool_allocator=self.h.allocator,
+            tree_cache=self.tree,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(self, req: Any) -> None:
+        """``_add_request_to_queue``: the waiting queue is FIFO (retracted requests go to its end)."""
+        self.waiting_queue.append(req)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req is not None)
+
+    # ---- one iteration ---------------------------------------------------------------------------
+    def next_batch(self) -> Batch | None:
+        """``get_next_batch_to_run``: returns the forward to run now, with its memory allocated."""
+        chunked = self.chunked_req
+        if chunked is not None and chunked.extend_range.end > len(chunked.prefix_indices):
+            from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+            maybe_cache_unfinished_req(chunked, self.tree, chunked=True)  # stash_chunked_request
+        last = self.last_batch
+        self.last_batch = None
+        if last is not None and last.mode == "prefill":
+            keep = [r for r in last.reqs if r is not chunked and not r.finished()]
+            if len(keep) < len(last.reqs):
+                self.running_batch.batch_is_full = False
+            self.running_batch.reqs.extend(keep)
+        batch = self._new_prefill()
+        if batch is None and self.running_batch.reqs:
+            batch = self._decode()
+        self.last_batch = batch
+        return batch
+
+    def _allocatable(self) -> int:
+        running = len(self.running_batch.reqs)
+        return min(self.max_running_requests - running, int(self.h.req_pool.available_size()))
+
+    def _new_prefill(self) -> Batch | None:
+        """``_get_new_batch_prefill_raw`` (scheduler.py), fcfs, no LoRA/grammar/priorities."""
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+        if self.hicache:
+            self.tree.check_hicache_events()
+        rb = self.running_batch
+        if (rb.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            return None
+        if self._allocatable() <= 0 and self.chunked_req is None:
+            rb.batch_is_full = True
+            return None
+        self.policy.calc_priority(self.waiting_queue, rb)
+        adder = PrefillAdder(
+            self.page_size, self.tree, self.h.allocator, rb, self.ratio.current,
+            self.max_prefill_tokens, self.chunked_prefill_size, 0, 0,
+            max_running_requests=self.max_running_requests, waiting_queue_len=len(self.waiting_queue),
+        )  # fmt: skip
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if len(adder.can_run_list) >= self._allocatable():
+                rb.batch_is_full = True
+            if rb.batch_is_full:
+                break
+            req.init_next_round_input(self.tree)
+            res = adder.add_one_req(
+                req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None
+            )
+            if adder.can_run_list and adder.can_run_list[-1] is req and self.on_admitted is not None:
+                self.on_admitted(req)
+            if res != AddReqResult.CONTINUE:
+                if res == AddReqResult.NO_TOKEN:
+                    if self.hicache:
+                        rb.batch_is_full = len(adder.can_run_list) > 0 or bool(rb.reqs)
+                    else:
+                        rb.batch_is_full = True
+                break
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+        chosen = set(map(id, can_run))
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in chosen]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.inflight_middle_chunks += 1
+        loads = False
+        if self.hicache:
+            before = self._pending_loads()
+            self.tree.ready_to_load_host_cache()
+            loads = self._pending_loads() > before or before > 0
+        chunks = self._alloc_extend(can_run)
+        return Batch("prefill", list(can_run), chunks=chunks, loads=loads)
+
+    def _pending_loads(self) -> int:
+        ctrl = self.tree.cache_controller
+        return sum(1 for a in ctrl.ack_load_queue if not a.finish_event.query())
+
+    def _alloc_extend(self, reqs: list[Any]) -> list[tuple[int, int]]:
+        """``prepare_for_extend`` + ``alloc_for_extend``: slots, KV, ``cached_tokens``."""
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+        from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots
+
+        pre = [len(r.prefix_indices) for r in reqs]
+        ext = [r.extend_range.length for r in reqs]
+        alloc_req_slots(self.h.req_pool, reqs, self.tree)
+        out = alloc_token_slots(self.tree, sum(ext)) if sum(ext) else torch.empty(0, dtype=torch.int64)
+        r2t = self.h.req_pool.req_to_token
+        at = 0
+        chunks = []
+        for r, p, n in zip(reqs, pre, ext, strict=True):
+            seq = r.extend_range.end
+            assert seq - p == n
+            if p:
+                r2t[r.req_pool_idx, :p] = r.prefix_indices.to(r2t.dtype)
+            r2t[r.req_pool_idx, p:seq] = out[at : at + n].to(r2t.dtype)
+            at += n
+            if r.kv is None:
+                r.kv = ReqKvInfo(kv_allocated_len=seq, swa_evicted_seqlen=0)
+            else:
+                r.kv.kv_allocated_len = seq
+            r.kv_committed_len = seq
+            if not r.retracted_stain:  # prepare_for_extend: cached_tokens counted once
+                new_cached = p - r.already_computed
+                r.cached_tokens += new_cached
+                self.cached_tokens += new_cached
+                r.already_computed = seq
+            r.is_retracted = False
+            self.prefill_tokens += n
+            chunks.append((p, n))
+        return chunks
+
+    def _decode(self) -> Batch | None:
+        """``update_running_batch`` + ``prepare_for_decode``/``alloc_for_decode``."""
+        from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+        rb = self.running_batch
+        initial = len(rb.reqs)
+        rb.reqs = [r for r in rb.reqs if not r.finished()]
+        if not rb.reqs:
+            rb.batch_is_full = False
+            return None
+        if self.hicache and hasattr(self.tree, "flush_write_through_acks"):
+            self.tree.flush_write_through_acks()
+        if not rb.check_decode_mem():
+            self._retract()
+        else:
+            self.ratio.decay_step()
+        if len(rb.reqs) < initial:
+            rb.batch_is_full = False
+        if not rb.reqs:
+            return None
+        out = alloc_token_slots(self.tree, len(rb.reqs))
+        r2t = self.h.req_pool.req_to_token
+        context = 0
+        for i, r in enumerate(rb.reqs):
+            r2t[r.req_pool_idx, r.kv_committed_len] = int(out[i])
+            r.kv_committed_len += 1
+            r.kv.kv_allocated_len += 1
+            context += r.kv_committed_len
+        return Batch("decode", list(rb.reqs), context=context)
+
+    def _retract(self) -> None:
+        """``ScheduleBatch.retract_decode``: retract the least preferred requests (fewest output
+        tokens, then longest input, kept last) until the next step fits; never the last one."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch, release_req
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+            NewTokenRatioTracker,
+        )
+
+        rb = self.running_batch
+        order = ScheduleBatch._get_decode_retraction_order(rb.reqs, self.server_args, allow_policy_sort=True)
+        retracted = []
+        first = True
+        while first or not rb.check_decode_mem(selected_indices=order):
+            if len(order) == 1:
+                break
+            first = False
+            idx = order.pop()
+            req = rb.reqs[idx]
+            retracted.append(req)
+            release_req(
+                req=req, remaing_req_count=len(order), server_args=self.server_args,
+                req_to_token_pool=self.h.req_pool, token_to_kv_pool_allocator=self.h.allocator,
+                tree_cache=self.tree, hisparse_coordinator=None,
+            )  # fmt: skip
+        keep = set(order)
+        rb.reqs = [r for i, r in enumerate(rb.reqs) if i in keep]
+        self.ratio.current = NewTokenRatioTracker.estimate_new_token_ratio_after_retract(rb.reqs)
+        for req in retracted:
+            self.retractions += 1
+            if self.on_retracted is not None:
+                self.on_retracted(req)
+            self.add_request(req)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def finish_batch(self, batch: Batch) -> None:
+        """``process_batch_result_prefill``/``_decode``: one new token per request that is not a
+        middle chunk; a finished request releases its KV into the tree (``cache_finished_req``),
+        an unfinished one is cached for the next round (prefill)."""
+        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req, release_kv_cache
+
+        for req in batch.reqs:
+            if req.finished() or req.is_retracted:
+                continue
+            if batch.mode == "prefill" and req.inflight_middle_chunks > 0:
+                req.inflight_middle_chunks -= 1
+                continue
+            first = len(req.output_ids) == 0
+            req.output_ids.append(1000 + len(req.output_ids))
+            if first and self.on_first_token is not None:
+                self.on_first_token(req)
+            req.update_finish_state()
+            if req.finished():
+                release_kv_cache(req, self.tree)
+                if self.on_finished is not None:
+                    self.on_finished(req)
+            elif batch.mode == "prefill":
+                maybe_cache_unfinished_req(req, self.tree)

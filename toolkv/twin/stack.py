@@ -1,0 +1,73 @@
+"""Build one configuration's server-side stack: sglang 0.5.16's real cache (CPU harness, tiny
+tensors, real token counts) with toolkv's real scheduler side attached the way the plugin
+attaches it (``cache_finished_req`` wrapped by ``around_cache_finished_req``, the tick on an
+agreed clock that reads the simulated time)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from toolkv.twin.configs import TwinConfig
+
+
+@dataclass
+class Stack:
+    harness: Any  # toolkv.testing.harness.CacheHarness
+    tk: Any  # toolkv.sglang.scheduler_side.SchedulerToolKV
+    device_tokens: int
+    host_tokens: int
+
+    def close(self) -> None:
+        self.harness.close()
+
+
+def quiet() -> None:
+    """sglang logs every retraction and toolkv every decision: millions of lines in an hour."""
+    for name in ("sglang", "toolkv"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def build(
+    cfg: TwinConfig, *, device_tokens: int, kv_bytes_per_token: int, now: Callable[[], float],
+    max_reqs: int = 256, context_len: int = 65_536 + 64,
+) -> Stack:  # fmt: skip
+    """The cache of ``cfg`` (device pool of ``device_tokens``; host pool of ``cfg.host_gb`` at
+    ``kv_bytes_per_token``) with toolkv loaded as in every benchmark configuration
+    (``TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1`` and the configuration's TTL, policy, budget)."""
+    import torch
+
+    from toolkv.core.backends.base import LocalAgreement
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.plugin import around_cache_finished_req
+    from toolkv.sglang.scheduler_side import SchedulerToolKV
+    from toolkv.sglang.tp import AgreedClock
+    from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+    quiet()
+    torch.set_num_threads(1)  # tiny tensors: threads only contend (and the machine is shared)
+    host_tokens = cfg.host_tokens(kv_bytes_per_token)
+    # the harness sizes the host pool as int(device * ratio) + 1 page (pool_host/base.py)
+    ratio = (host_tokens - 1 + 0.5) / device_tokens if host_tokens else 2.0
+    h = CacheHarness(
+        HarnessConfig(
+            kind="hiradix" if cfg.cache == "hiradix" else "radix", page_size=1, device_tokens=device_tokens,
+            host_ratio=ratio, layers=1, heads=1, head_dim=1, dtype=torch.float16, max_reqs=max_reqs,
+            context_len=context_len,
+        )
+    )  # fmt: skip
+    budget = int(cfg.pin_budget_share * device_tokens) if cfg.pin_budget_share is not None else None
+    tcfg = ToolKVConfig(
+        enable=True, ttl_s=cfg.ttl_s, host_budget_tokens=budget, restore_on_request=True, policy=cfg.policy
+    )
+    agree = LocalAgreement()
+    clock = AgreedClock(agree, every=tcfg.sweep_every, source=now)
+    tk = SchedulerToolKV(h.tree, config=tcfg, agree=agree, clock=clock)
+    h.tree._toolkv = tk
+    h.tree.cache_finished_req = functools.partial(
+        around_cache_finished_req, type(h.tree).cache_finished_req, h.tree
+    )
+    return Stack(h, tk, device_tokens, int(h.host_pool.size) if h.host_pool is not None else 0)
