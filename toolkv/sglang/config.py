@@ -7,11 +7,14 @@ scheduler rank), so all of them see the same configuration without any plumbing.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
+
+from toolkv.errors import StartupRefused
 
 if TYPE_CHECKING:  # imported lazily: the plugin entry point must load without toolkv's dependencies,
     # so that it can name the missing one instead of sglang's loader swallowing an ImportError
@@ -35,7 +38,10 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
-def _float(env: Mapping[str, str], name: str, default: float, *, lo: float) -> float:
+def _float(
+    env: Mapping[str, str], name: str, default: float, *, lo: float, positive: bool = False, why: str = ""
+) -> float:
+    """``positive``: 0 is refused too (``why`` says what 0 would do)."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
@@ -45,10 +51,12 @@ def _float(env: Mapping[str, str], name: str, default: float, *, lo: float) -> f
         raise ValueError(f"{name}={raw!r}: expected a number") from None
     if not math.isfinite(v) or v < lo:
         raise ValueError(f"{name}={raw!r}: expected a finite number >= {lo}")
+    if positive and v <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a number > 0{why}")
     return v
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int) -> int | None:
+def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int, why: str = "") -> int | None:
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
@@ -57,8 +65,47 @@ def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int) -> 
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected an integer") from None
     if v < lo:
-        raise ValueError(f"{name}={raw!r}: expected an integer >= {lo}")
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {lo}{why}")
     return v
+
+
+# ``TOOLKV_*`` names that are not server settings: the test suite's and the tools' own knobs. A
+# server launched from a developer's shell may carry them; they are neither read here nor refused.
+TOOLING_VARIABLES = frozenset(
+    {
+        "TOOLKV_DEBUG",
+        "TOOLKV_SPEC_DIR",
+        "TOOLKV_TLA_JAR",
+        "TOOLKV_JAVA",
+        "TOOLKV_WRITE_OPENAPI",
+        "TOOLKV_CONFORMANCE_REPORT",
+        "TOOLKV_GPU_EXAMPLES",
+        "TOOLKV_UNIFIED_EXAMPLES",
+        "TOOLKV_DECODE_EXAMPLES",
+        "TOOLKV_DECODE_STEPS",
+        "TOOLKV_DECODE_KILL_EXAMPLES",
+        "TOOLKV_SRC",
+        "TOOLKV_EP",
+    }
+)
+
+
+def _unknown(env: Mapping[str, str], known: frozenset[str]) -> list[tuple[str, str | None]]:
+    """``(name, closest known name or None)`` for every variable that looks like toolkv's
+    (``TOOLKV_`` in any case) and is neither a setting nor a tooling knob."""
+    out = []
+    for name in sorted(env):
+        if not name.upper().startswith("TOOLKV_") or name in known or name in TOOLING_VARIABLES:
+            continue
+        # compared without the shared prefix, which would make every name look alike
+        close = difflib.get_close_matches(name.upper()[7:], sorted(k[7:] for k in known), n=1, cutoff=0.6)
+        out.append((name, f"TOOLKV_{close[0]}" if close else None))
+    return out
+
+
+def _unknown_message(found: list[tuple[str, str | None]]) -> str:
+    parts = [f"{n} is not a toolkv variable" + (f" (did you mean {c}?)" if c else "") for n, c in found]
+    return "; ".join(parts) + ". Known: see docs/operations.md, 'Enable'"
 
 
 @dataclass(frozen=True)
@@ -79,17 +126,42 @@ class ToolKVConfig:
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
     keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: with policy auto, the longest a GPU pin waits for tool_end
 
-    @staticmethod
-    def enabled_in(env: Mapping[str, str] | None = None) -> bool:
+    @classmethod
+    def variables(cls) -> frozenset[str]:
+        """Every ``TOOLKV_*`` setting: one per field, so a new field is a known variable at once."""
+        return frozenset(f"TOOLKV_{f.name.upper()}" for f in fields(cls))
+
+    @classmethod
+    def enabled_in(cls, env: Mapping[str, str] | None = None) -> bool:
         """TOOLKV_ENABLE alone: the other variables are only read (and can only fail the launch)
-        once toolkv is enabled, so an installed but disabled plugin stays inert."""
-        return _bool(os.environ if env is None else env, "TOOLKV_ENABLE", False)
+        once toolkv is enabled, so an installed but disabled plugin stays inert.
+
+        One exception: a misspelt switch that is on (``TOOLKV_ENABLED=1``, ``toolkv_enable=1``)
+        while ``TOOLKV_ENABLE`` is unset. Its operator wants toolkv; serving without it would be
+        the silent degradation the fail-closed start-up exists to prevent, so it is refused."""
+        e = os.environ if env is None else env
+        if "TOOLKV_ENABLE" not in e:
+            wanted = [
+                (n, c)
+                for n, c in _unknown(e, cls.variables())
+                if c == "TOOLKV_ENABLE" and e[n].strip().lower() in _TRUE
+            ]
+            if wanted:
+                names = ", ".join(f"{n}={e[n]}" for n, _ in wanted)
+                raise StartupRefused(
+                    f"{names} looks like the switch TOOLKV_ENABLE, which is not set: toolkv would not run. "
+                    f"Set TOOLKV_ENABLE=1, or unset {', '.join(n for n, _ in wanted)} to serve without toolkv"
+                )
+        return _bool(e, "TOOLKV_ENABLE", False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ToolKVConfig:
         """Parse and validate; a bad value raises ``ValueError`` naming the variable, so a typo
         stops the server at start-up instead of silently running with a default."""
         e = os.environ if env is None else env
+        unknown = _unknown(e, cls.variables())
+        if unknown:  # a misspelt name would otherwise run silently with the default
+            raise ValueError(_unknown_message(unknown))
         fallback = (e.get("TOOLKV_FALLBACK") or "pin").strip().lower()
         if fallback not in ("pin", "shadow"):
             raise ValueError(f"TOOLKV_FALLBACK={fallback!r}: expected 'pin' or 'shadow'")
@@ -101,8 +173,21 @@ class ToolKVConfig:
             raise ValueError(f"TOOLKV_POLICY={policy!r}: expected 'offload' or 'auto'")
         return cls(
             enable=_bool(e, "TOOLKV_ENABLE", False),
-            ttl_s=_float(e, "TOOLKV_TTL_S", cls.ttl_s, lo=0.0),
-            host_budget_tokens=_int(e, "TOOLKV_HOST_BUDGET_TOKENS", None, lo=0),
+            ttl_s=_float(
+                e,
+                "TOOLKV_TTL_S",
+                cls.ttl_s,
+                lo=0.0,
+                positive=True,
+                why=" (0 would release every protection at the next sweep, before any tool_end)",
+            ),
+            host_budget_tokens=_int(
+                e,
+                "TOOLKV_HOST_BUDGET_TOKENS",
+                None,
+                lo=1,
+                why=" (0 would refuse every tool_start with 507; unset it for no budget)",
+            ),
             fallback="shadow" if fallback == "shadow" else "pin",
             zero_change=_bool(e, "TOOLKV_ZERO_CHANGE", False),
             restore_on_request=_bool(e, "TOOLKV_RESTORE_ON_REQUEST", True),

@@ -85,3 +85,17 @@ def host_pool_warning(sizes: PoolSizes | None) -> str | None:
         f"{sizes.suggested_hicache_size()} (GB per rank, 2x the device pool) or more; see docs/operations.md, "
         "'Size host memory'"
     )
+
+
+def budget_warning(sizes: PoolSizes | None, budget_tokens: int | None) -> str | None:
+    """The start-up WARNING line when ``TOOLKV_HOST_BUDGET_TOKENS`` exceeds the host pool: the
+    budget can never bind (the pool refuses first, and sglang's write-through shares it), so the
+    operator's cap is not the one in force."""
+    if sizes is None or budget_tokens is None or budget_tokens <= sizes.host_tokens:
+        return None
+    return (
+        f"toolkv: TOOLKV_HOST_BUDGET_TOKENS={budget_tokens:,} is larger than the HiCache host pool "
+        f"({sizes.host_tokens:,} tokens): the budget never binds, and tool_start answers 507 when the pool "
+        f"is full instead. Set it to about 60% of the pool ({int(0.6 * sizes.host_tokens):,}) or give a "
+        "larger --hicache-size; see docs/operations.md, 'Size host memory'"
+    )

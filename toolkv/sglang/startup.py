@@ -129,6 +129,32 @@ def flag_reasons(version: str, server_args: Any) -> list[str]:
     ]
 
 
+def fallback_warnings(version: str, server_args: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Start-up WARNING lines for a launch that works but gives toolkv no host tier.
+
+    sglang 0.5.16 without ``--enable-hierarchical-cache`` builds a plain ``RadixCache``: toolkv
+    then pins a session's KV on the GPU (or shadows it) instead of offloading it, which frees no
+    device memory during a tool call. That is a supported fallback, but not what an operator who
+    enabled toolkv for host offload expects, so it is said once, at start-up, unless
+    ``TOOLKV_FALLBACK`` names the fallback explicitly. (0.5.23 refuses such a launch outright:
+    :data:`SUPPORTED`'s ``flags``.)"""
+    env = os.environ if environ is None else environ
+    release = SUPPORTED.get(version)
+    if release is None or release.tree != "radix" or env.get("TOOLKV_FALLBACK"):
+        return []
+    if getattr(server_args, "enable_hierarchical_cache", False) or getattr(
+        server_args, "disable_radix_cache", False
+    ):
+        return []
+    return [
+        f"toolkv: sglang {version} runs without --enable-hierarchical-cache, so there is no host tier: "
+        "tool_start keeps each session's KV pinned on the GPU (TOOLKV_FALLBACK=pin) instead of offloading "
+        "it, and frees no device memory during tool calls. Give --enable-hierarchical-cache (with "
+        "--hicache-size) for host offload, or set TOOLKV_FALLBACK=pin or shadow to choose the fallback "
+        "and silence this"
+    ]
+
+
 def missing_dependencies(names: Iterable[str] = DEPENDENCIES) -> list[str]:
     """Requirements whose module cannot be found, without importing them: importing
     ``prometheus_client`` here, before sglang sets ``PROMETHEUS_MULTIPROC_DIR``, would switch the
