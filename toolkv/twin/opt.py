@@ -13,7 +13,8 @@ session's request then finds the tokens still held. Tokens are unit-size items o
 What the bound assumes, and so what it does not cover: the timeline is fixed (the run's own
 turn ends and request times; a policy that served turns faster would change them); the held KV
 lives in ``capacity`` tokens of host memory and the device pool holds none of it across a tool
-call (in the constrained regime running requests lock most of the device pool); moving KV costs
+call (in the constrained regime running requests lock most of the device pool; on a plain
+RadixCache the capacity is instead the device tokens toolkv's pin may hold); moving KV costs
 nothing and is never too late; a session's KV is only reused by that session (sessions share
 no prefix in this workload).
 """

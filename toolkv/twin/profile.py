@@ -79,8 +79,11 @@ def default_profile() -> TimeProfile:
       (bandwidth term 20.7 us/token, attention 0.81 ns per token pair); the live server (triton,
       no CUDA graph) answered an idle 1,024-token prefill in 45 ms and an 8,192-token one in 323 ms,
       which scales that shape by 1.59 and adds 10.6 ms per batch;
-    - decode: 4 streams decoded 186 tokens/s (21.5 ms a step) on the same server; the per-request
-      and per-context terms are the weight-read floor and the KV read at ~2.6 TB/s (128 KiB/token);
+    - decode: 4 streams decoded 186 tokens/s (21.5 ms a step) on the same server; in the agent
+      benchmark's constrained ``stock-large`` run a turn's tokens after the first came every
+      22.2 ms (median, prefill pauses included) with 6.4 requests running over ~100K context
+      tokens, which leaves ~10 ns per context token (the KV read at well above 10 TB/s would be
+      less; the rest is per-step launch cost of a server without CUDA graphs);
     - copies: sglang's kernel io backend moved 1 GiB at 50.9 GB/s host->device and 52.5 GB/s
       device->host; toolkv's restore and offload of 8,192 tokens reached 48.7 and 48.0 GB/s.
 
@@ -92,7 +95,7 @@ def default_profile() -> TimeProfile:
         prefill_c=1.285e-9,
         decode_d=0.0195,
         decode_e=0.0002,
-        decode_f=5.0e-8,
+        decode_f=1.0e-8,
         h2d_gbps=48.7,
         d2h_gbps=48.0,
         kv_bytes_per_token=131_072,

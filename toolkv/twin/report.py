@@ -31,6 +31,15 @@ def reuse(
     return {"cached_tokens": got, "reusable_tokens": want, "reuse": got / want if want else 0.0}
 
 
+def capacity(o: Outcome) -> int:
+    """The idle-KV capacity the bound gets: the host pool, or on a plain RadixCache (no host
+    pool) the device tokens toolkv's GPU pin may hold (``TOOLKV_HOST_BUDGET_TOKENS``)."""
+    if o.host_tokens:
+        return o.host_tokens
+    share = o.config.pin_budget_share
+    return int(share * o.device_tokens) if share is not None else 0
+
+
 def result(
     o: Outcome, plan: Plan, profile: TimeProfile, *, window: tuple[float, float], opt: bool = False,
     opt_capacity: int | None = None,
@@ -68,7 +77,7 @@ def result(
         "timeline": a.timeline,
     }
     if opt:
-        cap = opt_capacity if opt_capacity is not None else o.host_tokens
+        cap = opt_capacity if opt_capacity is not None else capacity(o)
         twin["opt"] = opt_reuse(a.timeline, cap, window)
         r = summary["reuse"]["reuse"]
         twin["opt"]["fraction"] = r / twin["opt"]["reuse"] if twin["opt"]["reuse"] else None

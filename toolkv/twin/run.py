@@ -134,24 +134,29 @@ class Twin:
         )
 
     def _inputs(self) -> None:
-        for t, kind, sid in self.agents.due(self.now):
-            if kind == "turn":
-                self.agents.begin(sid, t)
-            elif kind == "tool_done":
-                self.agents.tool_done(sid, t)
-            elif kind == "generate":
-                self.agents.generate_sent(sid, t)
-                self.tk.on_request(self.agents.sid_sent(sid))
-                self.sched.add_request(self._new_req(sid))
-            elif kind.startswith("op:"):
-                op = kind[3:]
-                body: dict[str, Any] = (
-                    self.agents.tool_start_body(sid) if op == "tool_start" else {"session_id": sid}
-                )
-                if op == "tool_end":
-                    body["epoch"] = self.agents.agents[sid].epoch
-                status, out = self.tk.handle(op, body)
-                self.agents.answered(op, sid, status, out, self.now)
+        while due := self.agents.due(self.now):  # an agent's reaction at the same instant is due too
+            for t, kind, sid in due:
+                self._input(t, kind, sid)
+
+    def _input(self, t: float, kind: str, sid: str) -> None:
+        """One agent message reaching the scheduler (``process_input_requests``)."""
+        if kind == "turn":
+            self.agents.begin(sid, t)
+        elif kind == "tool_done":
+            self.agents.tool_done(sid, t)
+        elif kind == "generate":
+            self.agents.generate_sent(sid, t)
+            self.tk.on_request(self.agents.sid_sent(sid))
+            self.sched.add_request(self._new_req(sid))
+        elif kind.startswith("op:"):
+            op = kind[3:]
+            body: dict[str, Any] = (
+                self.agents.tool_start_body(sid) if op == "tool_start" else {"session_id": sid}
+            )
+            if op == "tool_end":
+                body["epoch"] = self.agents.agents[sid].epoch
+            status, out = self.tk.handle(op, body)
+            self.agents.answered(op, sid, status, out, self.now)
 
     # ---- the loop --------------------------------------------------------------------------------
     def _batch_time(self, b: Batch) -> float:

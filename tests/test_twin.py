@@ -1,0 +1,116 @@
+"""The twin (``toolkv twin``): sglang 0.5.16's real cache, Req and PrefillAdder, toolkv's real
+scheduler side, modelled GPU time. CPU, seconds long.
+
+- conservation: every prompt token of every turn was either served from cache or computed,
+  every turn the plan asked for was answered, and after the run every sglang and toolkv counter
+  is back at its initial value with both pools idle; the same seed gives the same run;
+- a hand-computed schedule: two requests, chunked prefill, a decode batch, on a profile with
+  round numbers, equal to the twin's decisions and times to the microsecond;
+- the optimal-retention bound on a hand-made timeline; the profile fit on synthetic points.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from toolkv.tools.agent_workload import Plan, SessionPlan, Workload, make_plan
+from toolkv.twin.configs import get
+from toolkv.twin.opt import belady, opt_reuse
+from toolkv.twin.profile import TimeProfile, default_profile
+from toolkv.twin.run import Options, simulate
+
+SMALL = Workload(initial_sessions=4, ramp_s=1.0, turns_median=3, first_tokens=1200, growth_per_turn=300,
+                 output_tokens=20, duration_s=12.0, seed=3)  # fmt: skip
+OPTS = Options(
+    device_tokens=6000, chunked_prefill_size=1024, max_prefill_tokens=2048, max_running_requests=16
+)
+
+
+def run(name: str, w: Workload = SMALL, opts: Options = OPTS, profile: TimeProfile | None = None) -> object:
+    return simulate(make_plan(w), get(name), profile or default_profile(), opts)
+
+
+@pytest.mark.parametrize("name", ["stock", "offload", "auto", "pin", "radix"])
+def test_conservation_and_idle_pools(name: str) -> None:
+    o = run(name)
+    assert o.crashed is None, o.crashed
+    plan = make_plan(SMALL)
+    a = o.agents
+    # every turn a session started was answered (the run ends with no turn in flight)
+    assert a.finished and all(t.status == 200 for t in a.turns)
+    assert {t.session for t in a.turns} == {s.sid for s in plan.sessions}
+    # every prompt token was served from cache or computed, exactly once (no retraction here)
+    assert o.retractions == 0
+    assert o.prefill_tokens + o.cached_tokens == sum(t.prompt_tokens for t in a.turns)
+    assert all(0 <= t.cached_tokens <= t.prompt_tokens for t in a.turns)
+    assert all(t.output_tokens == SMALL.output_tokens for t in a.turns)
+    # nothing leaked: no lock, no protection, no slot, every device and host token free again
+    assert o.leaks["leaked"] == 0, o.leaks
+    if name in ("offload", "auto"):
+        assert sum(v for k, v in a.calls.items() if k.startswith("tool_start")) > 0
+    if name == "stock":
+        assert not a.calls  # stock agents make no toolkv call
+
+
+def test_same_seed_same_run() -> None:
+    one, two = run("offload"), run("offload")
+    key = [(t.session, t.turn, t.start_s, t.ttft_s, t.e2e_s, t.cached_tokens) for t in one.agents.turns]
+    assert key == [
+        (t.session, t.turn, t.start_s, t.ttft_s, t.e2e_s, t.cached_tokens) for t in two.agents.turns
+    ]
+    assert one.agents.calls == two.agents.calls and one.end_s == two.end_s
+
+
+ROUND = TimeProfile(prefill_a=0.1, prefill_b=0.001, prefill_c=0.0, decode_d=0.01, decode_e=0.0, decode_f=0.0,
+                    h2d_gbps=50.0, d2h_gbps=50.0, kv_bytes_per_token=131_072)  # fmt: skip
+
+
+def test_hand_computed_schedule() -> None:
+    """Two requests, chunk 1024, 4 output tokens, a = 0.1 s + 1 ms per prefill token, 10 ms a decode step.
+
+    t=0      s0 (1500 tokens) arrives; PrefillAdder: first chunk of 1024     -> ends 0.1 + 1.024 = 1.124
+    t=1.124  s1 (600, sent at 0.05) waits; s0's last 476 tokens leave 548 of the chunk budget, which
+             s1's first chunk takes                                         -> ends 1.124 + 0.1 + 1.024 = 2.248
+             s0's first token: TTFT 2.248
+    t=2.248  s1's last 52 tokens                                            -> ends 2.248 + 0.152 = 2.400
+             s1's first token: TTFT 2.400 - 0.05 = 2.350
+    then one decode batch of both, 3 steps of 10 ms: both finish at 2.430."""
+    w = Workload(initial_sessions=0, turns_median=1, first_tokens=1500, growth_per_turn=10, output_tokens=4,
+                 duration_s=10.0)  # fmt: skip
+    rng = random.Random(0)
+    plan = Plan(w, [SessionPlan("s0", 0.0, [7, *(rng.randrange(1000, 9000) for _ in range(1499))]),
+                    SessionPlan("s1", 0.05, [8, *(rng.randrange(1000, 9000) for _ in range(599))])])  # fmt: skip
+    o = simulate(plan, get("stock"), ROUND, Options(device_tokens=4096, chunked_prefill_size=1024))
+    got = {t.session: (round(t.ttft_s, 6), round(t.e2e_s, 6), t.cached_tokens) for t in o.agents.turns}
+    assert got == {"s0": (2.248, 2.43, 0), "s1": (2.35, 2.38, 0)}
+    assert (o.prefill_batches, o.decode_steps) == (3, 3)
+    assert o.leaks["leaked"] == 0
+
+
+def test_belady_keeps_the_soonest_reuse() -> None:
+    """Capacity 100: a (60 tokens, back at 5) and b (60, back at 3) cannot both stay; Belady keeps
+    b whole and 40 tokens of a; c arrives at 4 (back at 9) after b left and takes what a leaves."""
+    tl = [
+        {"end_s": 0.0, "next_s": 5.0, "tokens": 60},
+        {"end_s": 1.0, "next_s": 3.0, "tokens": 60},
+        {"end_s": 4.0, "next_s": 9.0, "tokens": 80},
+    ]
+    found = belady(tl, 100)
+    assert found == {1: 60.0, 0: 40.0, 2: 60.0}
+    r = opt_reuse(tl, 100, (0.0, 10.0))
+    assert r["reuse"] == pytest.approx(160 / 200)
+    assert belady(tl, 10**6) == {0: 60.0, 1: 60.0, 2: 80.0}
+    assert belady(tl, 0) == {0: 0.0, 1: 0.0, 2: 0.0}
+
+
+def test_profile_round_trip_and_validation() -> None:
+    p = default_profile()
+    assert TimeProfile.from_json(p.to_json()) == p
+    with pytest.raises(ValueError):
+        TimeProfile.from_json(p.to_json() | {"decode_g": 1.0})
+    with pytest.raises(ValueError):
+        TimeProfile.from_json(p.to_json() | {"h2d_gbps": 0.0})
+    assert math.isclose(p.copy_s(8192, "h2d"), 8192 * 131072 / 48.7e9)

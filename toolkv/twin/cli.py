@@ -1,0 +1,211 @@
+"""``toolkv twin``: run the agent benchmark's workload against a twin of one sglang server.
+
+    toolkv twin [--configs stock,stock-large,offload,auto] [--regime constrained] [--opt]
+                [--compare docs/results/agent/constrained] [--out DIR] [--json]
+    toolkv twin sweep --host-gb 8,16,32,64 --configs stock,offload,auto --tool-shapes traces,long
+                [--plot FILE.png] [--out FILE.json]
+    toolkv twin speed [--sessions 1000 --duration 3600]       (the twin's own speed)
+
+The workload options are ``toolkv bench agent``'s (same generator, same seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from toolkv.tools.agent_workload import SHAPES, Plan, Workload, make_plan
+from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
+
+ACTIONS = ("run", "sweep", "speed")
+VALIDATED = "stock,stock-large,offload,auto"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Workload()
+    p.add_argument("action", nargs="?", choices=ACTIONS, default="run", help="run (default), sweep or speed")
+    p.add_argument("--configs", default=VALIDATED, help=f"comma list of {', '.join(CONFIGS)} (or all)")
+    p.add_argument("--regime", choices=sorted(REGIMES), default="constrained", help="device pool size")
+    p.add_argument("--device-tokens", type=int, default=None, help="device pool tokens (overrides --regime)")
+    p.add_argument(
+        "--host-gb",
+        default=None,
+        help="HiCache host pool GB for the 16 GB configurations (sweep: a comma list)",
+    )
+    p.add_argument("--profile", default=None, help="time profile JSON (default: the built-in H200 profile)")
+    p.add_argument(
+        "--opt", action="store_true", help="also compute the optimal-retention bound per configuration"
+    )
+    p.add_argument("--compare", default=None, help="folder of toolkv bench agent JSON to compare with")
+    p.add_argument("--sessions", type=int, default=d.initial_sessions, help="sessions at the start")
+    p.add_argument("--arrival-rate", type=float, default=None, help="sessions/s after the ramp")
+    p.add_argument("--turns", type=int, default=d.turns_median, help="median turns per session")
+    p.add_argument("--first-tokens", type=int, default=d.first_tokens)
+    p.add_argument("--growth", type=int, default=d.growth_per_turn)
+    p.add_argument("--output", type=int, default=d.output_tokens)
+    p.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
+    p.add_argument("--tool-shapes", default="traces,long", help="sweep: comma list of tool shapes")
+    p.add_argument(
+        "--duration", type=float, default=45.0, help="seconds of arrivals and turns (the suite's 45)"
+    )
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--plot", default=None, help="sweep: write the PNG here")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="run: a folder for one JSON per configuration + report.md; sweep: a JSON file",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def workload(a: argparse.Namespace, tool_shape: str | None = None, **over: Any) -> Workload:
+    kw: dict[str, Any] = dict(
+        initial_sessions=a.sessions, arrival_rate=a.arrival_rate, turns_median=a.turns, first_tokens=a.first_tokens,
+        growth_per_turn=a.growth, output_tokens=a.output, tool_shape=tool_shape or a.tool_shape,
+        duration_s=a.duration, seed=a.seed,
+    )  # fmt: skip
+    kw.update(over)
+    return Workload(**kw)
+
+
+def configs(a: argparse.Namespace, host_gb: float | None) -> list[TwinConfig]:
+    names = list(CONFIGS) if a.configs == "all" else [n.strip() for n in a.configs.split(",") if n.strip()]
+    out = []
+    for n in names:
+        c = get(n)
+        if host_gb is not None and c.cache == "hiradix" and c.host_gb == 16.0:
+            c = c.with_host_gb(host_gb)
+        out.append(c)
+    return out
+
+
+def _profile(a: argparse.Namespace) -> Any:
+    from toolkv.twin.profile import TimeProfile, default_profile
+
+    return TimeProfile.load(a.profile) if a.profile else default_profile()
+
+
+def _opts(a: argparse.Namespace) -> Any:
+    from toolkv.twin.run import Options
+
+    return Options(device_tokens=a.device_tokens or REGIMES[a.regime])
+
+
+def run_configs(
+    a: argparse.Namespace, plan: Plan, cfgs: list[TwinConfig], *, opt: bool, progress: bool
+) -> list[dict[str, Any]]:
+    from toolkv.twin.report import result
+    from toolkv.twin.run import simulate
+
+    prof, opts = _profile(a), _opts(a)
+    w = plan.workload
+    window = (w.ramp_s + a.warmup, w.duration_s)
+    out = []
+    for c in cfgs:
+        o = simulate(plan, c, prof, opts, progress=progress)
+        out.append(result(o, plan, prof, window=window, opt=opt))
+        if progress:
+            print(f"{c.name}: {o.end_s:.0f} simulated s in {o.wall_s:.1f} CPU s", file=sys.stderr)
+    return out
+
+
+def do_run(a: argparse.Namespace) -> int:
+    from toolkv.twin.report import markdown, write
+
+    host = float(a.host_gb) if a.host_gb else None
+    plan = make_plan(workload(a))
+    results = run_configs(a, plan, configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
+    text = markdown(results)
+    cmp_rows: list[dict[str, Any]] = []
+    if a.compare:
+        from toolkv.twin.validate import compare, load_gpu, table
+
+        cmp_rows = compare(results, load_gpu(Path(a.compare)))
+        text += "\n\n" + table(cmp_rows)
+    if a.out:
+        write(results, Path(a.out))
+        (Path(a.out) / "report.md").write_text(text + "\n")
+    if a.json:
+        slim = [{k: v for k, v in r.items() if k not in ("samples", "turns", "plan")} for r in results]
+        print(json.dumps({"results": slim, "compare": cmp_rows}, indent=1, default=str))
+    else:
+        print(text)
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+def do_sweep(a: argparse.Namespace) -> int:
+    from toolkv.twin.sweep import plot, sweep
+
+    hosts = [float(x) for x in (a.host_gb or "8,16,32,64").split(",")]
+    shapes = [s.strip() for s in a.tool_shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        print(f"toolkv twin: error: unknown tool shape(s) {bad}", file=sys.stderr)
+        return 2
+    rows = sweep(a, hosts, shapes)
+    data = {"hosts_gb": hosts, "tool_shapes": shapes, "regime": a.regime, "rows": rows}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(data, indent=1))
+    if a.plot:
+        plot(rows, Path(a.plot))
+    if a.json:
+        print(json.dumps(data, indent=1))
+    else:
+        from toolkv.twin.sweep import table
+
+        print(table(rows))
+    return 0
+
+
+def do_speed(a: argparse.Namespace) -> int:
+    """The twin's own speed: simulated seconds per CPU second on a long run (no assert anywhere)."""
+    from toolkv.twin.run import simulate
+
+    plan = make_plan(workload(a))
+    out = []
+    for c in configs(a, float(a.host_gb) if a.host_gb else None):
+        t0 = time.process_time()
+        o = simulate(plan, c, _profile(a), _opts(a), progress=not (a.quiet or a.json))
+        cpu = time.process_time() - t0
+        out.append({
+            "config": c.name, "sessions": len(plan.sessions), "turns": len(o.agents.turns), "iterations": o.iterations,
+            "simulated_s": o.end_s, "cpu_s": cpu, "simulated_s_per_cpu_s": o.end_s / cpu if cpu else None,
+            "crashed": o.crashed, "leaked": o.leaks.get("leaked"),
+        })  # fmt: skip
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(
+            "| config | sessions | turns | scheduler iterations | simulated s | CPU s | simulated s per CPU s |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in out:
+            print(
+                f"| {r['config']} | {r['sessions']:,} | {r['turns']:,} | {r['iterations']:,} | {r['simulated_s']:,.0f} "
+                f"| {r['cpu_s']:,.0f} | {r['simulated_s_per_cpu_s']:.1f} |"
+            )
+    return 0
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        for n in [] if a.configs == "all" else a.configs.split(","):
+            get(n.strip())
+        if a.host_gb and a.action != "sweep":
+            float(a.host_gb)
+        if a.profile and not Path(a.profile).is_file():
+            raise ValueError(f"no such profile file: {a.profile}")
+        if a.compare and not Path(a.compare).is_dir():
+            raise ValueError(f"no such results folder: {a.compare}")
+        workload(a)
+    except ValueError as e:
+        print(f"toolkv twin: error: {e}", file=sys.stderr)
+        return 2
+    return {"run": do_run, "sweep": do_sweep, "speed": do_speed}[a.action](a)
