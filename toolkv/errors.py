@@ -93,3 +93,10 @@ class StartupRefused(SystemExit):
     def __init__(self, message: str) -> None:
         super().__init__(f"toolkv: refusing to start: {message}")
         self.message = message
+
+
+class InputError(ValueError):
+    """A command-line input or environment toolkv cannot use (a file that is not a trace, a device
+    that is not there, a server that does not answer). Not a bug: the ``toolkv`` command prints
+    it as one line, ``toolkv <command>: error: ...``, and exits 2 (``TOOLKV_DEBUG=1`` re-raises).
+    A ``ValueError`` so that library callers that caught ``ValueError`` still do."""

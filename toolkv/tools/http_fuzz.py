@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkv.errors import InputError
+
 ALLOWED_5XX = frozenset({503, 504})  # device memory full / toolkv unavailable; scheduler timeout
 
 
@@ -133,10 +135,17 @@ def run(args: argparse.Namespace) -> int:
         print("toolkv fuzz-http: needs schemathesis (pip install 'toolkv[test]')", file=sys.stderr)
         return 2
     import httpx
+    from schemathesis.core.errors import LoaderError
 
     base = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=headers)
+    try:
+        schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=headers)
+    except (LoaderError, httpx.HTTPError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(
+            f"cannot load {base}/openapi.json ({first}): is the server running at {base}?"
+        ) from None
     http = httpx.Client(base_url=base, headers=headers, timeout=60)
 
     def snapshot() -> Any:

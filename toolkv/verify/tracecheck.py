@@ -27,7 +27,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SPEC_DIR = Path(__file__).resolve().parents[2] / "spec"
+from toolkv.errors import InputError
+
+
+def spec_files() -> Path:
+    """The spec modules to check against: the same directory ``toolkv spec-check`` uses
+    (``TOOLKV_SPEC_DIR``, the checkout's ``spec/``, else the copy installed in the package). An
+    installed toolkv has no checkout: reading ``spec/`` next to the package found no module, and
+    TLC then marked every trace illegal."""
+    from toolkv.verify.spec_check import default_spec_dir
+
+    d = default_spec_dir()
+    if not (d / "ToolKV.tla").is_file():
+        raise InputError(f"no ToolKV.tla in {d}: set TOOLKV_SPEC_DIR to toolkv's spec directory")
+    return d
+
+
 NODE_FIELDS = ("parent", "writeKey", "loadKey", "ref", "prot")
 FUNC_FIELDS = (
     "status", "parent", "dev", "host", "lockRef", "hostRef", "writeKey", "loadKey", "loadAcks", "extLock",
@@ -182,9 +197,20 @@ NEXT TraceNext
 
 
 def read_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    if not lines or "header" not in lines[0]:
-        raise ValueError(f"{path}: the first line must be the trace header")
+    """The header and the steps of a JSON-lines trace; anything else is an :class:`InputError`
+    naming the file and line (a file that is not a trace is the user's input, not a bug)."""
+    lines: list[Any] = []
+    for no, raw in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            lines.append(json.loads(raw))
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}: line {no} is not JSON ({e.msg}): not a toolkv trace") from None
+    if not lines or not isinstance(lines[0], dict) or "header" not in lines[0]:
+        raise InputError(f"{path}: the first line must be the trace header")
+    if not all(isinstance(x, dict) and "act" in x for x in lines[1:]):
+        raise InputError(f"{path}: every line after the header must be a step with an 'act'")
     return lines[0]["header"], lines[1:]
 
 
@@ -193,11 +219,15 @@ def check_trace(path: Path, timeout: float = 600.0) -> TraceCheckResult:
 
     header, steps = read_trace(path)
     if not steps or steps[0]["act"] != ["Init"]:
-        raise ValueError(f"{path}: the first step must be the initial state (act Init)")
-    module, cfg = build_module(header, steps)
+        raise InputError(f"{path}: the first step must be the initial state (act Init)")
+    try:
+        module, cfg = build_module(header, steps)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{path}: not a toolkv trace ({type(e).__name__}: {e})") from None
+    spec_dir = spec_files()
     tmp = Path(tempfile.mkdtemp(prefix="toolkv-trace-"))
     try:
-        for f in SPEC_DIR.glob("*.tla"):
+        for f in spec_dir.glob("*.tla"):
             shutil.copy(f, tmp / f.name)
         (tmp / "TraceRun.tla").write_text(module)
         (tmp / "TraceRun.cfg").write_text(cfg)
