@@ -114,3 +114,38 @@ def test_profile_round_trip_and_validation() -> None:
     with pytest.raises(ValueError):
         TimeProfile.from_json(p.to_json() | {"h2d_gbps": 0.0})
     assert math.isclose(p.copy_s(8192, "h2d"), 8192 * 131072 / 48.7e9)
+
+
+def test_lazy_sessions_are_make_plans() -> None:
+    """The twin draws each session when it starts; they are exactly ``make_plan``'s."""
+    from toolkv.twin.sessions import Sessions
+
+    w = Workload(initial_sessions=3, turns_median=4, first_tokens=600, growth_per_turn=200, output_tokens=10,
+                 duration_s=400.0, seed=5)  # fmt: skip
+    plan = make_plan(w)
+    lazy = Sessions.lazy(w)
+    assert lazy.starts == [s.start_s for s in plan.sessions]
+    for i, sp in enumerate(plan.sessions):
+        got = lazy.draw(i)
+        assert (got.sid, got.first, got.results, got.tools_s) == (sp.sid, sp.first, sp.results, sp.tools_s)
+    assert lazy.describe()["sessions_plan"] == plan.describe()["sessions_plan"]
+
+
+def test_profile_fit_recovers_synthetic_coefficients() -> None:
+    """The calibration's fit on points made from known coefficients (with 1 % noise) gives them back."""
+    from toolkv.twin.fit import decode_terms, fit, prefill_terms, residual
+
+    rng = random.Random(1)
+    true_p = [0.012, 30e-6, 1.3e-9]
+    pts = [(p, n, sum(c * f for c, f in zip(true_p, prefill_terms((p, n)), strict=True)) * rng.uniform(0.99, 1.01))
+           for p in (0, 8192, 32768) for n in (256, 2048, 8192)]  # fmt: skip
+    got = fit(pts, prefill_terms)
+    assert got[1] == pytest.approx(true_p[1], rel=0.1) and got[2] == pytest.approx(true_p[2], rel=0.1)
+    assert residual(pts, prefill_terms, got) < 0.05
+    true_d = [0.019, 0.0002, 1e-8]
+    pts = [(b, lsum, sum(c * f for c, f in zip(true_d, decode_terms((b, lsum)), strict=True)))
+           for b in (1, 4, 16) for lsum in (4096, 65536)]  # fmt: skip
+    assert fit(pts, decode_terms) == pytest.approx(true_d, rel=1e-6)
+    # a term the points cannot see (noise only) is fixed at zero, never negative
+    flat = [(b, lsum, 0.02 + (0.0001 if b % 2 else -0.0001)) for b in (1, 2, 3, 4) for lsum in (1000, 2000)]
+    assert all(c >= 0 for c in fit(flat, decode_terms))

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkv.tools.agent_metrics import Turn
-from toolkv.tools.agent_workload import Plan, SessionPlan
+from toolkv.tools.agent_workload import SessionPlan
+from toolkv.twin.sessions import Sessions
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Agent:
 class Agents:
     """The client population: a timed event queue of what agents send, and what they recorded."""
 
-    plan: Plan
+    sessions: Sessions
     mode: str
     send_tool: bool = False
     events: list[tuple[float, int, str, str]] = field(default_factory=list)
@@ -52,10 +53,10 @@ class Agents:
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        self.stop_at = self.plan.workload.duration_s
-        for sp in self.plan.sessions:
-            self.agents[sp.sid] = Agent(sp, array("q", sp.first))
-            self.push(sp.start_s, "turn", sp.sid)
+        self.stop_at = self.sessions.workload.duration_s
+        self.live = 0
+        for i, start in enumerate(self.sessions.starts):
+            self.push(start, "start", self.sessions.sid(i))
 
     def push(self, t: float, kind: str, sid: str) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, sid))
@@ -65,7 +66,14 @@ class Agents:
 
     @property
     def finished(self) -> bool:
-        return not self.events and all(a.done for a in self.agents.values())
+        return not self.events and self.live == 0
+
+    def start(self, sid: str, now: float) -> None:
+        """A session starts: draw it (lazily) and send its first turn."""
+        sp = self.sessions.draw(int(sid[1:]))
+        self.agents[sid] = Agent(sp, array("q", sp.first))
+        self.live += 1
+        self.begin(sid, now)
 
     def due(self, now: float) -> list[tuple[float, str, str]]:
         out = []
@@ -128,7 +136,7 @@ class Agents:
         a = self.agents[sid]
         body: dict[str, Any] = {"session_id": sid}
         if self.send_tool:
-            body["tool"] = self.plan.workload.tools.name_of(a.plan.tools_s[a.turn])
+            body["tool"] = self.sessions.workload.tools.name_of(a.plan.tools_s[a.turn])
         return body
 
     def _sleep(self, a: Agent, now: float) -> None:
@@ -165,5 +173,8 @@ class Agents:
 
     def _end(self, a: Agent, now: float) -> None:
         a.done = True
+        self.live -= 1
+        a.ctx = array("q")  # an hour of sessions: keep only what the report needs
+        a.plan = SessionPlan(a.plan.sid, a.plan.start_s, [], [], a.plan.tools_s)
         if a.tracked:
             self.call("close", a.plan.sid, now)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolkv.tools.agent_workload import SHAPES, Plan, Workload, make_plan
+from toolkv.tools.agent_workload import SHAPES, Workload
 from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
 
 ACTIONS = ("run", "sweep", "speed")
@@ -98,18 +98,19 @@ def _opts(a: argparse.Namespace) -> Any:
 
 
 def run_configs(
-    a: argparse.Namespace, plan: Plan, cfgs: list[TwinConfig], *, opt: bool, progress: bool
+    a: argparse.Namespace, w: Workload, cfgs: list[TwinConfig], *, opt: bool, progress: bool
 ) -> list[dict[str, Any]]:
+    """Each configuration over the same sessions (drawn lazily, identical to ``make_plan(w)``)."""
     from toolkv.twin.report import result
     from toolkv.twin.run import simulate
+    from toolkv.twin.sessions import Sessions
 
     prof, opts = _profile(a), _opts(a)
-    w = plan.workload
     window = (w.ramp_s + a.warmup, w.duration_s)
     out = []
     for c in cfgs:
-        o = simulate(plan, c, prof, opts, progress=progress)
-        out.append(result(o, plan, prof, window=window, opt=opt))
+        o = simulate(Sessions.lazy(w), c, prof, opts, progress=progress)
+        out.append(result(o, prof, window=window, opt=opt))
         if progress:
             print(f"{c.name}: {o.end_s:.0f} simulated s in {o.wall_s:.1f} CPU s", file=sys.stderr)
     return out
@@ -119,8 +120,7 @@ def do_run(a: argparse.Namespace) -> int:
     from toolkv.twin.report import markdown, write
 
     host = float(a.host_gb) if a.host_gb else None
-    plan = make_plan(workload(a))
-    results = run_configs(a, plan, configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
+    results = run_configs(a, workload(a), configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
     text = markdown(results)
     cmp_rows: list[dict[str, Any]] = []
     if a.compare:
@@ -167,15 +167,16 @@ def do_sweep(a: argparse.Namespace) -> int:
 def do_speed(a: argparse.Namespace) -> int:
     """The twin's own speed: simulated seconds per CPU second on a long run (no assert anywhere)."""
     from toolkv.twin.run import simulate
+    from toolkv.twin.sessions import Sessions
 
-    plan = make_plan(workload(a))
     out = []
     for c in configs(a, float(a.host_gb) if a.host_gb else None):
+        sessions = Sessions.lazy(workload(a))
         t0 = time.process_time()
-        o = simulate(plan, c, _profile(a), _opts(a), progress=not (a.quiet or a.json))
+        o = simulate(sessions, c, _profile(a), _opts(a), progress=not (a.quiet or a.json))
         cpu = time.process_time() - t0
         out.append({
-            "config": c.name, "sessions": len(plan.sessions), "turns": len(o.agents.turns), "iterations": o.iterations,
+            "config": c.name, "sessions": len(sessions.starts), "turns": len(o.agents.turns), "iterations": o.iterations,
             "simulated_s": o.end_s, "cpu_s": cpu, "simulated_s_per_cpu_s": o.end_s / cpu if cpu else None,
             "crashed": o.crashed, "leaked": o.leaks.get("leaked"),
         })  # fmt: skip

@@ -11,7 +11,6 @@ from typing import Any
 
 from toolkv.tools.agent_metrics import Turn, occupancy, summarize
 from toolkv.tools.agent_report import suite_table
-from toolkv.tools.agent_workload import Plan
 from toolkv.twin.configs import GPU_LABEL
 from toolkv.twin.opt import opt_reuse
 from toolkv.twin.profile import TimeProfile
@@ -41,7 +40,7 @@ def capacity(o: Outcome) -> int:
 
 
 def result(
-    o: Outcome, plan: Plan, profile: TimeProfile, *, window: tuple[float, float], opt: bool = False,
+    o: Outcome, profile: TimeProfile, *, window: tuple[float, float], opt: bool = False,
     opt_capacity: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration's result, shaped like ``toolkv bench agent --out``'s JSON."""
@@ -49,8 +48,7 @@ def result(
     summary = summarize(a.turns, a.calls, window_start_s=window[0], window_end_s=window[1], wall_s=o.end_s)
     summary["errors"] = 0
     summary["decisions"] = dict(a.decisions)
-    appended = {(sp.sid, t + 1): len(r) for sp in plan.sessions for t, r in enumerate(sp.results)}
-    summary["reuse"] = reuse(a.turns, appended, window)
+    summary["reuse"] = reuse(a.turns, a.sessions.appended(), window)
     checks = {
         "every generate answered": summary["turns"] == summary["turns_ok"],
         "no 5xx other than the documented refusals": summary["http_5xx"] == 0,
@@ -86,8 +84,8 @@ def result(
         "gpu_label": GPU_LABEL.get(o.config.name, o.config.name),
         "mode": o.config.mode,
         "source": "twin",
-        "workload": asdict(plan.workload),
-        "plan": plan.describe(),
+        "workload": asdict(a.sessions.workload),
+        "plan": a.sessions.describe(),
         "device_total_tokens": o.device_tokens,
         "summary": summary,
         "occupancy": occupancy(o.samples, o.device_tokens),

@@ -33,6 +33,7 @@ from toolkv.twin.configs import TwinConfig
 from toolkv.twin.copies import TimedCopies
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.scheduler import Batch, TwinScheduler
+from toolkv.twin.sessions import Sessions
 from toolkv.twin.stack import Stack, build
 
 VOCAB = 128_256  # Llama-3.1-8B; the workload draws ids below 120,000
@@ -76,9 +77,10 @@ class Twin:
     """One configuration over one plan."""
 
     def __init__(
-        self, plan: Plan, cfg: TwinConfig, profile: TimeProfile, opts: Options | None = None
+        self, plan: Plan | Sessions, cfg: TwinConfig, profile: TimeProfile, opts: Options | None = None
     ) -> None:
-        self.plan, self.cfg, self.profile = plan, cfg, profile
+        self.sessions = plan if isinstance(plan, Sessions) else Sessions.of(plan)
+        self.cfg, self.profile = cfg, profile
         self.opts = opts or Options()
         self.now = 0.0
         self.stack: Stack = build(
@@ -87,7 +89,7 @@ class Twin:
         )  # fmt: skip
         self.h = self.stack.harness
         self.tk = self.stack.tk
-        self.agents = Agents(plan, cfg.mode, cfg.send_tool)
+        self.agents = Agents(self.sessions, cfg.mode, cfg.send_tool)
         self.copies = TimedCopies(self.h, profile)
         self.sched = TwinScheduler(
             self.h, chunked_prefill_size=self.opts.chunked_prefill_size,
@@ -121,7 +123,9 @@ class Twin:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         a = self.agents.agents[sid]
-        sp = SamplingParams(max_new_tokens=self.plan.workload.output_tokens, ignore_eos=True, temperature=0)
+        sp = SamplingParams(
+            max_new_tokens=self.sessions.workload.output_tokens, ignore_eos=True, temperature=0
+        )
         sp.normalize(None)
         self._rid += 1
         return Req(
@@ -140,8 +144,8 @@ class Twin:
 
     def _input(self, t: float, kind: str, sid: str) -> None:
         """One agent message reaching the scheduler (``process_input_requests``)."""
-        if kind == "turn":
-            self.agents.begin(sid, t)
+        if kind == "start":
+            self.agents.start(sid, t)
         elif kind == "tool_done":
             self.agents.tool_done(sid, t)
         elif kind == "generate":
@@ -273,13 +277,18 @@ class Twin:
 
 
 def simulate(
-    plan: Plan, cfg: TwinConfig, profile: TimeProfile, opts: Options | None = None, *, progress: bool = False
+    plan: Plan | Sessions,
+    cfg: TwinConfig,
+    profile: TimeProfile,
+    opts: Options | None = None,
+    *,
+    progress: bool = False,
 ) -> Outcome:
     """Run ``plan`` against ``cfg``; ``progress`` draws a bar of simulated time on stderr."""
     twin = Twin(plan, cfg, profile, opts)
     if not progress:
         return twin.run()
-    total = plan.workload.duration_s
+    total = twin.sessions.workload.duration_s
     try:
         from tqdm import tqdm
 

@@ -8,18 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from toolkv.tools.agent_workload import make_plan
-
 
 def sweep(a: argparse.Namespace, hosts: list[float], shapes: list[str]) -> list[dict[str, Any]]:
     from toolkv.twin.cli import configs, run_configs, workload
 
     rows = []
     for shape in shapes:
-        plan = make_plan(workload(a, shape))
+        w = workload(a, shape)
         for gb in hosts:
             cfgs = [c.with_host_gb(gb) if c.cache == "hiradix" else c for c in configs(a, gb)]
-            for r in run_configs(a, plan, cfgs, opt=True, progress=False):
+            for r in run_configs(a, w, cfgs, opt=True, progress=False):
                 s, t = r["summary"], r["twin"]
                 rows.append({
                     "tool_shape": shape, "host_gb": gb, "config": r["config"], "turns_per_s": s["turns_per_s"],
