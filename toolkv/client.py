@@ -342,7 +342,8 @@ class RetryPolicy:
         return isinstance(err, HTTPFailure) and err.http_status in (502, 503)
 
 
-NO_RETRY = RetryPolicy(retries=0)
+# the first answer, as it came: no re-send and no kv_meta read to reconcile a lost one
+NO_RETRY = RetryPolicy(retries=0, ops=frozenset())
 
 
 def _outcome_unknown(err: errors.ToolKVError) -> bool:
