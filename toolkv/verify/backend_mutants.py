@@ -102,7 +102,25 @@ class EarlyKeptManager(ToolKVManager):
         return True
 
 
+class EarlyReleaseManager(ToolKVManager):
+    """``EarlyRelease`` (the manager before the hand-over): a restored or kept session lets go of
+    its pin at the load ack / tool_end, so while its next request waits in sglang's queue the KV
+    it was restored for may be evicted."""
+
+    def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
+        self.backend.unpin(rec)
+        super()._hand_over(rec, trigger)
+
+
 # ---- backend defects (mixins for HiRadixBackend and UnifiedBackend) --------------------------------
+
+
+class RoomIgnoredMixin:
+    """``RoomIgnored`` (the host-room rule before): tool_start counts only the free host slots, so
+    it refuses while unprotected host copies that sglang would evict fill the pool."""
+
+    def host_evictable_tokens(self) -> int:
+        return 0
 
 
 class EvictProtectedMixin:
@@ -165,6 +183,7 @@ MANAGER_MUTANTS: dict[str, type[ToolKVManager]] = {
     "EpochReuse": EpochReuseManager,
     "DemoteKeepsRef": DemoteKeepsRefManager,
     "EarlyKept": EarlyKeptManager,
+    "EarlyRelease": EarlyReleaseManager,
 }
 
 # backend class -> defect -> the mixin that seeds it there
@@ -174,6 +193,7 @@ BACKEND_MUTANTS: dict[type, dict[str, type]] = {
         "FreeBeforeAck": FreeBeforeAckMixin,
         "EarlyRunnable": EarlyRunnableMixin,
         "KeepNoPin": KeepNoPinMixin,
+        "RoomIgnored": RoomIgnoredMixin,
     },
     UnifiedBackend: {
         "EvictProtected": EvictProtectedUnifiedMixin,

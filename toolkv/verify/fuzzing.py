@@ -170,7 +170,22 @@ class ToolKVMachine(RuleBasedStateMachine):
         commute). A ``ToolEnd`` that found the device full of unlocked cache made room with sglang's
         own ``evict`` first: that is the environment's ``GpuEvict`` of each evicted node, children
         first, then the ``ToolEnd`` (an early restore, ``Prefetch``, makes room the same way).
-        Every other action is one spec step."""
+        A ``ToolStart`` that found the host short of free room had sglang's ``evict_host`` free
+        unprotected host copies first: that is the manager's ``HostRoom`` of each freed node,
+        leaves first. Every other action is one spec step."""
+        if act[0] == "ToolStart":
+            gone_host = [
+                n for n, h in pre["host"].items() if h and not self.state["host"].get(n, False)
+                and self.state["status"].get(n) == "Gone"
+            ]  # fmt: skip
+
+            def depth_h(n: str) -> int:
+                k = 0
+                while n != ROOT:
+                    n, k = pre["parent"][n], k + 1
+                return k
+
+            return [*(["HostRoom", act[1], n] for n in sorted(gone_host, key=depth_h, reverse=True)), act]
         if act[0] in ("ToolEnd", "Prefetch"):
             post = self.state
             gone = [n for n, d in pre["dev"].items() if d and not post["dev"].get(n, False)]
@@ -229,7 +244,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
         "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 1, "prefetch": 2,
-        "tool_end_promised": 2,
+        "tool_end_promised": 2, "admit": 3,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
 
@@ -270,7 +285,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         """tool_end with the current epoch, or a stale one; mostly on offloaded sessions."""
         s = data.draw(
             st.sampled_from(
-                self._biased(("Offloaded", "Offloading", "Restoring", "Kept", "Prefetching", "Released"))
+                self._biased(("Offloaded", "Offloading", "Restoring", "Kept", "Prefetching", "Released", "Handover"))
             ),
             label="session",
         )
@@ -319,6 +334,13 @@ class ToolKVMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
         if self.state["phase"][s] == "Offloaded":
             self._do(["Prefetch", s])
+
+    def admit(self, data: st.DataObject) -> None:
+        """The next request of a handed-over session is admitted (it locks the prefix)."""
+        s = data.draw(st.sampled_from(self._biased(("Handover",))), label="session")
+        n = self.state["ref"][s]
+        if self.state["phase"][s] == "Handover" and n != NO_NODE and not self.state["extLock"][n]:
+            self._do(["Admit", s])
 
     def write_ack(self, data: st.DataObject) -> None:
         """The copy engine finishes the oldest write; sglang retires it; the manager reacts."""

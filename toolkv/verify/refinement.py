@@ -284,8 +284,9 @@ def ring_state(
 
 # ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
 PROTECTING = {"Offloading", "Offloaded", "Restoring", "Prefetching"}
-PINNING = {"Restoring", "Prefetching", "Kept"}  # spec Pinning: the phases that hold a path lock
-EXPIRING = {"Offloading", "Offloaded", "Prefetching", "Kept"}  # spec Expiring: until tool_end is accepted
+PINNING = {"Restoring", "Prefetching", "Kept", "Handover"}  # spec Pinning: the phases that hold a path lock
+# spec Expiring: until tool_end is accepted, and a hand-over until its request is admitted
+EXPIRING = {"Offloading", "Offloaded", "Prefetching", "Kept", "Handover"}
 
 
 def _path(st: Mapping[str, Any], n: str, limit: int) -> list[str]:
@@ -366,6 +367,15 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
             break
     if b.ring > 0 and not ring_bounded(st, b.ring):
         bad.append("RingBounded")
+    for s in sess:  # the hand-over
+        r = st["ref"][s]
+        if st["phase"][s] == "Handover" and not (
+            r != NO_NODE
+            and st["status"][r] == "InTree"
+            and all(st["dev"][m] and st["loadKey"][m] == NO_NODE for m in _path(st, r, lim))
+        ):
+            bad.append("HandoverResident")
+            break
     for s in sess:  # the per-call policy
         r = st["ref"][s]
         if st["phase"][s] == "Kept" and not (
@@ -406,7 +416,8 @@ def check_step(
     if stale_end and any(pre[k] != post[k] for k in CORE if k in pre and k in post):
         bad.append("StaleEpochNoop")
     for s in b.sessions:
-        if post["phase"][s] == "Runnable" and pre["phase"][s] != "Runnable":
+        ready = ("Runnable", "Handover")
+        if post["phase"][s] in ready and pre["phase"][s] not in ready:
             r = post["ref"][s]
             path = _path(post, r, len(b.nodes)) if r != NO_NODE else []
             if r == NO_NODE or not all(

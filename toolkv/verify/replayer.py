@@ -465,13 +465,29 @@ def hi_insert(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
 
 
 def hi_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``ToolStart``: enabled with free slots enough, or refused when even the evictable host
+    copies would not make room (``HostFits``); the host pool is sized so (the evictable copies are
+    the tree's own, the same as the spec's)."""
     rec = r.mgr.sessions.get(a[0])
     tree = r.h.tree
     if rec is not None and rec.node is not None and attached(tree, rec.node):
         w = [m for m in path_to(tree, rec.node) if m.host_value is None]
         if len(w) > pre["hostFree"]:
-            r.host_free_exactly(sum(len(m.key) for m in w) - r.ps)
+            room = r.mgr.backend.host_evictable_tokens()  # type: ignore[attr-defined]
+            r.host_free_exactly(sum(len(m.key) for m in w) - r.ps - room)
     r.mgr.tool_start(a[0])
+
+
+def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``Admit``: the session's next request is admitted; it locks the prefix (as
+    ``PrefillAdder`` does) and the scheduler hook ends the hand-over."""
+    n = pre["ref"][a[0]]
+    o = r.resolve(n)
+    if o is None:
+        raise NotApplicable("the node is not in this backend's tree")
+    r.h.tree.inc_lock_ref(o)
+    r.ext.add(n)
+    r.mgr.admitted(a[0])
 
 
 def hi_write_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -653,6 +669,13 @@ def hi_host_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         raise Unrealizable("sglang would not host-evict this node")
 
 
+def hi_host_room(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``HostRoom``: ``evict_host`` frees the evictable host leaf the spec names (made the
+    least recently used); the manager's own room-making is the same call with a token count."""
+    if not r.evict(a[1], host=True):
+        raise Unrealizable("sglang would not host-evict this node")
+
+
 def hi_write_through(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     o = r.obj(a[0])
     if r.h.tree.write_backup(o) != len(o.key):
@@ -694,6 +717,8 @@ HIRADIX: dict[str, Executor] = {
     "Unlock": unlock,
     "GpuEvict": hi_gpu_evict,
     "HostEvict": hi_host_evict,
+    "HostRoom": hi_host_room,
+    "Admit": admit,
     "WriteThrough": hi_write_through,
     "Split": split,
     "TreeReset": hi_tree_reset,
@@ -728,7 +753,7 @@ def rx_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         pre["phase"][s] == "Running"
         and n != specstep.NO
         and pre["status"][n] == "InTree"
-        and len([m for m in _spec_path(pre, r, n) if not pre["host"][m]]) > pre["hostFree"]
+        and not specstep._host_fits(pre, r.b.rules(), [m for m in _spec_path(pre, r, n) if not pre["host"][m]])[0]
     )
     be: Any = r.mgr.backend
     if refused and rec is not None and rec.node is not None and attached(r.h.tree, rec.node):
@@ -807,6 +832,7 @@ RADIX: dict[str, Executor] = {
     "LoadAck": rx_acks,
     "GpuEvict": rx_gpu_evict,
     "HostEvict": rx_host_evict,
+    "HostRoom": lambda r, a, pre: rx_host_evict(r, a[1:], pre),
     "WriteThrough": rx_write_through,
     "TreeReset": rx_tree_reset,
     "StartLoads": rx_no_ring,

@@ -24,10 +24,15 @@ from typing import Any
 NO = "NoNode"
 ROOT = "Root"
 PROTECTING = ("Offloading", "Offloaded", "Restoring", "Prefetching")
-PINNING = ("Restoring", "Prefetching", "Kept")  # spec Pinning: the phases that hold a path lock
-# spec Expiring: the TTL stops once tool_end is accepted; it bounds a kept or prefetched pin
-EXPIRING = ("Offloading", "Offloaded", "Prefetching", "Kept")
-HOLDING = (*PROTECTING, "Kept")  # spec Holding: what a tree reset loses
+PINNING = ("Restoring", "Prefetching", "Kept", "Handover")  # spec Pinning: the phases that hold a path lock
+# spec Expiring: the TTL stops once tool_end is accepted; it bounds a kept or prefetched pin and a hand-over
+EXPIRING = ("Offloading", "Offloaded", "Prefetching", "Kept", "Handover")
+HOLDING = (*PROTECTING, "Kept", "Handover")  # spec Holding: what a tree reset loses
+
+
+def pinning(r: Rules) -> tuple[str, ...]:
+    """Spec ``Pinning`` (the EarlyRelease mutant's hand-over holds no pin)."""
+    return PINNING[:-1] if r.bug == "EarlyRelease" else PINNING
 State = dict[str, Any]
 
 
@@ -153,6 +158,30 @@ def _start_load(s: State, who: str) -> None:
     s["queued"] = []
 
 
+def host_evictable(st: Mapping[str, Any], r: Rules) -> list[str]:
+    """Spec ``HostEvictable``: host-only, unlocked, no protected node in the subtree."""
+    lim = len(r.nodes)
+    live = in_tree(st)
+    out = []
+    for m in live:
+        if not st["host"][m] or st["dev"][m] or st["lockRef"][m] != 0:
+            continue
+        if r.bug == "RoomEvictsProtected" or all(
+            st["hostRef"][c] == 0 for c in live if m in path(st, c, lim)
+        ):
+            out.append(m)
+    return out
+
+
+def _host_fits(st: Mapping[str, Any], r: Rules, w: Sequence[str]) -> tuple[bool, bool]:
+    """(spec ``HostFits``, spec ``HostShort``). With the implementation's decision (``r.fits``)
+    the room it made shows as ``HostRoom`` steps before the ``ToolStart``: never short then."""
+    if r.fits is not None:
+        return r.fits, False
+    room = 0 if r.bug == "RoomIgnored" else len(host_evictable(st, r))
+    return len(w) <= st["hostFree"] + room, len(w) > st["hostFree"]
+
+
 # ---- actions: each returns the successor, or None when the action is not enabled ------------------
 def tool_start(st: State, r: Rules, sid: str) -> State | None:
     n = st["ref"][sid]
@@ -166,9 +195,11 @@ def tool_start(st: State, r: Rules, sid: str) -> State | None:
     lim = len(r.nodes)
     pn = path(st, n, lim)
     w = [m for m in pn if not st["host"][m]]
-    fits = r.fits if r.fits is not None else len(w) <= st["hostFree"]
+    fits, short = _host_fits(st, r, w)
     if not fits:
         return s
+    if short:
+        return None  # HostRoom first
     wk2 = {m: (m if m in w else st["writeKey"][m]) for m in st["writeKey"]}
     lr2 = _locked(st, r, st["lockRef"], w, 1)
     clean = all(wk2[m] == NO for m in pn)
@@ -227,9 +258,11 @@ def tool_end(st: State, r: Rules, sid: str, e: Any) -> State | None:
     s = copy.deepcopy(st)
     s["tgt"] = []
     if ph in ("Kept", "Prefetching", "Released") and e == st["epoch"][sid]:
-        s["phase"][sid] = {"Kept": "Runnable", "Prefetching": "Restoring"}.get(ph, "Running")
+        s["phase"][sid] = {"Kept": "Handover", "Prefetching": "Restoring"}.get(ph, "Running")
         if ph == "Kept":
-            s["lockRef"] = _locked(st, r, st["lockRef"], [n], -1)
+            if r.bug == "EarlyRelease":
+                s["lockRef"] = _locked(st, r, st["lockRef"], [n], -1)
+            s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
         s["tgt"] = [] if ph == "Released" else [n]
         return s
     pn = path(st, n, lim)
@@ -245,17 +278,18 @@ def tool_end(st: State, r: Rules, sid: str, e: Any) -> State | None:
         lk2 = {m: (n if m in c else v) for m, v in st["loadKey"].items()}
         loads = 1 if c else 0
         runnable = all(lk2[m] == NO for m in pn) or r.bug == "EarlyRunnable"
-        pin = 0 if runnable else 1
+        pin = 0 if runnable and r.bug == "EarlyRelease" else 1
         for m in c:
             s["dev"][m] = True
         s["devFree"] -= len(c)
         s["loadKey"] = lk2
         s["loadAcks"][n] += loads
         s["lockRef"] = _locked(st, r, st["lockRef"], [n], loads + pin)
-        s["phase"][sid] = "Runnable" if runnable else "Restoring"
+        s["phase"][sid] = "Handover" if runnable else "Restoring"
         s["prot"][sid] = NO if runnable else n
         if runnable:
             s["hostRef"][n] -= 1
+            s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
         if r.ring > 0 and c:
             if r.bug == "RingOverrun":
                 s["queued"] = sorted({*st["queued"], n})
@@ -287,13 +321,15 @@ def load_ack(st: State, r: Rules, k: str) -> State | None:
     ps = _paths(st, r)
     s["loadAcks"] = la2
     s["loadKey"] = dict(lk2)
+    early = r.bug == "EarlyRelease"  # the old manager dropped the pin here
     s["lockRef"] = {
-        m: st["lockRef"][m] - through(ps, m, [k]) - sum(1 for x in done if m in ps[st["ref"][x]])
+        m: st["lockRef"][m] - through(ps, m, [k]) - (sum(1 for x in done if m in ps[st["ref"][x]]) if early else 0)
         for m in st["lockRef"]
     }
     for x in done:
-        s["phase"][x] = "Runnable"
+        s["phase"][x] = "Handover"
         s["prot"][x] = NO
+        s["deadline"][x] = min(st["now"] + r.ttl, r.max_time)
     for x in warm:
         s["phase"][x] = "Kept"
         s["prot"][x] = NO
@@ -339,7 +375,7 @@ def _released(st: State, s: State, r: Rules, who: Sequence[str]) -> None:
     s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in who if st["prot"][x] == m) for m in st["hostRef"]}
     s["lockRef"] = {
         m: st["lockRef"][m]
-        - sum(1 for x in who if st["phase"][x] in PINNING and m in ps.get(st["ref"][x], ()))
+        - sum(1 for x in who if st["phase"][x] in pinning(r) and m in ps.get(st["ref"][x], ()))
         for m in st["lockRef"]
     }
 
@@ -351,7 +387,7 @@ def ttl_sweep(st: State, r: Rules) -> State | None:
     s = copy.deepcopy(st)
     _released(st, s, r, due)
     for x in due:
-        s["phase"][x] = "Expired"
+        s["phase"][x] = "Runnable" if st["phase"][x] == "Handover" else "Expired"
         if r.bug == "EpochReuse":
             s["epoch"][x] = 0
     s["tgt"] = sorted({st["prot"][x] if st["prot"][x] != NO else st["ref"][x] for x in due})
@@ -364,8 +400,41 @@ def close(st: State, r: Rules, sid: str) -> State | None:
     s = copy.deepcopy(st)
     _released(st, s, r, [sid])
     s["phase"][sid] = "Closed"
-    held = {st["prot"][sid]} | ({st["ref"][sid]} if st["phase"][sid] in PINNING else set())
+    held = {st["prot"][sid]} | ({st["ref"][sid]} if st["phase"][sid] in pinning(r) else set())
     s["tgt"] = sorted(held - {NO})
+    return s
+
+
+def host_room(st: State, r: Rules, sid: str, m: str) -> State | None:
+    n = st["ref"][sid]
+    ok = st["phase"][sid] == "Running" and n != NO and st["epoch"][sid] < r.max_epoch
+    if not (ok and st["status"][n] == "InTree"):
+        return None
+    w = [x for x in path(st, n, len(r.nodes)) if not st["host"][x]]
+    fits, short = _host_fits(st, r, w)
+    if r.fits is not None:  # the implementation made room: each evicted copy is one step
+        fits, short = True, True
+    if not (fits and short and m in host_evictable(st, r) and not kids(st, m)):
+        return None
+    s = copy.deepcopy(st)
+    s["status"][m] = "Gone"
+    s["host"][m] = False
+    s["hostFree"] += 1
+    s["tgt"] = []
+    return s
+
+
+def admit(st: State, r: Rules, sid: str) -> State | None:
+    n = st["ref"][sid]
+    ok = st["phase"][sid] == "Handover" and n != NO and path_valid(st, n, len(r.nodes))
+    if not (ok and not st["extLock"][n]):
+        return None
+    s = copy.deepcopy(st)
+    s["extLock"][n] = True
+    if r.bug == "EarlyRelease":
+        s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
+    s["phase"][sid] = "Runnable"
+    s["tgt"] = [n]
     return s
 
 
@@ -583,6 +652,8 @@ ACTIONS: dict[str, Action] = {
     "LetGo": let_go,
     "Demote": demote,
     "Prefetch": prefetch,
+    "HostRoom": host_room,
+    "Admit": admit,
     "Lock": lock,
     "Unlock": unlock,
     "GpuEvict": gpu_evict,
