@@ -28,7 +28,9 @@ def _core_key(st: dict[str, Any]) -> tuple[int, ...]:
 def _instances(b: Bounds) -> list[list[Any]]:
     nodes, sess, root = list(b.nodes), list(b.sessions), ["Root"]
     out: list[list[Any]] = [["TtlSweep"], ["TreeReset"], ["Tick"], ["StartLoads"], ["SysStart"], ["RingDone"]]
-    out += [[a, s] for a in ("ToolStart", "Close", "Keep", "LetGo", "Demote", "Prefetch", "Admit") for s in sess]
+    out += [
+        [a, s] for a in ("ToolStart", "Close", "Keep", "LetGo", "Demote", "Prefetch", "Admit") for s in sess
+    ]
     out += [["HostRoom", s, n] for s in sess for n in nodes]
     out += [["ToolEnd", s, e] for s in sess for e in range(b.max_epoch + 1)]
     out += [

@@ -27,9 +27,17 @@ NeverSplitProtected ==
 NeverFreeOnAck ==
     [][~(act'[1] = "WriteAck" /\ devFree' > devFree)]_vars
 
-\* A load ack completes a restore.
+\* A load ack completes a restore: the session is handed over to its next request.
 NeverRestoreCompletes ==
-    [][~(act'[1] = "LoadAck" /\ \E s \in Sessions : phase[s] = "Restoring" /\ phase'[s] = "Runnable")]_vars
+    [][~(act'[1] = "LoadAck" /\ \E s \in Sessions : phase[s] = "Restoring" /\ phase'[s] = "Handover")]_vars
+
+\* A restored session's next request is admitted while its path is pinned: the hand-over ends.
+NeverHandedOver ==
+    [][~(act'[1] = "Admit")]_vars
+
+\* A tool_start short of free host slots makes room by evicting an unprotected host copy.
+NeverRoomMade ==
+    [][~(act'[1] = "HostRoom")]_vars
 
 \* A tree reset loses an offloaded session.
 NeverLostOnReset == \A s \in Sessions : phase[s] # "Lost"
@@ -47,7 +55,7 @@ NeverPrefetchWarm ==
 
 \* Policy: a kept session's tool_end finds its KV resident.
 NeverKeptResumed ==
-    [][~(act'[1] = "ToolEnd" /\ phase[act'[2]] = "Kept" /\ phase'[act'[2]] = "Runnable")]_vars
+    [][~(act'[1] = "ToolEnd" /\ phase[act'[2]] = "Kept" /\ phase'[act'[2]] = "Handover")]_vars
 
 \* Policy: HiCache evicts the host copy of a demoted session.
 NeverDemotedEvicted ==

@@ -146,7 +146,9 @@ def hs() -> Iterator[CacheHarness]:
 
 
 @pytest.mark.parametrize("caveats", [FIXED, frozenset({"RoomIgnored"})], ids=["fixed", "RoomIgnored"])
-def test_tool_start_evicts_unprotected_host_copies_for_room(hs: CacheHarness, caveats: frozenset[str]) -> None:
+def test_tool_start_evicts_unprotected_host_copies_for_room(
+    hs: CacheHarness, caveats: frozenset[str]
+) -> None:
     h = hs
     initial = h.accounting()
     m = mutant_manager(h.tree, caveats=caveats)
@@ -156,7 +158,7 @@ def test_tool_start_evicts_unprotected_host_copies_for_room(hs: CacheHarness, ca
     b = list(range(100_000, 100_301))
     turn(h, m, "b", b)
     free = int(h.host_pool.available_size())
-    room = host_evictable_tokens(h.tree.root_node, lambda n: n)  # what sglang's evict_host can free
+    room = host_evictable_tokens(h.tree.root_node)  # what sglang's evict_host can free
     assert free < 301 and room >= 602, "full of copies HiCache can free"
     if caveats:
         with pytest.raises(HostMemoryFull):

@@ -26,7 +26,7 @@ import heapq
 import logging
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,6 +111,9 @@ class ToolKVManager:
         self.now = 0.0
         self.tree_gen = 0
         self.counters: Counter[str] = Counter()
+        # Device tokens queued requests will need (the scheduler binds sglang's waiting queue):
+        # a pin must leave them free, or a kept session is paid for by somebody's recompute.
+        self.queued_demand: Callable[[], int] = lambda: 0
 
     # ---- helpers --------------------------------------------------------------------------------------
     def _get(self, session_id: str) -> SessionRecord:
@@ -201,8 +204,12 @@ class ToolKVManager:
         ):
             raise BadRequest("expected_s must be a finite number of seconds >= 0")
         if self.config.policy == "offload":
-            out = self.offload(session_id)
-            self._note_call(self._get(session_id), tool, None)
+            rec = self._get(session_id)
+            hint = None if expected_s is None else float(expected_s)
+            expected = hint if hint is not None else self.durations.median(tool)
+            # a full host demotes offloaded sessions predicted back after this one, not a 507
+            out = self.offload(session_id, demote=True, returns_at=self.now + expected)
+            self._note_call(rec, tool, Decision("offload", "policy_offload", expected, 0.0, None))
             return out
         rec = self._get(session_id)
         if rec.state != "Running":
@@ -229,7 +236,7 @@ class ToolKVManager:
             return self._meta(rec)
         if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
             try:
-                self.offload(session_id, demote=True)
+                self.offload(session_id, demote=True, returns_at=self.now + d.expected_s)
             except HostMemoryFull:
                 return self._meta(self._let_go(rec, tool, self._decision("let_go", "host_full", expected_s)))
             reason = d.reason if d.action == "offload" else "not_resident"
@@ -245,6 +252,8 @@ class ToolKVManager:
         (they are worth less on the host than this one). ``decide`` only asks whether the host can
         take ``kv_tokens``, so the scan over sessions runs only when it cannot already."""
         p = self.backend.pressure()
+        if p.device_spare_tokens is not None:
+            p = replace(p, device_spare_tokens=max(0, p.device_spare_tokens - int(self.queued_demand())))
         if p.host_available_tokens >= kv_tokens:
             return p
         expected = (
@@ -354,12 +363,17 @@ class ToolKVManager:
         """What a demotion gives back: the session's host protection (it holds no pin)."""
         self.backend.release(rec)
 
-    def _demotion_candidates(self, but: str) -> list[str]:
-        """Offloaded sessions, least valuable first (policy.demotion_order)."""
+    def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
+        """Offloaded sessions predicted back after ``returns_at`` (when the session that needs the
+        room is), the one predicted back last first (policy.demotion_order): an optimal cache
+        drops the KV whose next use is furthest, and never the one about to be used. Only
+        ``Offloaded`` sessions: one with a copy in flight is never demoted."""
         cands = [
             (r.session_id, r.tool_started_at, r.tool_started_at + r.expected_s, r.offload_tokens)
             for r in self.sessions.values()
-            if r.state == "Offloaded" and r.session_id != but
+            if r.state == "Offloaded"
+            and r.session_id != but
+            and r.tool_started_at + r.expected_s > returns_at
         ]
         return demotion_order(cands, self.now)
 
@@ -418,9 +432,13 @@ class ToolKVManager:
         return n
 
     # ---- ToolStart ------------------------------------------------------------------------------------
-    def offload(self, session_id: str, *, demote: bool = False) -> dict[str, object]:
-        """Spec ``ToolStart``: offload the session's KV to the host. With ``demote``, a host
-        budget that is reached demotes offloaded sessions (least valuable first) until it fits."""
+    def offload(
+        self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
+    ) -> dict[str, object]:
+        """Spec ``ToolStart``: offload the session's KV to the host. With ``demote``, a host that
+        is full (pool or budget) demotes offloaded sessions predicted back after ``returns_at``,
+        the latest first, until it fits (their copies become evictable: spec ``Demote`` then
+        ``HostRoom``); a 507 only when none can yield."""
         rec = self._get(session_id)
         if rec.state != "Running":
             raise WrongState(
@@ -441,7 +459,7 @@ class ToolKVManager:
                 clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
                 break
             except HostMemoryFull:
-                victims = self._demotion_candidates(session_id) if demote else []
+                victims = self._demotion_candidates(session_id, returns_at) if demote else []
                 if not victims:
                     raise
                 self.demote(victims[0])

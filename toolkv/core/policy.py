@@ -253,7 +253,10 @@ class Pressure:
     device_total_tokens: int
     device_available_tokens: int  # free + evictable (unlocked) on the GPU
     host_total_tokens: int  # the host budget (or the host pool size)
-    host_available_tokens: int  # room left under that budget
+    host_available_tokens: int  # room left under that budget (free + what HiCache can evict)
+    # free on the GPU after what running requests were promised and queued requests will need:
+    # the room a pin takes from nobody. None: unknown, ``device_available_tokens`` is used.
+    device_spare_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """Counts must be ints >= 0 and what is available cannot exceed the total: a violation is
@@ -267,6 +270,12 @@ class Pressure:
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"Pressure.{name} must be an int >= 0, got {value!r}")
+        if self.device_spare_tokens is not None and (
+            not _is_int(self.device_spare_tokens) or self.device_spare_tokens < 0
+        ):
+            raise ValueError(
+                f"Pressure.device_spare_tokens must be None or an int >= 0, got {self.device_spare_tokens!r}"
+            )
         if self.device_available_tokens > self.device_total_tokens:
             raise ValueError(
                 f"Pressure.device_available_tokens ({self.device_available_tokens}) exceeds "
@@ -311,15 +320,19 @@ def decide(
        ``model.quantile(tool, keep_quantile)``, an upper-ish quantile because keeping through a
        call that runs long wastes device token-seconds. A hint is used for the prefetch time as
        well, and every reason then ends in ``_hint``.
-    2. ``kv_tokens < min_offload_tokens`` → ``let_go`` (``small_kv``): recomputing a few hundred
-       tokens is cheaper than two transfers — unless the tool is short and keeping is affordable
-       (rule 3's test), in which case ``keep`` (``short_tool``) costs next to nothing.
-    3. A short tool (estimate ≤ ``keep_max_s``) is kept (``short_tool``) when the device would
-       still have ``device_reserve`` of its pool free or evictable after pinning this KV; the
-       reserve is what running requests need to grow without evicting somebody else's prefix.
-       A short tool on a device under pressure is offloaded (``device_pressure``) if the host has
-       room.
-    4. Otherwise (a long tool) ``offload`` (``long_tool``) when the host has room for all of it.
+    2. ``kv_tokens < min_offload_tokens`` and the host cannot take it → ``let_go`` (``small_kv``),
+       unless the tool is short and keeping is affordable (rule 3's test). A session the host can
+       take is never let go: under load a recompute of even a small prefix queues behind every
+       other prefill, while its two copies run on the copy engines.
+    3. A short tool (estimate ≤ ``keep_max_s``) is kept (``short_tool``) only when the device has
+       real spare room: after pinning this KV, ``device_reserve`` of the pool must stay *free*
+       once running requests got what they were promised and queued requests what they need
+       (``device_spare_tokens``). Evictable cache does not count: it is other sessions' KV, and a
+       pin taken from it under load is a prefix somebody else recomputes (measured: keeping under
+       pressure lost to stock sglang). A short tool on a device under pressure is offloaded
+       (``device_pressure``) if the host has room, with an early restore.
+    4. Otherwise (a long tool) ``offload`` (``long_tool``) when the host has room for all of it
+       (free plus the unprotected copies HiCache can evict, plus what demotions can free).
        The early restore starts ``prefetch_after_s = max(0, t_q − restore_s − prefetch_margin_s)``
        after ``tool_start``, with ``t_q`` the ``prefetch_quantile`` of the duration (or the hint)
        and ``restore_s = kv_tokens / restore_tokens_per_s``, so that the KV is back as the tool
@@ -355,12 +368,15 @@ def decide(
         return made("let_go", "no_kv")
 
     short = expected <= config.keep_max_s
-    device_fits = (
-        pressure.device_available_tokens - kv_tokens >= config.device_reserve * pressure.device_total_tokens
+    spare = (
+        pressure.device_available_tokens
+        if pressure.device_spare_tokens is None
+        else min(pressure.device_spare_tokens, pressure.device_available_tokens)
     )
+    device_fits = spare - kv_tokens >= config.device_reserve * pressure.device_total_tokens
     host_fits = pressure.host_available_tokens >= kv_tokens
 
-    if kv_tokens < config.min_offload_tokens:
+    if kv_tokens < config.min_offload_tokens and not host_fits:
         if short and device_fits:
             return made("keep", "short_tool")
         return made("let_go", "small_kv")

@@ -125,6 +125,8 @@ class ToolKVConfig:
     prefetch: bool = True  # TOOLKV_PREFETCH: with policy auto, restore before the tool is expected back
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
     keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: with policy auto, the longest a GPU pin waits for tool_end
+    # TOOLKV_HANDOVER_TTL_S: the longest a restored session stays pinned waiting for its next request
+    handover_ttl_s: float = 30.0
 
     @classmethod
     def variables(cls) -> frozenset[str]:
@@ -198,6 +200,7 @@ class ToolKVConfig:
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
             restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
             keep_ttl_s=_float(e, "TOOLKV_KEEP_TTL_S", cls.keep_ttl_s, lo=0.0),
+            handover_ttl_s=_float(e, "TOOLKV_HANDOVER_TTL_S", cls.handover_ttl_s, lo=0.0),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -215,4 +218,5 @@ class ToolKVConfig:
             prefetch=self.prefetch,
             restore_tokens_per_s=self.restore_tokens_per_s,
             keep_ttl_s=self.keep_ttl_s,
+            handover_ttl_s=self.handover_ttl_s,
         )

@@ -76,8 +76,11 @@ class DecisionLog:
         outcome: str,
         reason: str = "",
     ) -> None:
-        """One decision. ``result`` is the session's kv_meta after an accepted call."""
+        """One decision. ``result`` is the session's kv_meta after an accepted call; its policy
+        reason (why keep / offload / let go) is logged when the caller gives none."""
         m = self.manager
+        if not reason and result and isinstance(result.get("reason"), str):
+            reason = result["reason"]
         rec = m.sessions.get(session_id) if session_id else None
         state = result.get("state") if result else (rec.state if rec is not None else None)
         epoch = result.get("epoch") if result else (rec.epoch if rec is not None else None)

@@ -212,6 +212,19 @@ def promised_tokens(sched: Any) -> int:
     return total
 
 
+def queued_tokens(sched: Any) -> int:
+    """Device tokens the requests waiting for admission will need, at most: each one's prompt
+    plus its (clipped) decode budget; their cached prefixes are not subtracted (an upper bound, so
+    a keep errs on the side of leaving room). Deterministic across TP ranks."""
+    total = 0
+    for req in getattr(sched, "waiting_queue", None) or ():
+        ids = getattr(req, "origin_input_ids", None) or ()
+        params = getattr(req, "sampling_params", None)
+        max_new = getattr(params, "max_new_tokens", None) or 0
+        total += len(ids) + min(int(max_new), CLIP_MAX_NEW_TOKENS)
+    return total
+
+
 class SchedulerToolKV:
     """One rank's toolkv: the manager, its agreed clock, and the glue sglang's hooks call."""
 
@@ -258,6 +271,7 @@ class SchedulerToolKV:
         :func:`promised_tokens`); backends without that notion ignore it."""
         if hasattr(self.manager.backend, "headroom"):
             self.manager.backend.headroom = lambda: promised_tokens(sched)
+        self.manager.queued_demand = lambda: queued_tokens(sched)
 
     def bind_schedule_stream(self, stream: Any) -> None:
         """sglang creates ``schedule_stream`` in ``run_event_loop``, after ``__init__``; the

@@ -285,7 +285,9 @@ class ToolKVMachine(RuleBasedStateMachine):
         """tool_end with the current epoch, or a stale one; mostly on offloaded sessions."""
         s = data.draw(
             st.sampled_from(
-                self._biased(("Offloaded", "Offloading", "Restoring", "Kept", "Prefetching", "Released", "Handover"))
+                self._biased(
+                    ("Offloaded", "Offloading", "Restoring", "Kept", "Prefetching", "Released", "Handover")
+                )
             ),
             label="session",
         )

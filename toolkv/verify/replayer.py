@@ -753,7 +753,9 @@ def rx_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         pre["phase"][s] == "Running"
         and n != specstep.NO
         and pre["status"][n] == "InTree"
-        and not specstep._host_fits(pre, r.b.rules(), [m for m in _spec_path(pre, r, n) if not pre["host"][m]])[0]
+        and not specstep._host_fits(
+            pre, r.b.rules(), [m for m in _spec_path(pre, r, n) if not pre["host"][m]]
+        )[0]
     )
     be: Any = r.mgr.backend
     if refused and rec is not None and rec.node is not None and attached(r.h.tree, rec.node):

@@ -33,6 +33,8 @@ HOLDING = (*PROTECTING, "Kept", "Handover")  # spec Holding: what a tree reset l
 def pinning(r: Rules) -> tuple[str, ...]:
     """Spec ``Pinning`` (the EarlyRelease mutant's hand-over holds no pin)."""
     return PINNING[:-1] if r.bug == "EarlyRelease" else PINNING
+
+
 State = dict[str, Any]
 
 
@@ -323,7 +325,9 @@ def load_ack(st: State, r: Rules, k: str) -> State | None:
     s["loadKey"] = dict(lk2)
     early = r.bug == "EarlyRelease"  # the old manager dropped the pin here
     s["lockRef"] = {
-        m: st["lockRef"][m] - through(ps, m, [k]) - (sum(1 for x in done if m in ps[st["ref"][x]]) if early else 0)
+        m: st["lockRef"][m]
+        - through(ps, m, [k])
+        - (sum(1 for x in done if m in ps[st["ref"][x]]) if early else 0)
         for m in st["lockRef"]
     }
     for x in done:

@@ -135,12 +135,19 @@ class ProtectionLedger:
         assert self.tokens >= 0 and (self.tokens == 0) == (not self._nodes)
 
 
-def host_evictable_tokens(root: TreeNode, data: Callable[[TreeNode], Any]) -> int:
+def hiradix_host_evictable(m: TreeNode) -> bool:
+    """HiRadixCache's ``evict_host`` may free ``m`` once it is a leaf: off the device (it skips
+    ``not x.evicted``), backed up, unlocked (``_update_host_leaf_status``), unprotected."""
+    return m.value is None and m.host_value is not None and m.lock_ref == 0 and m.host_ref_counter == 0
+
+
+def host_evictable_tokens(
+    root: TreeNode, node_ok: Callable[[TreeNode], bool] = hiradix_host_evictable
+) -> int:
     """Spec ``HostEvictable``, in tokens: the host copies ``evict_host`` can free on demand. A
-    node counts when it is off the device, holds a host copy, is unlocked, and no node of its
-    subtree is on the device, locked or protected (``host_ref_counter``): ``evict_host`` frees
-    leaves, so such a descendant keeps its ancestors. ``data(m)`` holds ``value``/``host_value``/
-    ``host_ref_counter`` (the node itself on HiRadixCache). One post-order walk, no recursion."""
+    node counts when ``node_ok`` holds for it and for every node of its subtree: ``evict_host``
+    frees leaves, so a descendant on the device, locked or protected keeps its ancestors. One
+    post-order walk, no recursion."""
     total = 0
     free_below: dict[int, bool] = {}  # id(node) -> its whole subtree is evictable
     stack: list[tuple[TreeNode, bool]] = [(root, False)]
@@ -151,15 +158,7 @@ def host_evictable_tokens(root: TreeNode, data: Callable[[TreeNode], Any]) -> in
             stack.append((node, True))
             stack.extend((c, False) for c in kids)
             continue
-        d = data(node)
-        ok = (
-            node is not root
-            and d.value is None
-            and d.host_value is not None
-            and node.lock_ref == 0
-            and d.host_ref_counter == 0
-            and all(free_below[id(c)] for c in kids)
-        )
+        ok = node is not root and all(free_below[id(c)] for c in kids) and node_ok(node)
         for c in kids:
             del free_below[id(c)]
         free_below[id(node)] = ok
@@ -215,6 +214,11 @@ def device_pressure(tree: Tree, reserved: int = 0) -> tuple[int, int]:
     total = int(getattr(alloc, "size", 0)) or int(alloc.available_size()) + int(tree.evictable_size())
     avail = int(alloc.available_size()) + int(tree.evictable_size()) - int(reserved)
     return total, max(0, min(avail, total))
+
+
+def device_spare(tree: Tree, reserved: int = 0) -> int:
+    """Tokens free on the device (not merely evictable) after ``reserved`` promised ones."""
+    return max(0, int(tree.token_to_kv_pool_allocator.available_size()) - int(reserved))
 
 
 class LockPins:

@@ -34,6 +34,7 @@ from toolkv.core.backends.base import (
     OwnLoads,
     ProtectionLedger,
     device_pressure,
+    device_spare,
     free_set,
     host_evictable_tokens,
     host_full,
@@ -132,7 +133,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         ``not x.evicted``), unlocked (``_update_host_leaf_status``), with no protected node in their
         subtree (it frees leaves, and skips ``host_ref_counter > 0``, so a protected descendant
         keeps its ancestors). One walk over the tree."""
-        return host_evictable_tokens(self.tree.root_node, lambda m: m)
+        return host_evictable_tokens(self.tree.root_node)
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
         """Protect the path's host copy until tool_end or the TTL (caveat 4): ``protect_host``
@@ -264,7 +265,8 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         if self.host_budget_tokens is not None:
             host_total = min(host_total, self.host_budget_tokens)
             host_avail = min(host_avail, max(0, self.host_budget_tokens - self._ledger.tokens))
-        return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total))
+        spare = device_spare(self.tree, int(self.headroom()))
+        return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total), min(spare, dev_avail))
 
     def forget(self, rec: SessionRecord) -> None:
         self._ledger.give(rec.session_id)

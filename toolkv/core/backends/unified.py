@@ -47,7 +47,9 @@ from toolkv.core.backends.base import (
     OwnLoads,
     ProtectionLedger,
     device_pressure,
+    device_spare,
     free_set,
+    host_evictable_tokens,
     host_full,
     path_resident,
     record_freed,
@@ -124,6 +126,7 @@ class UnifiedBackend(HostRestore, OwnLoads):
         # time); a split during the load inserts a node into the chain, and it is loading too.
         self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
         self._ledger = ProtectionLedger()
+        self.counters_host_room = 0  # tool_starts that had the host eviction make room (spec HostRoom)
         # Device tokens sglang has promised but not allocated yet (bound by the scheduler side): a
         # restore leaves them free, as on the HiRadixCache.
         self.headroom: Callable[[], int] = lambda: 0
@@ -147,13 +150,35 @@ class UnifiedBackend(HostRestore, OwnLoads):
         path = path_to(tree, leaf)
         to_write = [m for m in path if full(m).host_value is None]
         need = _ntok(to_write)
-        host_free = int(tree.cache_controller.mem_pool_host.available_size())
+        pool = tree.cache_controller.mem_pool_host
+        host_free = int(pool.available_size())
+        # Spec HostFits: free slots plus the unprotected host leaves sglang's evict_host can free
+        room = self.host_evictable_tokens() if need > host_free else 0
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
-        fits = need <= host_free and (budget is None or self._ledger.tokens + extra <= budget)
+        fits = need <= host_free + room and (budget is None or self._ledger.tokens + extra <= budget)
         if not self.agree.all_true(fits):
             raise host_full(
-                rec, need=need, host_free=host_free, extra=extra, protected=self._ledger.tokens, budget=budget
+                rec,
+                need=need,
+                host_free=host_free,
+                extra=extra,
+                protected=self._ledger.tokens,
+                budget=budget,
+                evictable=room,
             )
+        if need > host_free:  # spec HostRoom: the same shortfall on every rank, the same LRU order
+            tree.evict_host(int(self.agree.max_time(float(need - host_free))))
+            self.counters_host_room += 1
+            host_free = int(pool.available_size())
+            if not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
+                raise host_full(
+                    rec,
+                    need=need,
+                    host_free=host_free,
+                    extra=extra,
+                    protected=self._ledger.tokens,
+                    budget=budget,
+                )
         if to_write:  # root-down: a backup needs a backed-up parent
             tree._execute_and_commit_kv_backup(BackupKV(node_ids=[m.id for m in to_write]))
             lost = [m.id for m in to_write if full(m).host_value is None]
@@ -163,6 +188,18 @@ class UnifiedBackend(HostRestore, OwnLoads):
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def host_evictable_tokens(self) -> int:
+        """Tokens the tree core's host eviction can free (spec ``HostEvictable``): its H-leaf rule
+        (unified_tree_core.py ``_is_host_leaf``: evicted, backed up, no host or device lock on any
+        component) applied to whole subtrees, since it evicts leaf by leaf."""
+
+        def ok(m: TreeNode) -> bool:
+            return bool(m.evicted and m.backuped) and all(
+                cd.host_lock_ref == 0 and cd.lock_ref == 0 for cd in m.component_data
+            )
+
+        return host_evictable_tokens(self.tree.root_node, ok)
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
         """Protect the path's host copy until tool_end or the TTL (caveat 4): a host lock on the
@@ -323,11 +360,13 @@ class UnifiedBackend(HostRestore, OwnLoads):
         dev_total, dev_avail = device_pressure(self.tree)
         pool = self.tree.cache_controller.mem_pool_host
         host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
-        host_avail = int(pool.available_size())
+        # room = free + what the host eviction can free (spec HostFits), then toolkv's own budget
+        host_avail = min(host_total, int(pool.available_size()) + self.host_evictable_tokens())
         if self.host_budget_tokens is not None:
             host_total = min(host_total, self.host_budget_tokens)
             host_avail = min(host_avail, max(0, self.host_budget_tokens - self.protected_tokens))
-        return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total))
+        spare = device_spare(self.tree, int(self.headroom()))
+        return Pressure(dev_total, dev_avail, host_total, min(host_avail, host_total), min(spare, dev_avail))
 
     def forget(self, rec: SessionRecord) -> None:
         self._ledger.give(rec.session_id)
