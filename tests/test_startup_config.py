@@ -115,6 +115,7 @@ def test_misconfiguration_through_sglangs_plugin_loader() -> None:
     assert r["no hicache, fallback chosen"]["warnings"] == [] and r["hicache"]["warnings"] == []
 
 
+@pytest.mark.slow  # ~15 s; the loader scenarios above cover the refusal itself in CI
 def test_a_misspelt_switch_stops_sglang_launch_server() -> None:
     """What the operator runs: the launch ends with the message before any model is touched."""
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TOOLKV_")}
