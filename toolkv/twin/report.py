@@ -105,7 +105,7 @@ def result(
 def twin_table(results: list[dict[str, Any]]) -> str:
     """What the benchmark table lacks: reuse as defined for the twin, the bound, leaks, speed."""
     head = ("config", "host GB", "reuse", "opt reuse", "of opt", "retractions", "copied h2d / d2h tokens",
-            "leaks", "sim s", "CPU s")  # fmt: skip
+            "leaks", "sim s", "CPU s", "run")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in results:
         t, s = r["twin"], r["summary"]
@@ -116,7 +116,7 @@ def twin_table(results: list[dict[str, Any]]) -> str:
             f"{100 * s['reuse']['reuse']:.0f} %", f"{100 * opt['reuse']:.0f} %" if opt else "-",
             f"{100 * frac:.0f} %" if frac is not None else "-", str(t["retractions"]),
             f"{t['copied_tokens']['h2d']:,.0f} / {t['copied_tokens']['d2h']:,.0f}", str(t["leaks"]["leaked"]),
-            f"{t['sim_end_s']:.0f}", f"{t['wall_s']:.0f}",
+            f"{t['sim_end_s']:.0f}", f"{t['wall_s']:.0f}", t["crashed"] or "completed",
         ]) + " |")  # fmt: skip
     return "\n".join(lines)
 

@@ -39,6 +39,10 @@ from toolkv.twin.stack import Stack, build
 VOCAB = 128_256  # Llama-3.1-8B; the workload draws ids below 120,000
 
 
+class Stalled(Exception):
+    """The simulated server stopped serving for good (what a GPU run would see as a hang)."""
+
+
 @dataclass
 class Options:
     device_tokens: int = 120_000
@@ -48,6 +52,7 @@ class Options:
     idle_s: float = 0.01  # longest idle jump
     sample_s: float = 1.0  # occupancy samples, like the benchmark's sampler
     drain_s: float = 5.0  # idle time after the last session (acks land, TTLs fire)
+    give_up_s: float = 600.0  # stop this long after the run's end if sessions are still unfinished
 
 
 @dataclass
@@ -206,6 +211,16 @@ class Twin:
                 self.decodes += 1
             self.sched.finish_batch(batch)
         else:
+            if self.sched.stalled and not self.copies.next_finish(self.now):
+                m = self.tk.metrics()
+                raise Stalled(
+                    f"stalled: batch_is_full with nothing running and {len(self.sched.waiting_queue)} waiting"
+                    f" (device free {self.h.allocator.available_size()}, evictable {self.h.tree.evictable_size()},"
+                    f" locked {self.h.tree.protected_size()}; toolkv {m.get('states')},"
+                    f" pinned {m.get('pinned_tokens', m.get('protected_tokens'))})"
+                )
+            if self.now > self.sessions.workload.duration_s + self.opts.give_up_s:
+                raise Stalled(f"sessions did not finish {self.opts.give_up_s:.0f} s after the end of the run")
             nxt = [t for t in (self.agents.next_time(), self.copies.next_finish(self.now)) if t is not None]
             if not nxt and not self.sched.busy and self.agents.finished:
                 return False
@@ -220,7 +235,7 @@ class Twin:
             while self.iterate():
                 if progress is not None:
                     progress(self.now)
-        except RuntimeError as e:
+        except (RuntimeError, Stalled) as e:
             # sglang's allocator raising here is the scheduler process dying on a GPU server
             # ("Out of memory" in alloc_for_extend / alloc_req_slots): the run ends, and says so
             self.crashed = f"t={self.now:.3f}s: {str(e).splitlines()[0]}"

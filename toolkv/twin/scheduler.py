@@ -135,6 +135,14 @@ class TwinScheduler:
         self.waiting_queue.append(req)
 
     @property
+    def stalled(self) -> bool:
+        """sglang never serves again: ``batch_is_full`` is set (a plain RadixCache's NO_TOKEN sets
+        it unconditionally) while nothing runs, and only a running or last prefill batch that
+        shrinks, or ``update_running_batch`` on a non-empty batch, ever clears it."""
+        rb = self.running_batch
+        return bool(rb.batch_is_full and not rb.reqs and self.chunked_req is None and self.waiting_queue)
+
+    @property
     def busy(self) -> bool:
         return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req is not None)
 
@@ -150,9 +158,13 @@ class TwinScheduler:
         self.last_batch = None
         if last is not None and last.mode == "prefill":
             keep = [r for r in last.reqs if r is not chunked and not r.finished()]
-            if len(keep) < len(last.reqs):
-                self.running_batch.batch_is_full = False
-            self.running_batch.reqs.extend(keep)
+            if keep and not self.running_batch.reqs:
+                # ``running_batch = last_batch``: a new batch object, so its batch_is_full is False
+                self.running_batch = self._new_batch(keep)
+            else:
+                if len(keep) < len(last.reqs):
+                    self.running_batch.batch_is_full = False
+                self.running_batch.reqs.extend(keep)
         batch = self._new_prefill()
         if batch is None and self.running_batch.reqs:
             batch = self._decode()
