@@ -67,6 +67,9 @@ def build(
     clock = AgreedClock(agree, every=tcfg.sweep_every, source=now)
     tk = SchedulerToolKV(h.tree, config=tcfg, agree=agree, clock=clock)
     h.tree._toolkv = tk
+    # sglang prints the whole tree before raising "Out of memory" (alloc_token_slots): an
+    # hour-long tree on stdout would bury the report; the twin records the error instead
+    h.tree.pretty_print = lambda: None
     h.tree.cache_finished_req = functools.partial(
         around_cache_finished_req, type(h.tree).cache_finished_req, h.tree
     )

@@ -66,9 +66,13 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
         for c in cfgs:
             pts = sorted((r["host_gb"], r) for r in rows if r["config"] == c and r["tool_shape"] == shape)
             xs = [x for x, _ in pts]
-            axes[i][0].plot(xs, [100 * r["reuse"] for _, r in pts], marker="o", label=c)
-            axes[i][1].plot(xs, [r["turns_per_s"] for _, r in pts], marker="o", label=c)
-            axes[i][2].plot(xs, [r["ttft_p90_s"] for _, r in pts], marker="o", label=c)
+            for ax, key, scale in ((axes[i][0], "reuse", 100.0), (axes[i][1], "turns_per_s", 1.0),
+                                   (axes[i][2], "ttft_p90_s", 1.0)):  # fmt: skip
+                ax.plot(xs, [scale * r[key] for _, r in pts], marker="o", label=c)
+                bad = [(x, scale * r[key]) for x, r in pts if r["crashed"]]
+                if bad:  # a run that ended early (the server died or stalled): its numbers are partial
+                    ax.plot([x for x, _ in bad], [y for _, y in bad], "x", color="red", markersize=10,
+                            label="run ended early (crashed or stalled)")  # fmt: skip
         opt = sorted(
             {
                 (r["host_gb"], r["opt_reuse"])
@@ -86,7 +90,13 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
             ax.set_title(title)
             ax.set_xlabel("host pool, GB")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[:, 0]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    axes[0][0].legend(handles, labels, fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
