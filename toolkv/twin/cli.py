@@ -184,13 +184,13 @@ def do_speed(a: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(
-            "| config | sessions | turns | scheduler iterations | simulated s | CPU s | simulated s per CPU s |"
+            "| config | sessions | turns | scheduler iterations | simulated s | CPU s | simulated s per CPU s | run |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for r in out:
             print(
                 f"| {r['config']} | {r['sessions']:,} | {r['turns']:,} | {r['iterations']:,} | {r['simulated_s']:,.0f} "
-                f"| {r['cpu_s']:,.0f} | {r['simulated_s_per_cpu_s']:.1f} |"
+                f"| {r['cpu_s']:,.0f} | {r['simulated_s_per_cpu_s']:.1f} | {r['crashed'] or 'completed'} |"
             )
     return 0
 
