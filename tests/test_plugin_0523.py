@@ -77,13 +77,17 @@ def test_hook_targets_exist_in_the_installed_0523_source() -> None:
         return {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
     targets = [t for t, _, _ in hooks(main_process=True, config=ToolKVConfig(zero_change=True))]
-    assert len(targets) == 9
+    assert len(targets) == 14  # 10, and the kv_hints rows (tests/test_kv_hints_0523.py)
     assert f"{UNIFIED}.checkpoint" in targets and f"{UNIFIED}.reset" in targets
     assert not any(".RadixCache." in t for t in targets), "0.5.23 has no cache_finished_req to hook"
     sched = defs(SGLANG / "srt/managers/scheduler.py", "Scheduler")
     urc = defs(SGLANG / "srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache")
     chat = defs(SGLANG / "srt/entrypoints/openai/serving_chat.py", "OpenAIServingChat")
     http = defs(SGLANG / "srt/entrypoints/http_server.py", None)
+    streamer = defs(
+        SGLANG / "srt/managers/scheduler_components/output_streamer.py", "SchedulerOutputStreamer"
+    )
+    tm = defs(SGLANG / "srt/managers/tokenizer_manager.py", "TokenizerManager")
     for t in targets:
         owner, name = t.rsplit(".", 1)
         table = {
@@ -91,6 +95,8 @@ def test_hook_targets_exist_in_the_installed_0523_source() -> None:
             UNIFIED: urc,
             "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat": chat,
             "sglang.srt.entrypoints.http_server": http,
+            "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": streamer,
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager": tm,
         }[owner]
         assert name in table, t
     # the turn is captured where release_kv_cache hands a finished request to the tree
@@ -182,9 +188,10 @@ def test_startup_refuses_a_half_configured_0523_launch_through_sglangs_loader(tm
         assert words in r["message"], (name, r["message"])
         assert r["hooks"] == 0, "nothing may be hooked before the guards pass"
     assert found["disabled"] == {"exit": None, "message": "", "hooks": 0}
-    # six scheduler-side hooks, and launch_server's: this script is a main process (it cannot be
-    # applied here, where the HTTP server's uvloop is missing; the scheduler-side check passes)
-    assert found["python tree core"]["exit"] is None and found["python tree core"]["hooks"] == 7
+    # eight scheduler-side hooks, launch_server's and the three kv_hints ones of the HTTP side:
+    # this script is a main process (they cannot be applied here, where the HTTP server's uvloop is
+    # missing; the scheduler-side check passes)
+    assert found["python tree core"]["exit"] is None and found["python tree core"]["hooks"] == 12
     assert patched.pop("RadixCache.cache_finished_req") is False
     assert all(patched.values()), patched
 

@@ -27,6 +27,9 @@ rest keep their names at new lines):
 | mem_cache/unified_radix_cache.py:1159 ``UnifiedRadixCache.checkpoint`` | AFTER | record the finished turn: ``release_kv_cache`` (mem_cache/common.py:400-445) refreshes the fill ids (430) and calls ``checkpoint(req, up_to=owned_kv_len)`` (431) for a finished request; ``checkpoint_into_tree`` inserts ``req.full_untruncated_fill_ids[:up_to]`` (1170), page-aligned (1232), under ``req.extra_key`` and ``req.cache_salt`` (1204-1209) |
 | mem_cache/unified_radix_cache.py:416 ``UnifiedRadixCache.reset`` | AFTER | tree replaced (flush_cache) |
 | entrypoints/http_server.py:3125 ``launch_server``; serving_chat.py:2807/2441 | BEFORE; AROUND | as above |
+| managers/scheduler_components/output_streamer.py:135 ``SchedulerOutputStreamer.stream_output`` | BEFORE | ``kv_hints``: apply the toolkv action of each finished request (``Req.kv_hints``, schedule_batch.py:1416) and put the outcome in ``Req.customized_info`` (:mod:`toolkv.sglang.kv_hints`) |
+| managers/tokenizer_manager.py:2823 ``TokenizerManager.update_request_meta_info`` | AFTER | main process: a non-streamed response's ``meta_info["toolkv"]`` as one object |
+| entrypoints/openai/serving_chat.py:2807/2413 ``_handle_non_streaming_request`` / ``_handle_streaming_request`` | AROUND | main process: carry ``kv_hints`` from the chat body (``ChatCompletionRequest`` has no such field) |
 
 Nothing is registered unless ``TOOLKV_ENABLE=1``: an installed entry point activates for every
 sglang launch in the environment, so the plugin must be inert by default. Once enabled it is
@@ -59,6 +62,8 @@ RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 HTTP = "sglang.srt.entrypoints.http_server"
 CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
 _registered = False
 _transport: Any = None  # the HTTP process's TokenizerManagerTransport, once routes are installed
@@ -167,6 +172,7 @@ def hooks(
         out += [
             (f"{UNIFIED}.checkpoint", after_checkpoint, "AFTER"),
             (f"{UNIFIED}.reset", after_tree_reset, "AFTER"),
+            (f"{STREAMER}.stream_output", before_stream_output, "BEFORE"),  # kv_hints (0.5.21+)
         ]
     else:
         out += [
@@ -178,6 +184,12 @@ def hooks(
         if config.zero_change:
             out.append((f"{CHAT}._handle_non_streaming_request", around_chat_non_streaming, "AROUND"))
             out.append((f"{CHAT}._generate_chat_stream", around_chat_stream, "AROUND"))
+        if tree == "unified":  # kv_hints (0.5.21+); after the zero-change rows: the outer AROUND
+            out += [
+                (f"{TOKENIZER}.update_request_meta_info", after_update_request_meta_info, "AFTER"),
+                (f"{CHAT}._handle_non_streaming_request", around_chat_kv_hints, "AROUND"),
+                (f"{CHAT}._handle_streaming_request", around_chat_kv_hints, "AROUND"),
+            ]
     return out
 
 
@@ -381,6 +393,24 @@ def after_tree_reset(_result: None, tree: Any, *args: Any, **kwargs: Any) -> Non
         tk.on_tree_reset()
 
 
+def before_stream_output(streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``SchedulerOutputStreamer.stream_output(reqs, return_logprob, skip_req)``
+    (output_streamer.py:135; sglang 0.5.23): the ``kv_hints`` of each request that finished in
+    this step. Every finished request has been through ``release_kv_cache`` by now (its turn
+    recorded by :func:`after_checkpoint`, its lock released), and its output is not sent yet: the
+    toolkv action is applied here and its outcome rides out in the same output
+    (:func:`toolkv.sglang.kv_hints.apply_finished_hints`). Every TP rank streams the same batch."""
+    tk = getattr(getattr(streamer, "tree_cache", None), "_toolkv", None)
+    if tk is None or not reqs:
+        return
+    from toolkv.sglang.kv_hints import apply_finished_hints
+
+    try:
+        apply_finished_hints(tk, reqs)
+    except Exception:  # the output must go out even if toolkv cannot read a hint
+        log.exception("toolkv: applying kv_hints failed")
+
+
 # ---- HTTP process -----------------------------------------------------------------------------------
 def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """Refuse unsupported configs before any process starts, then add the routes to sglang's
@@ -457,3 +487,34 @@ async def around_chat_stream(
                 await _notify_tool_calls(request, tool)
                 sent = True
         yield chunk
+
+
+def after_update_request_meta_info(
+    _result: None, tm: Any, meta_info: Any, state: Any, *args: Any, **kwargs: Any
+) -> None:
+    """AFTER ``TokenizerManager.update_request_meta_info(meta_info, state, customized_info, index,
+    finish_reason)`` (tokenizer_manager.py:2823; sglang 0.5.23): the toolkv outcome of a response
+    that is not streamed becomes one object (:func:`toolkv.sglang.kv_hints.flatten_meta`)."""
+    if isinstance(meta_info, dict) and not getattr(getattr(state, "obj", None), "stream", False):
+        from toolkv.sglang.kv_hints import flatten_meta
+
+        flatten_meta(meta_info)
+
+
+async def around_chat_kv_hints(original: Callable[..., Any], serving: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``OpenAIServingChat._handle_non_streaming_request`` / ``_handle_streaming_request``
+    ``(adapted_request, request, raw_request)`` (serving_chat.py:2807/2413; sglang 0.5.23): the chat
+    route drops ``kv_hints`` (``ChatCompletionRequest`` has no such field), so it is copied from the
+    request's JSON body onto the ``GenerateReqInput`` before it is sent. ``raw_request.json()`` is
+    the body FastAPI already parsed (Starlette caches it: http_server.py:935-936 relies on the same)."""
+    from toolkv.sglang.kv_hints import carry_chat_kv_hints
+
+    adapted = args[0] if args else kwargs.get("adapted_request")
+    raw = args[2] if len(args) > 2 else kwargs.get("raw_request")
+    if adapted is not None and raw is not None and hasattr(raw, "json"):
+        try:
+            body = await raw.json()
+        except Exception:  # not JSON: sglang's own validation answers it
+            body = None
+        carry_chat_kv_hints(adapted, body)  # a malformed envelope: ValueError -> sglang's 400
+    return await original(serving, *args, **kwargs)

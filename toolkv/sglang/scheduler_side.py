@@ -22,6 +22,7 @@ from toolkv.core.treeops import Tree
 from toolkv.errors import BadRequest, DeviceMemoryFull, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
+from toolkv.sglang.kv_hints import kv_hints_supported
 from toolkv.sglang.metrics import ToolKVMetrics
 from toolkv.sglang.observe import DecisionLog
 from toolkv.sglang.replay import prior_epoch, replayed_tool_start
@@ -355,6 +356,7 @@ class SchedulerToolKV:
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
             "zero_change": self.config.zero_change,
+            "kv_hints": kv_hints_supported(),  # sglang 0.5.21+ carries kv_hints (toolkv.sglang.kv_hints)
         }
 
     def metrics(self) -> dict[str, Any]:
@@ -368,6 +370,7 @@ class SchedulerToolKV:
             ttl_s=self.config.ttl_s,
             host_budget_tokens=self.config.host_budget_tokens,
             zero_change=self.config.zero_change,
+            kv_hints=kv_hints_supported(),
             skipped=dict(self.skipped),
         )
         b: Any = m.backend
