@@ -27,6 +27,9 @@ from toolkv.verify.tracecheck import check_trace
 KILL_EXAMPLES = 400  # every mutant must be killed within this many examples (the documented claim)
 
 TestToolKVMachine = machine_class().TestCase
+# the per-call policy deciding every tool_start (keep / offload / let go, demotions for room):
+# its choice is checked as the spec step it stands for, at every step
+TestToolKVMachineAuto = machine_class(policy="auto").TestCase
 
 
 def test_campaign_reaches_every_action() -> None:

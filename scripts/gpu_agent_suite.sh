@@ -13,6 +13,11 @@
 #                 tool names sent): configs policy (explicit) and policy-zero-change (on-request)
 #     radix       plain RadixCache: configs radix (stock) and pin (toolkv's GPU pin, TTL 30 s, budget
 #                 half the device pool)
+#     value16     the value comparison at a 16 GB host, one server: configs stock16, offload16
+#     value64     the same at a 64 GB host: configs stock64, offload64
+#     valueauto   16 GB host with TOOLKV_POLICY=auto: config auto16 (explicit, tool names sent)
+# BENCH_ARGS (env) is appended to every bench (e.g. the closed 48-session load of docs/benchmarks.md);
+# DRAIN (env, default 60) is the drain of every bench.
 # Every server: Llama-3.1-8B shape, dummy weights, 64K context, triton attention, the toolkv plugin
 # loaded (TOOLKV_ENABLE=1; the stock configs make no toolkv call and send no session id). Results:
 # $OUT/<regime>/<config>.json and server logs. TOOLKV_SRC=<dir> runs the toolkv tree found there (e.g.
@@ -58,7 +63,7 @@ bench() {  # $1 config label, $2 mode, rest: extra bench flags
   local cfg=$1 mode=$2; shift 2
   echo "== $REGIME / $cfg ($mode) =="
   (cd "$SRC" && "$PY" -m toolkv.tools.agent_bench --url "http://127.0.0.1:$PORT" --mode "$mode" --config "$cfg" \
-    --duration "$DURATION" --drain 60 --flush --out "$RES/$cfg.json" "$@") || FAIL=1
+    --duration "$DURATION" --drain "${DRAIN:-60}" --flush --out "$RES/$cfg.json" "$@" ${BENCH_ARGS:-}) || FAIL=1
 }
 IFS=, read -ra LIST <<< "$SERVERS"
 for s in "${LIST[@]}"; do
@@ -76,6 +81,19 @@ for s in "${LIST[@]}"; do
       serve auto16 --enable-hierarchical-cache --hicache-size 16 || { FAIL=1; continue; }
       bench policy explicit --send-tool
       bench policy-zero-change on-request --send-tool
+      unset TOOLKV_POLICY
+      stop ;;
+    value16|value64)
+      export TOOLKV_TTL_S=600; unset TOOLKV_HOST_BUDGET_TOKENS TOOLKV_POLICY
+      H=${s#value}
+      serve "$s" --enable-hierarchical-cache --hicache-size "$H" || { FAIL=1; continue; }
+      bench "stock$H" stock
+      bench "offload$H" explicit
+      stop ;;
+    valueauto)
+      export TOOLKV_TTL_S=600 TOOLKV_POLICY=auto; unset TOOLKV_HOST_BUDGET_TOKENS
+      serve valueauto --enable-hierarchical-cache --hicache-size 16 || { FAIL=1; continue; }
+      bench auto16 explicit --send-tool
       unset TOOLKV_POLICY
       stop ;;
     hicache80)

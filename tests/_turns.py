@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from toolkv.sglang.plugin import around_cache_finished_req
+from toolkv.sglang.plugin import after_get_new_batch_prefill, around_cache_finished_req
 from toolkv.testing.harness import CacheHarness
 
 
@@ -54,6 +55,10 @@ def finish_turn(
         last_node=m.last_device_node,
         session_id=sid,
     )
+    # admitted: its prefix is matched and locked, as after get_new_batch_prefill (the AFTER hook)
+    # (stand-ins for NextBatchPlan/ScheduleBatch and the Scheduler: the hook reads only these fields)
+    plan = SimpleNamespace(batch_to_run=SimpleNamespace(reqs=[req]))
+    after_get_new_batch_prefill(plan, SimpleNamespace(_toolkv=getattr(h.tree, "_toolkv", None)))
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     around_cache_finished_req(RadixCache.cache_finished_req, h.tree, req, kv_len_to_handle=kv_len)

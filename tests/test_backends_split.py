@@ -77,6 +77,13 @@ def leak_free(r: Replayer) -> None:
 
 
 # ---- HiRadixCache ------------------------------------------------------------------------------------
+def admitted(r: Replayer, s: str) -> dict[str, object]:
+    """The session's next request is admitted (its lock replaces the hand-over's pin), runs and
+    finishes (its lock goes): spec ``Admit`` then ``Unlock``."""
+    step(r, ["Admit", s])
+    return step(r, ["Unlock", r.abstract()["ref"][s]])
+
+
 @pytest.mark.parametrize("stack", ["hiradix"], indirect=True)
 def test_hiradix_split_during_the_write(stack: Replayer) -> None:
     r = stack
@@ -91,7 +98,8 @@ def test_hiradix_split_during_the_write(stack: Replayer) -> None:
     assert not st["dev"]["n1"] and not st["dev"]["n2"] and st["host"]["n1"] and st["host"]["n2"]
     step(r, ["ToolEnd", "a", 1])
     st = step(r, ["LoadAck", "n1"])
-    assert st["phase"]["a"] == "Runnable"
+    assert st["phase"]["a"] == "Handover"
+    admitted(r, "a")
     kv_intact(r, "a")
     leak_free(r)
 
@@ -108,7 +116,9 @@ def test_hiradix_split_during_the_load(stack: Replayer) -> None:
     assert st["loadKey"]["n2"] == "n1" and st["phase"]["a"] == "Restoring"
     assert st["lockRef"]["n2"] == st["lockRef"]["n1"] == 2  # the load's path lock + the restore pin
     st = step(r, ["LoadAck", "n1"])
-    assert st["phase"]["a"] == "Runnable" and st["loadKey"]["n2"] == "NoNode"
+    assert st["phase"]["a"] == "Handover" and st["loadKey"]["n2"] == "NoNode"
+    assert st["lockRef"] == {"n1": 1, "n2": 1, "n3": 0}, "the restore's pin is handed over"
+    st = admitted(r, "a")
     assert st["lockRef"] == {"n1": 0, "n2": 0, "n3": 0}
     kv_intact(r, "a")
     leak_free(r)
@@ -128,7 +138,8 @@ def test_hiradix_split_of_a_protected_host_copy(stack: Replayer) -> None:
     assert st["status"]["n1"] == st["status"]["n2"] == "InTree"
     step(r, ["ToolEnd", "a", 1])
     st = step(r, ["LoadAck", "n1"])
-    assert st["phase"]["a"] == "Runnable" and st["hostRef"]["n1"] == 0
+    assert st["phase"]["a"] == "Handover" and st["hostRef"]["n1"] == 0
+    admitted(r, "a")
     kv_intact(r, "a")
     leak_free(r)
 
@@ -147,6 +158,8 @@ def test_pin_split_keeps_the_path_pinned_and_returns_every_lock(stack: Replayer,
     r.h.evict_device(10**6)  # the pinned path survives eviction pressure
     assert all(attached(r.h.tree, m) for m in path)
     step(r, ["ToolEnd", "a", 1])
+    assert all(m.lock_ref == 1 for m in path), "handed over: pinned until the next request"
+    admitted(r, "a")
     assert all(m.lock_ref == 0 for m in path)
     kv_intact(r, "a")
     leak_free(r)
@@ -165,7 +178,7 @@ def test_shadow_split_of_the_shared_prefix_while_the_branch_is_on_host(stack: Re
     r.h.match(r.tokens["n1"][:half])  # a request diverges inside the shared prefix: sglang splits it
     assert len(r.obj("n1").key) == len(r.tokens["n1"]) - half  # n1 is the suffix now
     step(r, ["ToolEnd", "a", 1])  # re-inserted under the (now split) prefix
-    assert r.mgr.sessions["a"].state == "Runnable"
+    assert r.mgr.sessions["a"].state == "Handover"
     kv_intact(r, "a")
     kv_intact(r, "b")
     leak_free(r)
@@ -178,6 +191,7 @@ def test_shadow_split_of_the_restored_branch(stack: Replayer) -> None:
     step(r, ["ToolStart", "a"])
     step(r, ["ToolEnd", "a", 1])  # a fresh node object holds the restored tokens
     step(r, ["Split", "n1", "n2"])  # the name follows its tokens to the re-inserted node
+    admitted(r, "a")
     step(r, ["Insert", "a", "n1", "n3"])  # the next turn, then the next tool call
     step(r, ["ToolStart", "a"])
     step(r, ["ToolEnd", "a", 2])

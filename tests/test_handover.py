@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests._cycle import step, turn
+from _cycle import step, turn
 from toolkv.core.backends.base import host_evictable_tokens
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.errors import HostMemoryFull
@@ -191,16 +191,73 @@ def test_a_refusal_names_the_evictable_room(hs: CacheHarness) -> None:
     m = ToolKVManager(h.tree)
     b = list(range(100_000, 101_000))  # protected: nothing else to evict
     turn(h, m, "b", b)
-    m.tool_start("b")
+    m.tool_start("b", expected_s=0.01)  # both due back before "a" would be: nobody yields to it
     step(h, m, 0.0, writes=True)
     turn(h, m, "c", list(range(200_000, 201_000)))
-    m.tool_start("c")
-    step(h, m, 0.1, writes=True)
+    m.tool_start("c", expected_s=0.01)
+    step(h, m, 0.0, writes=True)
     a = list(range(1, 301))
     turn(h, m, "a", a)
     with pytest.raises(HostMemoryFull) as ei:
         m.tool_start("a")
     assert ei.value.details["host_evictable_tokens"] == 0 and "0 evictable" in str(ei.value)
     assert m.kv_meta("a")["state"] == "Running", "a refusal changes nothing"
+    for sid in ("a", "b", "c"):
+        m.close(sid)
+
+
+def test_a_full_host_demotes_the_session_predicted_back_last(hs: CacheHarness) -> None:
+    """Spec Demote then HostRoom: with the host full of protected copies, the newcomer's offload
+    demotes the offloaded session whose tool is predicted to return last (one far past its median:
+    a heavy-tailed call that long is likely a long one), never one predicted back sooner."""
+    h = hs
+    initial = h.accounting()
+    size = int(h.host_pool.available_size()) // 3 + 10  # two fit on the host, a third does not
+    m = ToolKVManager(h.tree)
+    toks = {
+        sid: list(range(10_000 * (i + 1), 10_000 * (i + 1) + size))
+        for i, sid in enumerate(("old", "new", "c"))
+    }
+    turn(h, m, "old", toks["old"])
+    m.tool_start("old", tool="t")
+    step(h, m, 0.0, writes=True)
+    m.set_clock(60.0)  # "old" has run 60 s: far past the prior median (0.6 s)
+    kv_new = turn(h, m, "new", toks["new"])
+    m.tool_start("new", tool="t", expected_s=0.5)  # the client says: back in half a second
+    step(h, m, 60.0, writes=True)
+    turn(h, m, "c", toks["c"])
+    m.set_clock(60.1)
+    r = m.tool_start("c", tool="t")  # no free or evictable room: a demotion makes it
+    assert r["state"] in ("Offloading", "Offloaded")
+    assert m.kv_meta("old")["state"] == "Released", "predicted back last: demoted"
+    assert m.kv_meta("new")["state"] == "Offloaded", "due back sooner: kept on the host"
+    assert m.counters["demoted"] == 1
+    step(h, m, 61.0, writes=True)
+    h.scribble_unreferenced()
+    m.tool_end("new", int(m.kv_meta("new")["epoch"]))  # type: ignore[call-overload]
+    step(h, m, 62.0, loads=True)
+    assert torch.equal(h.device_kv(h.match(toks["new"]).device_indices), kv_new), "restored bytes equal"
+    for sid in ("old", "new", "c"):
+        m.close(sid)
+    h.drain()
+    assert h.accounting() == initial
+
+
+def test_nothing_predicted_back_later_means_a_refusal(hs: CacheHarness) -> None:
+    h = hs
+    size = int(h.host_pool.available_size()) // 3 + 10
+    m = ToolKVManager(h.tree)
+    toks = {
+        sid: list(range(10_000 * (i + 1), 10_000 * (i + 1) + size)) for i, sid in enumerate(("a", "b", "c"))
+    }
+    for sid in ("a", "b"):
+        turn(h, m, sid, toks[sid])
+        m.tool_start(sid, tool="t", expected_s=0.05)  # both due back at once
+        step(h, m, 0.0, writes=True)
+    turn(h, m, "c", toks["c"])
+    m.set_clock(0.01)
+    with pytest.raises(HostMemoryFull):
+        m.tool_start("c", tool="t")  # both others are due back before c: nobody yields
+    assert m.counters["demoted"] == 0 and m.kv_meta("c")["state"] == "Running"
     for sid in ("a", "b", "c"):
         m.close(sid)

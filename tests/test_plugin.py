@@ -161,7 +161,7 @@ def test_http_side_targets_exist_in_sglang_source() -> None:
     chat = defs(SGLANG / "srt/entrypoints/openai/serving_chat.py", "OpenAIServingChat")
     assert {"_handle_non_streaming_request", "_generate_chat_stream"} <= chat
     targets = {t for t, _, _ in hooks(main_process=True, config=ToolKVConfig(zero_change=True))}
-    assert len(targets) == 9
+    assert len(targets) == 10
     assert {t for t, _, _ in hooks(main_process=False, config=ToolKVConfig(zero_change=True))} < targets
 
 
@@ -234,9 +234,9 @@ def test_full_cycle_through_the_hooks_returns_every_resource(hh: CacheHarness) -
     ended = call(sched, "tool_end", session_id="s1", epoch=1)
     assert ended.ok and ended.body["state"] == "Restoring"
     iteration(h, tk, loads=True)
-    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Runnable"
+    assert call(sched, "kv_meta", session_id="s1").body["state"] == "Handover"
 
-    # the next turn extends the session; its record follows the new leaf
+    # the next turn is admitted (the get_new_batch_prefill hook), extends the session; its record follows the new leaf
     assert finish_turn(h, "s1", [*PROMPT, 41, 42, 43, 44, 50, 51], [52, 53], slot=1)
     assert call(sched, "kv_meta", session_id="s1").body["tokens"] == 47
 
@@ -284,7 +284,7 @@ def test_plain_radix_cache_uses_the_configured_fallback(
         assert finish_turn(h, "s1", PROMPT, [41, 42])
         r = call(sched, "tool_start", session_id="s1")
         assert r.ok and r.body["state"] == "Offloaded"
-        assert call(sched, "tool_end", session_id="s1", epoch=1).body["state"] == "Runnable"
+        assert call(sched, "tool_end", session_id="s1", epoch=1).body["state"] == "Handover"
         call(sched, "close", session_id="s1")
         h.drain()
         assert h.accounting() == initial
@@ -711,8 +711,9 @@ def test_metrics_are_scraped_from_sglangs_metrics_route(
     def g(name: str, **labels: str) -> float:
         return got[(name, tuple(sorted(labels.items())))]
 
-    assert meta["states"] == {"Runnable": 1, "Offloaded": 1}  # s2 was backed up already: offloaded at once
-    assert g("toolkv:sessions", state="Runnable") == 1 and g("toolkv:sessions", state="Offloaded") == 1
+    # s1 restored (pinned until its next request: Handover); s2 was backed up already: offloaded at once
+    assert meta["states"] == {"Handover": 1, "Offloaded": 1}
+    assert g("toolkv:sessions", state="Handover") == 1 and g("toolkv:sessions", state="Offloaded") == 1
     assert g("toolkv:sessions", state="Expired") == 0
     assert g("toolkv:decisions_total", op="tool_start", outcome="ok") == 2
     assert g("toolkv:decisions_total", op="tool_end", outcome="stale_epoch") == 1

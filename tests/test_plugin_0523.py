@@ -409,7 +409,7 @@ def test_turn_to_runnable_through_the_hooks_restores_the_same_bytes(h: UnifiedCa
     assert ended.ok and ended.body["state"] == "Restoring"
     loads_acked(h, tk)
     meta = call(sched, "kv_meta", session_id="s1")
-    assert meta.body["state"] == "Runnable" and meta.body["device_tokens"] == 43
+    assert meta.body["state"] == "Handover" and meta.body["device_tokens"] == 43
     node = tk.manager.sessions["s1"].node
     restored = h.device_kv(h.tree.path_device_indices(node.id)).float()
     assert torch.equal(restored, h.expected_kv(turn)), "restored KV differs from the turn's KV"

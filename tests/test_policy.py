@@ -635,3 +635,16 @@ def test_demotion_order_is_a_deterministic_partition_by_expected_remaining(
     assert remaining[: len(running)] == running  # every still-running session precedes every overdue one
     assert running == sorted(running, reverse=True)
     assert remaining[len(running) :] == sorted(remaining[len(running) :])
+
+
+def test_the_residual_median_grows_past_the_median_for_a_heavy_tail() -> None:
+    m = DurationModel(CFG)
+    med = m.median("t")
+    assert m.residual_median("t", 0.0) == pytest.approx(med)
+    prev = med
+    for e in (0.5 * med, med, 3 * med, 30 * med):
+        r = m.residual_median("t", e)
+        assert r >= e and r >= prev, "never back before now; later the longer it has run"
+        prev = r
+    assert m.residual_median("t", 30 * med) - 30 * med > med, "far past its median: long to go"
+    assert m.residual_median("t", 0.0, median=10.0) == pytest.approx(10.0), "the hint sets the median"

@@ -84,7 +84,8 @@ def test_a_short_tool_is_kept_on_the_gpu_under_one_lock(h: CacheHarness) -> None
 
 def test_a_small_kv_is_let_go_and_tool_end_just_resumes(h: CacheHarness) -> None:
     initial = h.accounting()
-    m = auto(h, policy_config=PolicyConfig(min_offload_tokens=256, keep_max_s=0.5))
+    # the host budget cannot take it (a session the host can take is never let go)
+    m = auto(h, policy_config=PolicyConfig(min_offload_tokens=256, keep_max_s=0.5), host_budget_tokens=50)
     a = list(range(1, 101))  # 100 tokens: below min_offload_tokens
     turn(h, m, "a", a)
     held = h.accounting()

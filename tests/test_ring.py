@@ -82,7 +82,8 @@ class RingWorld:
     # ---- spec actions ------------------------------------------------------------------------------
     def tool_start(self, sid: str) -> None:
         state = self.m.kv_meta(sid)["state"]
-        if state == "Runnable":  # the agent's next turn reuses the restored prefix
+        if state in ("Handover", "Runnable"):  # the agent's next turn is admitted, reuses the prefix
+            self.m.admitted(sid)
             self.m.record_turn(sid, self.toks[sid])
             state = "Running"
         if state == "Running":
@@ -125,7 +126,7 @@ class RingWorld:
         self.now += 1
         self.m.tick(self.now)
         for s, was in before.items():
-            if was == "Restoring" and self.m.kv_meta(s)["state"] == "Runnable":
+            if was == "Restoring" and self.m.kv_meta(s)["state"] == "Handover":
                 got = self.h.device_kv(self.h.match(self.toks[s]).device_indices)
                 assert torch.equal(got, self.kv[s].to(got.dtype)), f"restored KV of {s} differs"
                 self.restored_checks += 1

@@ -208,7 +208,7 @@ def test_two_gloo_ranks_take_identical_decisions(tmp_path: Path) -> None:
     assert by["tool_end a"]["reply"][1]["state"] == "Restoring"
     assert by["loads start"]["loads"] == 1 and by["loads start"]["sessions"]["a"]["state"] == "Restoring"
     assert by["rank0 loads done"]["sessions"]["a"]["state"] == "Restoring"
-    assert by["rank1 loads done"]["sessions"]["a"]["state"] == "Runnable"
+    assert by["rank1 loads done"]["sessions"]["a"]["state"] == "Handover"  # pinned until admitted
     refused = by["tool_end b (rank 1 full)"]
     assert refused["reply"][0] == 503 and refused["sessions"]["b"]["state"] == "Offloaded"
     states = [s["sessions"]["b"]["state"] for s in t0s if s["step"].startswith("idle")]

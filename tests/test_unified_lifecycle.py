@@ -136,7 +136,7 @@ def test_restore_is_byte_identical_and_runnable_only_after_the_load_ack(h: Unifi
     h.complete("load")
     h.check_events()
     m.tick(3.0)
-    assert m.kv_meta("a")["state"] == "Runnable" and m.kv_meta("a")["tier"] == "GPU"
+    assert m.kv_meta("a")["state"] == "Handover" and m.kv_meta("a")["tier"] == "GPU"
     assert torch.equal(path_kv(h, m, "a"), before)
     assert h.match(toks).device_prefix_len == len(toks)  # the next turn reuses the prefix
 
@@ -182,7 +182,7 @@ def test_device_full_keeps_the_session_offloaded_and_protected(h: UnifiedCacheHa
     h.allocator.free(ballast)
     m.tool_end("a", 1)
     settle_loads(h, m, 2.0)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover"
 
 
 def test_ttl_releases_the_host_lock(h: UnifiedCacheHarness) -> None:
@@ -240,9 +240,9 @@ def test_a_second_restore_waits_for_the_load_ring(h: UnifiedCacheHarness) -> Non
     h.complete("load")
     h.check_events()
     m.tick(4.0)  # "a" retired, "b" starts in the same tick
-    assert m.kv_meta("a")["state"] == "Runnable" and not h.controller.load_queue
+    assert m.kv_meta("a")["state"] == "Handover" and not h.controller.load_queue
     settle_loads(h, m, 5.0)
-    assert m.kv_meta("b")["state"] == "Runnable"
+    assert m.kv_meta("b")["state"] == "Handover"
 
 
 def test_shared_prefix_freed_only_when_no_device_child_remains(h: UnifiedCacheHarness) -> None:

@@ -95,7 +95,7 @@ def test_restore_evicts_unlocked_cache_to_make_room(h: UnifiedCacheHarness) -> N
     r = m.tool_end("a", ep)
     assert r["state"] == "Restoring" and r["restore"] == "loading" and r["restored_tokens"] == 128
     step(h, m, 2.0, loads=True)
-    assert m.kv_meta("a")["state"] == "Runnable"
+    assert m.kv_meta("a")["state"] == "Handover"
     assert torch.equal(path_kv(h, m, "a"), before)
 
 
@@ -119,7 +119,7 @@ def test_a_suffix_below_the_load_threshold_is_left_to_recompute(h: UnifiedCacheH
     ep = offloaded(h, m, "a", 1.0)
     assert m.kv_meta("a")["device_tokens"] == 32
     r = m.tool_end("a", ep)
-    assert r["state"] == "Runnable" and r["restore"] == "below_load_back_threshold"
+    assert r["state"] == "Handover" and r["restore"] == "below_load_back_threshold"
     assert r["recompute_tokens"] == 6 and r["restored_tokens"] == 0 and r["protected"] is False
     assert m.kv_meta("a")["tokens"] == 32 and m.kv_meta("a")["device_tokens"] == 32
 
@@ -153,13 +153,14 @@ def test_the_policy_keeps_and_restores_early_on_the_unified_tree(h: UnifiedCache
     assert r["decision"] == "offload"
     step(h, m, 0.1, writes=True)
     assert m.kv_meta("b")["state"] == "Offloaded" and m.kv_meta("b")["device_tokens"] == 0
-    assert m.tool_end("a", 1)["state"] == "Runnable" and full(m.sessions["a"].node).lock_ref == 0
+    assert m.tool_end("a", 1)["state"] == "Handover" and full(m.sessions["a"].node).lock_ref == 1
+    assert m.admitted("a") and full(m.sessions["a"].node).lock_ref == 0
     h.scribble_unreferenced()
     m.tick(m.sessions["b"].prefetch_at)
     assert m.kv_meta("b")["state"] == "Prefetching", "never Kept before the load ack"
     step(h, m, 4.9, loads=True)
     assert m.kv_meta("b")["state"] == "Kept" and m.kv_meta("b")["protected"] is False
-    assert m.tool_end("b", 1)["state"] == "Runnable"
+    assert m.tool_end("b", 1)["state"] == "Handover"
     assert torch.equal(path_kv(h, m, "b"), kv_b)
     m.close("a")
     m.close("b")

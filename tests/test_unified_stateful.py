@@ -98,6 +98,7 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
         s, pick = d.draw(st.sampled_from(SESSIONS)), d.draw(st.integers(0, 50))
         if self.mgr.sessions.get(s) is not None and self.mgr.sessions[s].state in PROTECTING:
             return
+        self.mgr.admitted(s)  # the turn's request is admitted first: it ends a hand-over (spec Admit)
         parents = [self.h.tree.root_node] + [n for n in self.nodes() if self.readable(n)]
         parent = parents[pick % len(parents)]
         prefix = [] if parent is self.h.tree.root_node else self.tokens(parent)

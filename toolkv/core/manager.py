@@ -222,21 +222,25 @@ class ToolKVManager:
         rec.node, rec.tree_gen = node, self.tree_gen
         hint = None if expected_s is None else float(expected_s)
         kv_tokens = sum(len(m.key) for m in path_to(self.tree, node))
+        need_fn = getattr(self.backend, "host_need", None)
+        host_need = int(need_fn(node)) if need_fn is not None else kv_tokens
         d = decide(
             kv_tokens=kv_tokens,
             tool=tool,
             expected_s=hint,
-            pressure=self._pressure(session_id, tool, hint, kv_tokens),
+            pressure=self._pressure(session_id, tool, hint, host_need),
             model=self.durations,
             config=self.config.policy_config,
             restore_tokens_per_s=self.restore_rate,
+            host_need_tokens=host_need,
         )
+        back = self.now + (hint if hint is not None else self.durations.median(tool))
         if d.action == "keep" and self.backend.keep(rec, node):
             self._kept(rec, tool, d)
             return self._meta(rec)
         if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
             try:
-                self.offload(session_id, demote=True, returns_at=self.now + d.expected_s)
+                self.offload(session_id, demote=True, returns_at=back)
             except HostMemoryFull:
                 return self._meta(self._let_go(rec, tool, self._decision("let_go", "host_full", expected_s)))
             reason = d.reason if d.action == "offload" else "not_resident"
@@ -248,26 +252,20 @@ class ToolKVManager:
 
     def _pressure(self, session_id: str, tool: str | None, hint: float | None, kv_tokens: int) -> Pressure:
         """The backend's pressure, with the host room that demotions could make counted as room:
-        the protected tokens of offloaded sessions expected back later than this call would be
+        the protected tokens of offloaded sessions predicted back later than this call would be
         (they are worth less on the host than this one). ``decide`` only asks whether the host can
-        take ``kv_tokens``, so the scan over sessions runs only when it cannot already."""
+        take ``kv_tokens`` (what the offload would add), so the scan over sessions runs only when
+        it cannot already."""
         p = self.backend.pressure()
         if p.device_spare_tokens is not None:
             p = replace(p, device_spare_tokens=max(0, p.device_spare_tokens - int(self.queued_demand())))
         if p.host_available_tokens >= kv_tokens:
             return p
-        expected = (
-            hint
-            if hint is not None
-            else self.durations.quantile(tool, self.config.policy_config.keep_quantile)
-        )
-        back = self.now + expected
+        back = self.now + (hint if hint is not None else self.durations.median(tool))
         demotable = sum(
             r.offload_tokens
             for r in self.sessions.values()
-            if r.state == "Offloaded"
-            and r.session_id != session_id
-            and r.tool_started_at + r.expected_s > back
+            if r.state == "Offloaded" and r.session_id != session_id and self._predicted_end(r) > back
         )
         if not demotable:
             return p
@@ -368,14 +366,23 @@ class ToolKVManager:
         room is), the one predicted back last first (policy.demotion_order): an optimal cache
         drops the KV whose next use is furthest, and never the one about to be used. Only
         ``Offloaded`` sessions: one with a copy in flight is never demoted."""
-        cands = [
-            (r.session_id, r.tool_started_at, r.tool_started_at + r.expected_s, r.offload_tokens)
-            for r in self.sessions.values()
-            if r.state == "Offloaded"
-            and r.session_id != but
-            and r.tool_started_at + r.expected_s > returns_at
-        ]
+        cands = []
+        for r in self.sessions.values():
+            if r.state != "Offloaded" or r.session_id == but:
+                continue
+            end = self._predicted_end(r)
+            if end > returns_at:
+                cands.append((r.session_id, r.tool_started_at, end, r.offload_tokens))
         return demotion_order(cands, self.now)
+
+    def _predicted_end(self, rec: SessionRecord) -> float:
+        """When the session's tool call is predicted to return, given how long it has run: its
+        tool's median conditioned on having lasted this long (a heavy-tailed call far past its
+        median is likely a long one), from the client's hint when it gave one."""
+        hinted = rec.reason.endswith("_hint")
+        return rec.tool_started_at + self.durations.residual_median(
+            rec.tool, self.now - rec.tool_started_at, rec.expected_s if hinted else None
+        )
 
     # ---- Prefetch ---------------------------------------------------------------------------------------
     def prefetch(self, session_id: str) -> dict[str, object]:

@@ -218,6 +218,25 @@ class DurationModel:
         log_q = mu + sigma * _STD_NORMAL.inv_cdf(q)
         return math.exp(min(max(log_q, _LOG_MIN), _LOG_MAX))
 
+    def residual_median(self, tool: str | None, elapsed: float, median: float | None = None) -> float:
+        """The median total duration of a call of ``tool`` that has already run ``elapsed`` seconds:
+        the median of the log-normal conditioned on ``T > elapsed``. For a heavy tail it grows with
+        ``elapsed`` (a call far past its median is likely a long one), which is what ranks offloaded
+        sessions by predicted return for demotion. ``median`` replaces the model's median (a
+        client's ``expected_s`` hint), keeping the model's spread."""
+        mu, sigma = self._posterior(tool)
+        if median is not None and _is_real(median) and median > 0:
+            mu = math.log(min(max(float(median), MIN_DURATION_S), MAX_DURATION_S))
+        if not _is_real(elapsed) or not math.isfinite(elapsed) or elapsed <= 0:
+            return math.exp(min(max(mu, _LOG_MIN), _LOG_MAX))
+        z = (math.log(min(max(float(elapsed), MIN_DURATION_S), MAX_DURATION_S)) - mu) / sigma
+        survive = 1.0 - _STD_NORMAL.cdf(z)
+        q = 1.0 - 0.5 * survive
+        if survive <= 0.0 or q >= 1.0:  # beyond float resolution: it is as long as it has run
+            return float(elapsed)
+        log_q = mu + sigma * _STD_NORMAL.inv_cdf(q)
+        return max(float(elapsed), math.exp(min(max(log_q, _LOG_MIN), _LOG_MAX)))
+
     def median(self, tool: str | None) -> float:
         """The median duration of ``tool`` in seconds (``exp(mu)``)."""
         mu, _ = self._posterior(tool)
@@ -308,8 +327,13 @@ def decide(
     model: DurationModel,
     config: PolicyConfig,
     restore_tokens_per_s: float,
+    host_need_tokens: int | None = None,
 ) -> Decision:
     """Choose keep / offload / let_go for a session whose agent just started ``tool``.
+
+    ``host_need_tokens`` is what an offload would add on the host (the path tokens without a host
+    copy yet, or the host budget's share); default ``kv_tokens``. With HiCache's write-through most
+    of a path is usually backed up already, so the whole KV size overstates the room needed.
 
     Pure and deterministic (it runs on every tensor-parallel rank and all must agree). The rules,
     in order:
@@ -374,7 +398,9 @@ def decide(
         else min(pressure.device_spare_tokens, pressure.device_available_tokens)
     )
     device_fits = spare - kv_tokens >= config.device_reserve * pressure.device_total_tokens
-    host_fits = pressure.host_available_tokens >= kv_tokens
+    host_fits = pressure.host_available_tokens >= (
+        kv_tokens if host_need_tokens is None else host_need_tokens
+    )
 
     if kv_tokens < config.min_offload_tokens and not host_fits:
         if short and device_fits:

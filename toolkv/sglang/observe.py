@@ -33,7 +33,7 @@ _PLAIN = re.compile(r"[A-Za-z0-9_.:/@+-]{1,128}")
 # (op whose acceptance starts it, state it waits in, state that completes it, metrics kind)
 _INFLIGHT = {
     "Offloading": ("Offloaded", "offload"),
-    "Restoring": ("Runnable", "restore"),
+    "Restoring": ("Handover", "restore"),  # readable: handed over to the next request (or already Runnable)
     "Prefetching": ("Kept", "restore"),  # an early restore: done when the KV is readable
 }
 
@@ -108,7 +108,7 @@ class DecisionLog:
         else:
             self._inflight.pop(sid, None)
             # completed inside the call (nothing to copy, or the pin/shadow backends)
-            kind = {"Offloaded": "offload", "Runnable": "restore"}.get(state)
+            kind = {"Offloaded": "offload", "Runnable": "restore", "Handover": "restore"}.get(state)
             if kind is not None:
                 self._complete(kind, 0.0, n)
 
@@ -139,7 +139,8 @@ class DecisionLog:
             if rec is None or rec.state not in HOLDING:
                 self._protecting.discard(sid)
             done, kind = _INFLIGHT[state]
-            if rec is not None and rec.epoch == epoch and rec.state == done:
+            finished = rec is not None and (rec.state == done or (done == "Handover" and rec.state == "Runnable"))
+            if rec is not None and rec.epoch == epoch and finished:
                 self._complete(kind, now - t0, tokens)
                 log.debug("toolkv %s done session=%s epoch=%d seconds=%.4f", kind, fmt(sid), epoch, now - t0)
 

@@ -24,6 +24,7 @@ rest keep their names at new lines):
 |---|---|---|
 | managers/scheduler.py:465 ``Scheduler.__init__`` | AFTER | as above; rank/size from ``runtime_context.get_parallel()`` (1285): 0.5.23's Scheduler has no ``ps``; ``_request_dispatcher`` is built by ``init_request_dispatcher`` (1828) |
 | managers/scheduler.py:2224 / 2943 / 5549 | AFTER / BEFORE / AFTER | ``process_input_requests`` / ``handle_generate_request`` / ``get_internal_state``, as above |
+| managers/scheduler.py:4052 ``Scheduler.get_new_batch_prefill`` | AFTER | as above (returns a ``NextBatchPlan``, schedule_batch.py:4138) |
 | mem_cache/unified_radix_cache.py:1159 ``UnifiedRadixCache.checkpoint`` | AFTER | record the finished turn: ``release_kv_cache`` (mem_cache/common.py:400-445) refreshes the fill ids (430) and calls ``checkpoint(req, up_to=owned_kv_len)`` (431) for a finished request; ``checkpoint_into_tree`` inserts ``req.full_untruncated_fill_ids[:up_to]`` (1170), page-aligned (1232), under ``req.extra_key`` and ``req.cache_salt`` (1204-1209) |
 | mem_cache/unified_radix_cache.py:416 ``UnifiedRadixCache.reset`` | AFTER | tree replaced (flush_cache) |
 | entrypoints/http_server.py:3125 ``launch_server``; serving_chat.py:2807/2441 | BEFORE; AROUND | as above |

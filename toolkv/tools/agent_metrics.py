@@ -5,7 +5,11 @@ is tested on CPU. The steady-state window is ``[window_start_s, window_end_s]`` 
 
 - throughput counts turns (and their generated tokens) that *completed* inside the window;
 - latency counts resumed turns (turn > 0: they follow a tool call) that *started* inside it;
-- cache use is sglang's ``cached_tokens`` against the prompt length of those resumed turns.
+- cache use is sglang's ``cached_tokens`` against the prompt length of those resumed turns;
+- a closed load (every session starts at once and none arrives later) finishes inside the window,
+  so its window throughput only says the window was long enough: ``closed_turns_per_s`` is 90 % of
+  the turns over the time it took to complete them (``t90_s``, from the first turn's start; the
+  last tenth waits mostly on the longest tool calls, not on the server).
 
 Standard library only (it runs on the GPU machine next to the server).
 """
@@ -76,6 +80,9 @@ def summarize(
     prompt = sum(t.prompt_tokens for t in resumed)
     cached = sum(min(t.cached_tokens, t.prompt_tokens) for t in resumed)
     ttft = [t.ttft_s for t in resumed]
+    ends = sorted(t.end_s for t in ok)
+    first = min((t.start_s for t in ok), default=0.0)
+    t90 = ends[max(0, math.ceil(0.9 * len(ends)) - 1)] - first if ends else math.nan
     return {
         "window_s": [window_start_s, window_end_s],
         "turns": len(turns),
@@ -83,6 +90,9 @@ def summarize(
         "turns_in_window": len(done),
         "turns_per_s": len(done) / span,
         "gen_tokens_per_s": sum(t.output_tokens for t in done) / span,
+        "t90_s": t90,
+        "makespan_s": (ends[-1] - first) if ends else math.nan,
+        "closed_turns_per_s": (math.ceil(0.9 * len(ends)) / t90) if ends and t90 > 0 else math.nan,
         "resumed_turns": len(resumed),
         "resumed_prompt_tokens": prompt,
         "resumed_cached_tokens": cached,

@@ -112,6 +112,12 @@ class Twin:
         return str(req.rid).split("#")[0]
 
     def _admitted(self, req: Any) -> None:
+        """The request is in a newly formed prefill batch: toolkv's hand-over ends (the plugin
+        calls ``on_batch`` after ``get_new_batch_prefill``; ``on_admitted`` per request before)."""
+        on_batch = getattr(self.tk, "on_batch", None)
+        if on_batch is not None:
+            on_batch([req])
+            return
         hook = getattr(self.tk, "on_admitted", None)
         if hook is not None and req.session_id is not None:
             hook(req.session_id)

@@ -63,8 +63,9 @@ class Batch:
 class TwinScheduler:
     """The scheduling half of sglang's ``Scheduler`` over one real tree.
 
-    ``on_admitted(req)`` is called for every request admitted to a prefill batch right after
-    ``PrefillAdder`` matched and locked its prefix; ``on_first_token(req)`` and ``on_finished(req)``
+    ``on_admitted(req)`` is called for every request of a new prefill batch once the batch is
+    formed (``PrefillAdder`` matched and locked its prefix, its memory is allocated): where the
+    plugin's AFTER hook on ``get_new_batch_prefill`` runs; ``on_first_token(req)`` and ``on_finished(req)``
     when a result is processed; ``on_retracted(req)`` when decode memory ran out."""
 
     def __init__(
@@ -205,8 +206,6 @@ class TwinScheduler:
             res = adder.add_one_req(
                 req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None
             )
-            if adder.can_run_list and adder.can_run_list[-1] is req and self.on_admitted is not None:
-                self.on_admitted(req)
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
                     if self.hicache:
@@ -230,6 +229,9 @@ class TwinScheduler:
             self.tree.ready_to_load_host_cache()
             loads = self._pending_loads() > before or before > 0
         chunks = self._alloc_extend(can_run)
+        if self.on_admitted is not None:  # the plugin's AFTER hook on get_new_batch_prefill
+            for req in can_run:
+                self.on_admitted(req)
         return Batch("prefill", list(can_run), chunks=chunks, loads=loads)
 
     def _pending_loads(self) -> int:

@@ -87,6 +87,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     page_size: ClassVar[int] = 1
     trace_dir: ClassVar[Path | None] = None
     ttl: ClassVar[int] = 4
+    policy: ClassVar[str] = "offload"  # "auto": tool_start is the per-call policy's choice
     examples: ClassVar[int] = 0  # examples built by this class (names the trace files)
 
     def __init__(self) -> None:
@@ -124,6 +125,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             # on a GPU: a shape sgl-kernel's transfer kernels accept, in bf16 as served models are
             kv_shape=(2, 2, 4) if self.device == "cpu" else (2, 2, 64),
             dtype=torch.float32 if self.device == "cpu" else torch.bfloat16,
+            policy=self.policy,
         )
         self.initial = self.r.h.accounting()
         self.names = 0
@@ -174,6 +176,19 @@ class ToolKVMachine(RuleBasedStateMachine):
         unprotected host copies first: that is the manager's ``HostRoom`` of each freed node,
         leaves first. Every other action is one spec step."""
         if act[0] == "ToolStart":
+            s = str(act[1])
+            post_phase = self.state["phase"]
+            # the policy's choice (auto): a kept session is spec Keep, a let-go one LetGo; the
+            # sessions it demoted for room are Demote steps first (predicted back last, first)
+            main: list[Any] = list(act)
+            if pre["phase"][s] == "Running" and post_phase[s] == "Kept":
+                main = ["Keep", s]
+            elif pre["phase"][s] == "Running" and post_phase[s] == "Released":
+                main = ["LetGo", s]
+            demoted = [
+                x for x in SESSIONS
+                if x != s and pre["phase"][x] == "Offloaded" and post_phase[x] == "Released"
+            ]  # fmt: skip
             gone_host = [
                 n for n, h in pre["host"].items() if h and not self.state["host"].get(n, False)
                 and self.state["status"].get(n) == "Gone"
@@ -185,7 +200,9 @@ class ToolKVMachine(RuleBasedStateMachine):
                     n, k = pre["parent"][n], k + 1
                 return k
 
-            return [*(["HostRoom", act[1], n] for n in sorted(gone_host, key=depth_h, reverse=True)), act]
+            order = sorted(demoted)  # each Demote releases one session's protection: they commute
+            rooms = [["HostRoom", s, n] for n in sorted(gone_host, key=depth_h, reverse=True)]
+            return [*(["Demote", x] for x in order), *rooms, main]
         if act[0] in ("ToolEnd", "Prefetch"):
             post = self.state
             gone = [n for n, d in pre["dev"].items() if d and not post["dev"].get(n, False)]
@@ -314,28 +331,21 @@ class ToolKVMachine(RuleBasedStateMachine):
         self._do(["Close", data.draw(st.sampled_from(SESSIONS), label="session")])
 
     # the per-call policy: each of tool_start's other choices, a demotion, an early restore
+    # Drawn in any phase: where the spec does not enable the action, the call must be refused and
+    # change nothing (the step check compares the state with the unchanged spec state).
     def keep(self, data: st.DataObject) -> None:
         """tool_start kept the KV on the GPU (spec Keep: only where the path is resident)."""
-        s = data.draw(st.sampled_from(self._biased(("Running",))), label="session")
-        n = self.state["ref"][s]
-        if self.state["phase"][s] == "Running" and n != NO_NODE and self._path_valid(n):
-            self._do(["Keep", s])
+        self._do(["Keep", data.draw(st.sampled_from(self._biased(("Running",))), label="session")])
 
     def let_go(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from(self._biased(("Running",))), label="session")
-        if self.state["phase"][s] == "Running":
-            self._do(["LetGo", s])
+        self._do(["LetGo", data.draw(st.sampled_from(self._biased(("Running",))), label="session")])
 
     def demote(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
-        if self.state["phase"][s] == "Offloaded":
-            self._do(["Demote", s])
+        self._do(["Demote", data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")])
 
     def prefetch(self, data: st.DataObject) -> None:
         """An early restore of an offloaded session, before its tool_end."""
-        s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
-        if self.state["phase"][s] == "Offloaded":
-            self._do(["Prefetch", s])
+        self._do(["Prefetch", data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")])
 
     def admit(self, data: st.DataObject) -> None:
         """The next request of a handed-over session is admitted (it locks the prefix)."""
@@ -601,10 +611,11 @@ def machine_class(
     device: str = "cpu",
     page_size: int = 1,
     trace_dir: Path | None = None,
+    policy: str = "offload",
 ) -> type[ToolKVMachine]:
     """A configured subclass (Hypothesis instantiates the class itself, once per example)."""
     return type(
-        "ToolKVMachine_" + ("_".join(sorted(caveats | env_bugs)) or "correct"),
+        "ToolKVMachine_" + ("_".join(sorted(caveats | env_bugs)) or "correct") + ("_auto" if policy == "auto" else ""),
         (ToolKVMachine,),
         {
             "caveats": caveats,
@@ -613,6 +624,7 @@ def machine_class(
             "io_backend": "kernel" if device.startswith("cuda") else "direct",
             "page_size": page_size,
             "trace_dir": trace_dir,
+            "policy": policy,
             "examples": 0,
         },
     )

@@ -124,6 +124,7 @@ class Replayer:
         fill: bool = True,
         hi_backend: Callable[[Any], Backend] | None = None,
         merge_acks: bool = False,
+        policy: str = "offload",
     ) -> None:
         """``fill=False`` skips writing each turn's KV bytes (the conformance replay compares states,
         not bytes; the fuzz campaign checks bytes and needs them). ``hi_backend`` builds the
@@ -147,6 +148,9 @@ class Replayer:
         self.ps = page_size
         self.fill = fill
         self.ttl = float(ttl if ttl is not None else bounds.ttl)
+        # "auto": tool_start is the per-call policy's choice among ToolStart, Keep and LetGo (and
+        # Demote of others); the caller maps the outcome onto spec steps (the fuzz campaign does)
+        self.policy = policy
         self.unit = 4 * max(16, page_size)  # tokens per spec node: halves of splits stay >= 10 (load_back)
         others = OTHER_LOADS if bounds.sys_loads else 0
         cap = device_tokens or (len(bounds.nodes) + bounds.dev_slots + 4 + others) * self.unit
@@ -193,7 +197,20 @@ class Replayer:
         elif self.hi_backend is not None:
             backend = self.hi_backend(tree)
         # seeded defects (mutation testing) are subclasses built outside the production code
-        self.mgr = mutant_manager(tree, backend, config=ManagerConfig(ttl_s=self.ttl), caveats=self.caveats)
+        self.mgr = mutant_manager(
+            tree,
+            backend,
+            # every pin (kept, early-restored, handed over) lives as long as the spec's TTL; early
+            # restores are drawn as spec Prefetch steps, never started by the tick behind a step
+            config=ManagerConfig(
+                ttl_s=self.ttl,
+                handover_ttl_s=self.ttl,
+                keep_ttl_s=self.ttl,
+                policy=self.policy,
+                prefetch=False,
+            ),
+            caveats=self.caveats,
+        )
         self.nodes = NodeMap()
         self.tokens: dict[str, list[int]] = {}  # spec node -> tokens from the root to its end
         self.ext: set[str] = set()

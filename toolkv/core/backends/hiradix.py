@@ -127,6 +127,13 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
 
+    def host_need(self, leaf: TreeNode) -> int:
+        """Host tokens an offload of ``leaf``'s path would add: the unbacked ones to write, or the
+        host budget's share if that is larger (the two limits ``offload`` checks)."""
+        path = path_to(self.tree, leaf)
+        write = _ntok([m for m in path if m.host_value is None])
+        return max(write, self._ledger.extra(path)) if self.host_budget_tokens is not None else write
+
     def host_evictable_tokens(self) -> int:
         """Tokens of the host copies sglang's ``evict_host`` would free if asked for everything
         (spec ``HostEvictable``): nodes off the device (hiradix_cache.py ``evict_host`` skips

@@ -189,6 +189,12 @@ class UnifiedBackend(HostRestore, OwnLoads):
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
 
+    def host_need(self, leaf: TreeNode) -> int:
+        """Host tokens an offload of ``leaf``'s path would add (unbacked, or the budget's share)."""
+        path = path_to(self.tree, leaf)
+        write = _ntok([m for m in path if full(m).host_value is None])
+        return max(write, self._ledger.extra(path)) if self.host_budget_tokens is not None else write
+
     def host_evictable_tokens(self) -> int:
         """Tokens the tree core's host eviction can free (spec ``HostEvictable``): its H-leaf rule
         (unified_tree_core.py ``_is_host_leaf``: evicted, backed up, no host or device lock on any
