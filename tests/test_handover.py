@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from _cycle import step, turn
+
 from toolkv.core.backends.base import host_evictable_tokens
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.errors import HostMemoryFull
