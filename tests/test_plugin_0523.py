@@ -148,6 +148,8 @@ patched = {
 }
 for n in ["__init__", "process_input_requests", "handle_generate_request", "get_internal_state"]:
     patched[f"Scheduler.{n}"] = hasattr(getattr(Scheduler, n), "__wrapped__")
+from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+patched["SchedulerOutputStreamer.stream_output"] = hasattr(SchedulerOutputStreamer.stream_output, "__wrapped__")
 plugin._check_hooks_applied(main_process=False)  # raises if a registered target was not patched
 print("PATCHED " + json.dumps(patched), flush=True)
 """
