@@ -29,6 +29,10 @@ if not has_unified_radix_cache():
 
 import torch
 from agent_stand_in_0523 import StandIn0523, hooked
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest  # the route's body model
 
 from toolkv.client import kv_hints, kv_hints_outcome
 from toolkv.sglang.config import ToolKVConfig
@@ -406,3 +410,38 @@ def test_flatten_meta_and_the_client_reader() -> None:
 def test_status_and_server_kv_meta_say_kv_hints_is_supported(s: StandIn0523) -> None:
     assert s.tk.status()["kv_hints"] is True
     assert s.tk.handle("kv_meta", {})[1]["kv_hints"] is True
+
+
+def test_the_chat_route_drops_kv_hints_and_the_chat_hook_carries_it_from_the_parsed_body() -> None:
+    """sglang's chat route binds the body to ``ChatCompletionRequest`` (http_server.py:1870-1879),
+    which has no ``kv_hints``; the plugin's AROUND hook reads it back with ``raw_request.json()``,
+    the body FastAPI already parsed. Checked with sglang's own request model on the FastAPI and
+    Starlette releases sglang 0.5.23 pins (the route itself imports uvloop, absent here)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from toolkv.sglang.plugin import around_chat_kv_hints
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def route(request: ChatCompletionRequest, raw_request: Request) -> JSONResponse:
+        assert request.session_id == "s1" and not hasattr(request, "kv_hints")  # dropped by the model
+        adapted = GenerateReqInput(input_ids=[1, 2, 3], session_id=request.session_id)
+
+        async def original(_serving: Any, adapted_request: Any, _request: Any, _raw: Any) -> JSONResponse:
+            env = adapted_request.kv_hints
+            return JSONResponse({"types": None if env is None else [a.action_type for a in env.actions]})
+
+        try:
+            out: JSONResponse = await around_chat_kv_hints(original, None, adapted, request, raw_request)
+        except ValueError as e:  # OpenAIServingBase.handle_request answers it with a 400
+            return JSONResponse({"message": str(e)}, status_code=400)
+        return out
+
+    c = TestClient(app)
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "session_id": "s1"}
+    r = c.post("/v1/chat/completions", json={**body, "kv_hints": kv_hints("retain")})
+    assert r.status_code == 200 and r.json() == {"types": ["toolkv.retain"]}
+    assert c.post("/v1/chat/completions", json=body).json() == {"types": None}
+    r = c.post("/v1/chat/completions", json={**body, "kv_hints": {"protocol_version": 1}})
+    assert r.status_code == 400 and "Malformed kv_hints" in r.json()["message"]
