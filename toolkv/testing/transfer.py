@@ -37,6 +37,11 @@ import torch
 Op = Callable[[], None]
 
 
+def _executed() -> None:
+    """What an executed copy leaves in its stream's queue (it must never run again)."""
+    raise AssertionError("a copy ran twice")
+
+
 @dataclass
 class ControlledStream:
     """A FIFO queue of deferred copies; ``done`` counts how many have executed."""
@@ -57,10 +62,16 @@ class ControlledStream:
         """Execute queued copies in order until ``done == upto``; returns bytes moved."""
         moved = 0
         while self.done < upto:
-            for pos, ev in self.waits:
-                if pos <= self.done:
-                    ev.force()
+            if self.waits:
+                for pos, ev in self.waits:
+                    if pos <= self.done:
+                        ev.force()
+                self.waits = [(pos, ev) for pos, ev in self.waits if pos > self.done]
             self.ops[self.done]()
+            # Positions are what events record, so the list keeps its length; the executed copy's
+            # closure (and the index tensors it cloned) is dropped: a soak of 100,000 tool calls
+            # would otherwise keep every copy it ever made alive.
+            self.ops[self.done] = _executed
             moved += self.nbytes[self.done]
             self.done += 1
         self.engine.bytes_moved[self.name] = self.engine.bytes_moved.get(self.name, 0) + moved
