@@ -1,0 +1,1034 @@
+"""The CPU soak: toolkv's scheduler side and HTTP side in one process over sglang's REAL caches.
+
+Many agent sessions (``toolkv.tools.agent_workload``'s sessions, scaled to CPU-sized prompts) talk
+to toolkv's real FastAPI routes (``http_api.build_app``) through httpx's ASGI transport; the
+routes reach the scheduler side through a queue that the simulated scheduler loop drains once per
+iteration, in the order sglang's ``event_loop_normal`` runs (scheduler.py:1520):
+
+1. ``process_input_requests``: toolkv's control requests (``SchedulerToolKV.ipc_handler``) and
+   ``flush_cache`` requests (sglang's real ``SchedulerFlushWrapper.handle``), then the wrapper's
+   ``check_pending()`` (a deferred ``/flush_cache?timeout=T`` runs here, on the first idle
+   iteration), then toolkv's AFTER hook: the tick;
+2. ``get_next_batch_to_run``: sglang's ack checks (``writing_check``/``loading_check`` on 0.5.16,
+   ``check_hicache_events`` on 0.5.23), the requests of the previous batch finish (their KV is
+   inserted by the real ``cache_finished_req`` / ``release_kv_cache``, whose toolkv hook records the
+   turn), the waiting requests are admitted (prefix matched, checked byte for byte, locked; toolkv's
+   ``get_new_batch_prefill`` hook ends hand-overs) and "computed" (deterministic KV of their tokens);
+3. the copy engine (test double, ``ControlledTransferEngine``) finishes some of the writes and
+   loads in flight, so acks retire one or more iterations later, as on a GPU.
+
+Mixed in: sessions abandoned mid-tool (never a ``tool_end``: the TTL releases them), requests
+aborted before and after admission, tool_end racing the session's next request, client
+disconnects (a ``tool_start`` whose reply is lost, re-sent with ``prior_epoch``), deferred flushes,
+and on a plain ``RadixCache`` other requests re-inserting an offloaded session's branch. Pool
+occupancy, toolkv's protected tokens and the process's RSS are sampled; at the end every
+session is closed, the caches drained, and every counter must equal its initial value.
+
+Test doubles, each for what cannot exist on CPU: the harnesses' three (unpinned host pool, torch
+copy primitives, the controlled copy engine), :class:`SchedulerStandIn` (sglang's ``Scheduler``
+needs a model runner; the real ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache`` run
+bound to it), :class:`SoakChannel` (the tokenizer-manager <-> scheduler ZMQ channel: the wire
+objects are pickled both ways), and the request stand-in of 0.5.16 (``_Finished``: the fields
+``cache_finished_req`` reads). ``python -m toolkv.testing.soak`` is the long run (``make soak-long``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import logging
+import math
+import os
+import pickle
+import random
+import resource
+import sys
+import time
+import zlib
+from array import array
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+
+from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.http_api import ChannelTransport, build_app
+from toolkv.sglang.ipc import ToolKVReqInput
+from toolkv.sglang.scheduler_side import SchedulerToolKV
+from toolkv.sglang.tp import AgreedClock
+from toolkv.core.backends.base import LocalAgreement
+from toolkv.tools.agent_workload import SessionPlan, Workload, plan_session
+
+StackKind = Literal["hiradix", "pin", "shadow", "unified"]
+STACKS: tuple[StackKind, ...] = ("hiradix", "pin", "shadow", "unified")
+log = logging.getLogger("toolkv.soak")
+
+
+# ---- sglang's hooks, applied by sglang's own registry --------------------------------------------
+@contextlib.contextmanager
+def toolkv_cache_hooks(tree_api: str) -> Iterator[None]:
+    """Apply toolkv's turn-capture and tree-reset hooks to the cache classes with sglang's
+    ``HookRegistry`` (as ``register`` does in a scheduler process), and undo them afterwards: the
+    registry patches classes process-wide, and other tests of the same process must not see it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from toolkv.sglang.plugin import hooks
+
+    if tree_api == "unified":
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as cls
+
+        names, prefix = ("checkpoint", "reset"), "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+    else:
+        from sglang.srt.mem_cache.radix_cache import RadixCache as cls  # type: ignore[assignment]
+
+        names, prefix = ("cache_finished_req", "reset"), "sglang.srt.mem_cache.radix_cache.RadixCache."
+    saved = {n: cls.__dict__[n] for n in names}
+    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    saved_patched = set(HookRegistry._patched)
+    for target, hook, kind in hooks(main_process=False, config=ToolKVConfig(), tree=tree_api):
+        if target.startswith(prefix):
+            HookRegistry.register(target, hook, getattr(HookType, kind))
+    HookRegistry.apply_hooks()
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.clear()
+        HookRegistry._patched.update(saved_patched)
+
+
+# ---- the scheduler: a stand-in that runs sglang's own flush code -----------------------------------
+class _Batch:
+    def __init__(self, reqs: list[Any]) -> None:
+        self.reqs = reqs
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+class FlushReplies:
+    """TEST DOUBLE of ``SchedulerIpcChannels.send_to_tokenizer``: records what a deferred
+    ``flush_cache`` answers (the reply the client of ``/flush_cache`` sees)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send_output(self, output: Any, req: Any = None) -> None:
+        self.sent.append(output)
+
+
+class SchedulerStandIn:
+    """TEST DOUBLE of sglang's ``Scheduler`` (it needs a model runner, which CPU lacks): exactly
+    the attributes that the REAL ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache`` read,
+    with those two functions bound to it, and sglang's REAL ``SchedulerFlushWrapper`` over them.
+    ``waiting_queue`` and ``running_batch`` are the soak's own queues, so "idle" means what it
+    means in sglang: no request waiting or running and (HiCache) no write or load pending."""
+
+    def __init__(self, tree: Any, req_pool: Any, allocator: Any, *, hicache: bool) -> None:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
+
+        self.running_batch = _Batch([])
+        self.waiting_queue: list[Any] = []
+        self.chunked_req = None
+        self.dllm_manager = SimpleNamespace(any_staging_reqs=lambda: False)
+        self.last_batch: Any = None
+        self.enable_overlap = False
+        self.result_queue: deque[Any] = deque()
+        self.ps = SimpleNamespace(pp_size=1)
+        self.grammar_manager = SimpleNamespace(grammar_queue=[], clear=lambda: None)
+        self.disaggregation_mode = DisaggregationMode.NULL
+        self.enable_hisparse = False
+        self.decode_offload_manager = None
+        self.enable_hierarchical_cache = hicache
+        self.tree_cache = tree
+        self.req_to_token_pool = req_pool
+        self.token_to_kv_pool_allocator = allocator
+        self.metrics_reporter = SimpleNamespace(reset_metrics=lambda: None, is_stats_logging_rank=False)
+        self.draft_worker = None
+        self.cur_batch_for_debug = None
+        self._engine_paused = False
+        self._toolkv: SchedulerToolKV | None = None
+        self._pp_microbatches_drained: Callable[[], bool] = Scheduler._pp_microbatches_drained.__get__(self)
+        self.is_fully_idle: Callable[..., bool] = Scheduler.is_fully_idle.__get__(self)
+        self.flush_cache: Callable[..., bool] = Scheduler.flush_cache.__get__(self)
+        self.flush_replies = FlushReplies()
+        self.flush_wrapper = SchedulerFlushWrapper(
+            flush_cache=self.flush_cache,
+            is_fully_idle=self.is_fully_idle,
+            ipc_channels=SimpleNamespace(send_to_tokenizer=self.flush_replies),  # type: ignore[arg-type]
+        )
+
+    def request_flush(self, timeout_s: float) -> Any:
+        """``/flush_cache?timeout=T`` as the scheduler receives it: answered now (idle, or
+        ``timeout_s`` 0) or deferred to ``check_pending`` (None)."""
+        from sglang.srt.managers.io_struct import FlushCacheReqInput
+
+        return self.flush_wrapper.handle(FlushCacheReqInput(timeout_s=timeout_s))
+
+
+# ---- the two cache stacks ---------------------------------------------------------------------------
+@dataclass
+class Running:
+    """A request admitted into a batch: what finishing it needs."""
+
+    sid: str | None
+    tokens: list[int]  # prompt + output; the last sampled token has no KV
+    kv_len: int
+    req: Any
+
+
+@dataclass
+class _Finished:
+    """TEST DOUBLE of sglang 0.5.16's ``Req``: the fields ``cache_finished_req`` and toolkv's
+    hooks read (radix_cache.py:437-488); its slots live in the harness's real ``ReqToTokenPool``."""
+
+    origin_input_ids: array[int]
+    output_ids: array[int]
+    req_pool_idx: int
+    cache_protected_len: int
+    last_node: Any
+    session_id: str | None = None
+    session: Any = None
+    extra_key: str | None = None
+    priority: int = 0
+
+
+class Stack:
+    """One real cache stack with the request lifecycle the soak drives (version specifics live
+    in the two subclasses)."""
+
+    name: str
+    tree_api: str
+    h: Any
+
+    def __init__(self) -> None:
+        self.bytes_checked = 0
+        self.byte_mismatches = 0
+
+    # request lifecycle
+    def match_device(self, tokens: list[int]) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Running | None:
+        raise NotImplementedError
+
+    def finish(self, run: Running) -> None:
+        raise NotImplementedError
+
+    def start_and_finish_loads(self) -> None:
+        """sglang's prefill batch starts every queued load (``ready_to_load_host_cache``) and
+        its forward waits for them (the schedule stream waits on the load's event)."""
+        if not self.h.is_hi:
+            return
+        if self.h.tree.cache_controller.load_queue:
+            self.h.tree.ready_to_load_host_cache()
+        self.h.complete("load")
+
+    def verify_prefix(self, tokens: list[int], indices: torch.Tensor) -> bool:
+        """The prefix a request reuses must hold exactly its tokens' KV (the harness's KV is a
+        function of the token id): a restore that moved the wrong bytes, or a slot freed and
+        reused while still in the tree, shows here."""
+        n = len(indices)
+        if n == 0:
+            return True
+        got = self.h.device_kv(indices).float()
+        ok = bool(torch.equal(got, self.h.expected_kv(tokens[:n])))
+        self.bytes_checked += got.numel() * got.element_size()
+        self.byte_mismatches += 0 if ok else 1
+        return ok
+
+    # copies
+    def check_events(self) -> None:
+        self.h.check_events()
+
+    def progress_copies(self, rng: random.Random) -> None:
+        """The copy engine finishes some of what is in flight (oldest first, per stream)."""
+        if not self.h.is_hi:
+            return
+        for which, p_all in (("write", 0.5), ("load", 0.8)):
+            n = self.h.pending(which)
+            if n:
+                self.h.complete(which, n if rng.random() < p_all else rng.randint(0, n))
+
+    def busy(self) -> bool:
+        """Anything queued or in flight on the copy engine."""
+        if not self.h.is_hi:
+            return False
+        c = self.h.tree.cache_controller
+        return bool(
+            self.h.pending("write")
+            or self.h.pending("load")
+            or c.load_queue
+            or c.ack_write_queue
+            or c.ack_load_queue
+            or getattr(c, "write_queue", None)
+            or self.h.tree.ongoing_write_through
+            or self.h.tree.ongoing_load_back
+        )
+
+    def occupancy(self) -> tuple[int, int]:
+        """(device tokens in use, host tokens in use)."""
+        dev = int(self.h.allocator.size - self.h.allocator.available_size())
+        hp = self.h.host_pool
+        host = int(hp.size - hp.available_size()) if hp is not None else 0
+        return dev, host
+
+    @property
+    def device_size(self) -> int:
+        return int(self.h.allocator.size)
+
+    @property
+    def host_size(self) -> int:
+        return int(self.h.host_pool.size) if self.h.host_pool is not None else 0
+
+    def accounting(self) -> Any:
+        return self.h.accounting()
+
+    def drain(self) -> None:
+        self.h.drain()
+
+    def close(self) -> None:
+        self.h.close()
+
+
+class Stack0516(Stack):
+    """sglang 0.5.16: ``HiRadixCache`` (backend hiradix) or a plain ``RadixCache`` (pin, shadow)."""
+
+    tree_api = "radix"
+
+    def __init__(self, kind: StackKind, *, device_tokens: int, host_ratio: float, context_len: int) -> None:
+        super().__init__()
+        from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+        self.name = kind
+        self.h = CacheHarness(
+            HarnessConfig(
+                kind="hiradix" if kind == "hiradix" else "radix",
+                device_tokens=device_tokens,
+                host_ratio=host_ratio,
+                max_reqs=64,
+                context_len=context_len,
+            )
+        )
+        self._slots = list(range(1, 64))
+
+    def match_device(self, tokens: list[int]) -> tuple[torch.Tensor, Any]:
+        m = self.h.match(tokens)
+        return m.device_indices, m.last_device_node
+
+    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Running | None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        h = self.h
+        tokens = prompt + output
+        kv_len = len(tokens) - 1
+        if not self._slots:
+            return None
+        prefix, last = self.match_device(tokens[:kv_len])
+        h.tree.inc_lock_ref(last)
+        need = kv_len - len(prefix)
+        new = h.allocator.alloc(need) if need else prefix[:0]
+        if new is None:
+            h.tree.evict(EvictParams(num_tokens=need))
+            new = h.allocator.alloc(need)
+        if new is None:
+            h.tree.dec_lock_ref(last)
+            return None
+        self.verify_prefix(tokens, prefix)
+        if need:
+            h.fill_kv(new, tokens[len(prefix) : kv_len])
+        slot = self._slots.pop()
+        h.req_pool.req_to_token[slot, :kv_len] = torch.cat([prefix, new.to(prefix.device)]).to(torch.int32)
+        req = _Finished(
+            origin_input_ids=array("q", prompt),
+            output_ids=array("q", output),
+            req_pool_idx=slot,
+            cache_protected_len=len(prefix),
+            last_node=last,
+            session_id=sid,
+        )
+        return Running(sid, tokens, kv_len, req)
+
+    def finish(self, run: Running) -> None:
+        self.h.tree.cache_finished_req(run.req, kv_len_to_handle=run.kv_len)  # hooked: records the turn
+        self._slots.append(run.req.req_pool_idx)
+
+
+class Stack0523(Stack):
+    """sglang 0.5.23: ``UnifiedRadixCache`` with HiCache and the Python tree core; a real
+    ``Req`` released by sglang's own ``release_kv_cache``."""
+
+    tree_api = "unified"
+
+    def __init__(self, *, device_tokens: int, host_ratio: float, context_len: int) -> None:
+        super().__init__()
+        from sglang.srt.runtime_context import get_parallel
+
+        from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
+
+        self.name = "unified"
+        self._ctx = contextlib.ExitStack()
+        self._ctx.enter_context(get_parallel().override(tp_rank=0, attn_tp_rank=0))
+        self.h = UnifiedCacheHarness(
+            UnifiedHarnessConfig(
+                device_tokens=device_tokens, host_ratio=host_ratio, max_reqs=64, context_len=context_len
+            )
+        )
+        self._rid = 0
+
+    def match_device(self, tokens: list[int]) -> tuple[torch.Tensor, Any]:
+        m = self.h.match(tokens)
+        return self.h.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len], m.last_device_node
+
+    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Running | None:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        h = self.h
+        tokens = prompt + output
+        kv_len = len(tokens) - 1
+        self._rid += 1
+        req = Req(f"soak{self._rid}", "", array("q", prompt), SamplingParams(max_new_tokens=len(output)), session_id=sid)
+        prefix, last = self.match_device(tokens[:kv_len])
+        req.last_node = last
+        req.lock = h.tree.lock(last)
+        need = kv_len - len(prefix)
+        new = h.allocator.alloc(need) if need else prefix[:0]
+        if new is None:
+            h.tree.evict(EvictParams(num_tokens=need))
+            new = h.allocator.alloc(need)
+        if new is None or h.req_pool.alloc([req]) is None:
+            if new is not None and need:
+                h.allocator.free(new)
+            h.tree.unlock(req.lock)
+            req.lock = None
+            return None
+        self.verify_prefix(tokens, prefix)
+        if need:
+            h.fill_kv(new, tokens[len(prefix) : kv_len])
+        row = torch.cat([prefix, new.to(prefix.device)]).to(torch.int32)
+        h.req_pool.write((req.kv.req_pool_idx, slice(0, kv_len)), row)
+        req.kv.cache_protected_len = len(prefix)
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = kv_len
+        req.output_ids.extend(output)
+        return Running(sid, tokens, kv_len, req)
+
+    def finish(self, run: Running) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        run.req.finished_reason = FINISH_LENGTH(length=len(run.req.output_ids))
+        release_kv_cache(run.req, self.h.tree, checkpoint=True)  # checkpoint is hooked: records the turn
+
+    def close(self) -> None:
+        self.h.close()
+        self._ctx.close()
+
+
+def make_stack(kind: StackKind, *, device_tokens: int, host_ratio: float, context_len: int) -> Stack:
+    if kind == "unified":
+        return Stack0523(device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
+    return Stack0516(kind, device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
+
+
+# ---- the channel: the HTTP routes' requests queue up for the scheduler loop -------------------------
+class SoakChannel(ChannelTransport):
+    """TEST DOUBLE of sglang's tokenizer-manager <-> scheduler channel (ZMQ): a request is pickled
+    onto the scheduler's inbox; the scheduler loop handles it in its next ``process_input_requests``
+    and the pickled reply is delivered through toolkv's real rid-keyed ``ReplyRegistry``."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout_s=1e9)  # virtual time: the loop, not a wall clock, bounds a reply
+        self.inbox: deque[ToolKVReqInput] = deque()
+
+    def _send(self, req: ToolKVReqInput) -> None:
+        self.inbox.append(pickle.loads(pickle.dumps(req)))
+
+
+# ---- configuration and results ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SoakConfig:
+    stack: StackKind = "hiradix"
+    tool_calls: int = 10_000  # stop starting tool calls after this many
+    concurrent: int = 12  # sessions alive at once
+    seed: int = 0
+    device_tokens: int = 3072
+    host_ratio: float = 3.0
+    context_len: int = 1024
+    ttl_s: float = 120.0
+    handover_ttl_s: float = 5.0
+    tick_s: float = 0.1  # virtual seconds per scheduler iteration
+    abandon_p: float = 0.04  # per session: vanishes after a tool_start (the TTL releases it)
+    abort_waiting_p: float = 0.03  # per request: aborted before admission (client gone)
+    abort_running_p: float = 0.03  # per request: aborted after admission (ends early)
+    race_p: float = 0.05  # per tool call: the next request sent without waiting for tool_end's reply
+    disconnect_p: float = 0.02  # per tool call: tool_start's reply lost; re-sent with prior_epoch
+    close_p: float = 0.85  # per finished session: the client closes it (else it just stops)
+    repopulate_p: float = 0.1  # per tool call (pin/shadow): another request re-inserts the branch
+    http_share: float = 0.25  # sessions whose calls go through the FastAPI routes (the rest: the channel)
+    flush_every: int = 2_500  # tool calls between deferred /flush_cache?timeout requests
+    sample_every: int = 250  # iterations between samples
+    progress: bool = False
+
+    def workload(self) -> Workload:
+        # the agent workload's shape at CPU scale: ~25 turns, a first prompt of ~48 tokens growing
+        # by ~14 per turn, the trace-calibrated tool durations (virtual time)
+        return Workload(
+            initial_sessions=self.concurrent,
+            turns_median=12,
+            turns_sigma=0.4,
+            first_tokens=48,
+            growth_per_turn=14,
+            output_tokens=4,
+            result_sigma=0.5,
+            max_context=self.context_len - 8,
+            seed=self.seed,
+        )
+
+
+@dataclass
+class Sample:
+    iteration: int
+    now: float
+    tool_calls: int
+    rss_bytes: int
+    device_used: int
+    host_used: int
+    protected_tokens: int
+    sessions: int
+
+
+@dataclass
+class SoakResult:
+    config: dict[str, Any]
+    tool_calls: int = 0
+    sessions: int = 0
+    iterations: int = 0
+    seconds: float = 0.0
+    http_requests: int = 0  # through the FastAPI routes
+    channel_requests: int = 0  # straight into the routes' channel
+    replies: Counter[str] = field(default_factory=Counter)  # "op status code"
+    events: Counter[str] = field(default_factory=Counter)
+    restores_verified: int = 0
+    restored_bytes_checked: int = 0
+    bytes_checked: int = 0
+    byte_mismatches: int = 0
+    flushes: Counter[str] = field(default_factory=Counter)
+    counters: dict[str, int] = field(default_factory=dict)
+    leaks: list[str] = field(default_factory=list)
+    flat_problems: list[str] = field(default_factory=list)
+    error_logs: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["replies"] = dict(self.replies)
+        d["events"] = dict(self.events)
+        d["flushes"] = dict(self.flushes)
+        return d
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (``/proc/self/statm``; ``ru_maxrss`` elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def flat_problems(samples: list[Sample], *, warmup: float = 0.25, sizes: dict[str, int]) -> list[str]:
+    """After the warm-up, a quantity must not trend upwards: the maximum of the last third of the
+    samples may exceed the maximum of the first third (after warm-up) by at most a slack (RSS:
+    24 MiB; pools and protected tokens: 5 % of the pool). A leak of a few slots per tool call
+    over 10,000 calls, or a record kept per call, breaks it."""
+    body = samples[int(len(samples) * warmup) :]
+    if len(body) < 6:
+        return [f"too few samples after warm-up ({len(body)}) to judge a trend"]
+    third = len(body) // 3
+    early, late = body[:third], body[-third:]
+    out: list[str] = []
+    checks: list[tuple[str, Callable[[Sample], int], float]] = [
+        ("rss_bytes", lambda s: s.rss_bytes, 24 * 2**20),
+        ("device_used", lambda s: s.device_used, 0.05 * sizes["device"]),
+        ("host_used", lambda s: s.host_used, 0.05 * max(1, sizes["host"])),
+        ("protected_tokens", lambda s: s.protected_tokens, 0.05 * max(sizes["device"], sizes["host"])),
+        ("sessions", lambda s: s.sessions, 0.0),
+    ]
+    for name, get, slack in checks:
+        if name == "sessions":  # tracked records: bounded by the live population plus the abandoned
+            continue
+        e, lt = max(get(s) for s in early), max(get(s) for s in late)
+        if lt > e + slack:
+            out.append(
+                f"{name} grew after warm-up: max {e} over samples {early[0].iteration}..{early[-1].iteration},"
+                f" max {lt} over {late[0].iteration}..{late[-1].iteration} (slack {slack:.0f})"
+            )
+    return out
+
+
+# ---- the soak -----------------------------------------------------------------------------------------
+class _ErrorLogs(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class Soak:
+    """One soak run (see the module docstring). ``run()`` returns a :class:`SoakResult`."""
+
+    def __init__(self, cfg: SoakConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.now = 0.0
+        self.iteration = 0
+        self.result = SoakResult(config=asdict(cfg))
+        self.waiting: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
+        self.running: list[tuple[Running, asyncio.Future[str]]] = []
+        self.timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = 0
+        self.in_http = 0
+        self.calls_started = 0
+        self.next_flush = cfg.flush_every
+        self.flush_waiters: list[asyncio.Future[Any]] = []
+        self._flush_pending = False
+        # requests held in front of the scheduler while a flush waits for an idle moment (an
+        # operator drains traffic before /flush_cache; sglang itself would keep admitting them)
+        self.held: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
+
+    # ---- clients' view -------------------------------------------------------------------------------
+    async def sleep(self, seconds: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        heapq.heappush(self.timers, (self.now + max(0.0, seconds), self._seq, fut))
+        await fut
+
+    async def http(
+        self, method: str, path: str, *, json: dict[str, Any], routes: bool = True
+    ) -> tuple[int, dict[str, Any]]:
+        """One control call. ``routes``: through toolkv's FastAPI routes (httpx's ASGI transport:
+        validation, the error mapping, JSON both ways); else straight into the same channel the
+        routes use (``ChannelTransport.call``: rid, reply registry, pickled wire), which costs a
+        fifth as much and lets the soak reach its call count within CI's budget."""
+        op = path.rsplit("/", 1)[-1]
+        self.in_http += 1
+        try:
+            if routes:
+                r = await self.client.request(method, path, json=json)
+                status, body = r.status_code, r.json()
+                self.result.http_requests += 1
+            else:
+                status, body = await self.channel.call(op, json)
+                self.result.channel_requests += 1
+        finally:
+            self.in_http -= 1
+        self.result.replies[f"{op} {status} {body.get('error', body.get('state', ''))}"] += 1
+        return status, body
+
+    def submit(self, sid: str | None, prompt: list[int], output: list[int]) -> asyncio.Future[str]:
+        """A generate request reaches the scheduler (``handle_generate_request``: toolkv's BEFORE
+        hook may restore the session first) and waits to be admitted."""
+        from toolkv.sglang.plugin import before_handle_generate_request
+
+        before_handle_generate_request(self.sched, SimpleNamespace(session_id=sid, session_params=None))
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        (self.held if self.flush_waiters else self.waiting).append((sid, prompt, output, fut))
+        return fut
+
+    async def agent(self, plan: SessionPlan) -> None:
+        """One agent session: turns and tool calls as planned, with the faults of the config."""
+        cfg, res = self.cfg, self.result
+        rng = random.Random(zlib.crc32(f"{cfg.seed}/{plan.sid}".encode()))
+        sid = plan.sid
+        res.sessions += 1
+        ctx: list[int] = []
+        prompt = list(plan.first)
+        epoch = 0
+        routes = rng.random() < cfg.http_share
+        abandon_at = rng.randrange(max(1, len(plan.tools_s))) if rng.random() < cfg.abandon_p else -1
+        racing: asyncio.Task[tuple[int, dict[str, Any]]] | None = None
+        for turn in range(plan.turns):
+            output = [rng.randrange(1000, 120_000) for _ in range(4)]
+            output = await self._request(sid, ctx + prompt, output, rng)
+            if racing is not None:  # tool_end raced this request: its answer comes when it comes
+                await racing
+                racing = None
+            ctx = ctx + prompt + output
+            if turn >= len(plan.tools_s) or self.calls_started >= cfg.tool_calls:
+                break
+            # ---- the tool call --------------------------------------------------------------------
+            self.calls_started += 1
+            if self.calls_started >= self.next_flush:
+                self.next_flush += cfg.flush_every
+                asyncio.get_running_loop().create_task(self._flush())
+            if rng.random() < cfg.disconnect_p:
+                # the reply is lost (connection dropped); the agent re-sends with the epoch it knew
+                await self.channel.send_nowait("tool_start", {"session_id": sid})
+                await self.sleep(cfg.tick_s * 2)
+                st, body = await self.http(
+                    "POST", "/session/tool_start", json={"session_id": sid, "prior_epoch": epoch}, routes=routes
+                )
+                res.events["disconnect_resent"] += 1
+                res.events["disconnect_replayed"] += int(bool(body.get("replayed")))
+            else:
+                st, body = await self.http("POST", "/session/tool_start", json={"session_id": sid}, routes=routes)
+            started = st == 200
+            if started:
+                epoch = int(body["epoch"])
+            if turn == abandon_at:
+                res.events["abandoned"] += 1
+                return  # never a tool_end, a next request or a close: the TTL must release it
+            if self.stack.name in ("pin", "shadow") and rng.random() < cfg.repopulate_p:
+                self._repopulate(sid)
+            await self.sleep(plan.tools_s[turn])
+            prompt = list(plan.results[turn])
+            if not started:
+                continue  # nothing to end: the next request recomputes what is missing
+            end = self.http("POST", "/session/tool_end", json={"session_id": sid, "epoch": epoch}, routes=routes)
+            if rng.random() < cfg.race_p:  # the next request is sent without waiting for the reply
+                res.events["raced"] += 1
+                racing = asyncio.get_running_loop().create_task(end)
+                await asyncio.sleep(0)
+            else:
+                await end
+        if racing is not None:
+            await racing
+        if rng.random() < cfg.close_p:
+            await self.http("POST", "/session/close", json={"session_id": sid}, routes=routes)
+
+    async def _request(self, sid: str, prompt: list[int], output: list[int], rng: random.Random) -> list[int]:
+        """Send the turn's request and return the output it produced. One aborted before
+        admission is sent again later, as an agent retries; one aborted after admission ends
+        early (the part computed is cached, the output is cut)."""
+        while True:
+            if rng.random() < self.cfg.abort_running_p:
+                output = output[:1]
+                self.result.events["aborted_running"] += 1
+            fut = self.submit(sid, prompt, output)
+            if rng.random() < self.cfg.abort_waiting_p:
+                await self.sleep(self.cfg.tick_s)
+                if self._abort_waiting(fut):
+                    self.result.events["aborted_waiting"] += 1
+                    await self.sleep(rng.uniform(0.5, 2.0 * self.cfg.handover_ttl_s))
+                    continue
+            await fut
+            return output
+
+    def _abort_waiting(self, fut: asyncio.Future[str]) -> bool:
+        """Abort a request still waiting (held or queued); False once it was admitted."""
+        for queue in (self.waiting, self.held):
+            for i, w in enumerate(queue):
+                if w[3] is fut:
+                    del queue[i]
+                    fut.set_result("aborted")
+                    return True
+        return False
+
+    def _repopulate(self, sid: str) -> None:
+        """Another request (no session label) runs the offloaded session's tokens, re-inserting
+        its branch into a plain RadixCache while toolkv holds it (pin: a no-op for the tree;
+        shadow: the snapshot's restore must then free its duplicate slots)."""
+        rec = self.tk.manager.sessions.get(sid)
+        if rec is None or rec.state not in ("Offloaded", "Offloading") or not rec.tokens:
+            return
+        self.waiting.append((None, list(rec.tokens), [1], asyncio.get_running_loop().create_future()))
+        self.result.events["repopulated"] += 1
+
+    async def _flush(self) -> None:
+        """An operator's ``/flush_cache?timeout=T``: drains requests (no new ones are admitted
+        while it waits, as sglang keeps them queued for it), runs on the first idle iteration."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.flush_waiters.append(fut)
+        out = await fut
+        self.result.flushes["ok" if out else "timed_out"] += 1
+
+    # ---- the scheduler loop --------------------------------------------------------------------------------
+    def step(self) -> None:
+        cfg, res, sched, tk = self.cfg, self.result, self.sched, self.tk
+        self.iteration += 1
+        # 1. process_input_requests: control requests, then the deferred flush, then toolkv's tick
+        loop = asyncio.get_running_loop()
+        while self.channel.inbox:
+            out = pickle.loads(pickle.dumps(tk.ipc_handler(self.channel.inbox.popleft())))
+            loop.call_soon(self.channel.replies.resolve, out)
+        if self.flush_waiters and sched.flush_wrapper._pending is None and not self._flush_pending:
+            answer = sched.request_flush(timeout_s=30.0)
+            if answer is not None:  # idle already: answered at once
+                self.flush_waiters.pop(0).set_result(bool(answer.success))
+            else:
+                self._flush_pending = True
+        before = len(sched.flush_replies.sent)
+        sched.flush_wrapper.check_pending()  # runs a pending flush on the first idle iteration
+        if len(sched.flush_replies.sent) > before:
+            self._flush_pending = False
+            self.flush_waiters.pop(0).set_result(bool(sched.flush_replies.sent[-1].success))
+        if not self.flush_waiters and self.held:
+            self.waiting += self.held
+            self.held = []
+        tk.tick()  # the AFTER hook of process_input_requests
+        # 2. get_next_batch_to_run: acks, last batch finishes, new batch admitted
+        self.stack.check_events()
+        for run, fut in self.running:
+            self.stack.finish(run)
+            fut.set_result("done")
+        self.running = []
+        sched.running_batch.reqs = []
+        if self.waiting:
+            self.stack.start_and_finish_loads()  # the batch's forward waits for its loads
+            admitted: list[Any] = []
+            keep: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
+            for sid, prompt, output, fut in self.waiting:
+                if len(admitted) >= 8:
+                    keep.append((sid, prompt, output, fut))
+                    continue
+                rec = tk.manager.sessions.get(sid) if sid else None
+                restored = rec is not None and rec.state == "Handover" and rec.restore == "loading"
+                mism = self.stack.byte_mismatches
+                checked = self.stack.bytes_checked
+                run = self.stack.admit(sid, prompt, output)
+                if run is None:
+                    keep.append((sid, prompt, output, fut))
+                    continue
+                if restored:
+                    res.restores_verified += 1
+                    res.restored_bytes_checked += self.stack.bytes_checked - checked
+                if self.stack.byte_mismatches > mism:
+                    log.error("session %s: reused prefix holds wrong bytes", sid)
+                admitted.append(run.req)
+                self.running.append((run, fut))
+            self.waiting = keep
+            sched.waiting_queue[:] = [w[0] for w in keep]
+            sched.running_batch.reqs = admitted
+            if admitted:
+                from toolkv.sglang.plugin import after_get_new_batch_prefill
+
+                after_get_new_batch_prefill(SimpleNamespace(batch_to_run=_Batch(admitted)), sched)
+        sched.waiting_queue[:] = [w[0] for w in self.waiting]
+        # 3. the copy engine
+        self.stack.progress_copies(self.rng)
+        # the clock: one iteration, or straight to the next wake-up when nothing at all happens
+        idle = (
+            not self.waiting
+            and not self.running
+            and not self.channel.inbox
+            and self.in_http == 0
+            and not self.stack.busy()
+        )
+        nxt = self.timers[0][0] if self.timers else self.now + cfg.tick_s
+        self.now = max(self.now + cfg.tick_s, nxt) if idle else self.now + cfg.tick_s
+        while self.timers and self.timers[0][0] <= self.now:
+            _, _, fut = heapq.heappop(self.timers)
+            if not fut.done():
+                fut.set_result(None)
+        if self.iteration % cfg.sample_every == 0:
+            self._sample()
+
+    def _sample(self) -> None:
+        dev, host = self.stack.occupancy()
+        b: Any = self.tk.manager.backend
+        prot = int(getattr(b, "protected_tokens", 0) or getattr(b, "pinned_tokens", 0) or getattr(b, "host_tokens", 0))
+        self.result.samples.append(
+            Sample(self.iteration, self.now, self.calls_started, rss_bytes(), dev, host, prot, len(self.tk.manager.sessions))
+        )
+        if self.cfg.progress:
+            print(
+                f"\r[{self.cfg.stack}] calls {self.calls_started:>7,}/{self.cfg.tool_calls:,}"
+                f"  sessions {self.result.sessions:>5}  it {self.iteration:>8,}  rss {rss_bytes() / 2**20:6.0f} MiB"
+                f"  dev {dev:>6} host {host:>6} prot {prot:>6}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    async def _main(self) -> SoakResult:
+        import httpx
+
+        cfg, res = self.cfg, self.result
+        self.stack = make_stack(
+            cfg.stack, device_tokens=cfg.device_tokens, host_ratio=cfg.host_ratio, context_len=cfg.context_len
+        )
+        errors = _ErrorLogs()
+        logging.getLogger("toolkv").addHandler(errors)
+        t0 = time.perf_counter()
+        try:
+            with toolkv_cache_hooks(self.stack.tree_api):
+                initial = self.stack.accounting()
+                h = self.stack.h
+                self.sched = SchedulerStandIn(h.tree, h.req_pool, h.allocator, hicache=h.is_hi)
+                tk_cfg = ToolKVConfig(
+                    ttl_s=cfg.ttl_s,
+                    handover_ttl_s=cfg.handover_ttl_s,
+                    fallback="shadow" if cfg.stack == "shadow" else "pin",
+                    sweep_every=1,
+                )
+                clock = AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
+                self.tk = SchedulerToolKV(h.tree, config=tk_cfg, clock=clock)
+                h.tree._toolkv = self.tk
+                self.sched._toolkv = self.tk
+                self.channel = SoakChannel()
+                transport = httpx.ASGITransport(app=build_app(self.channel))
+                async with httpx.AsyncClient(transport=transport, base_url="http://toolkv") as client:
+                    self.client = client
+                    await self._drive()
+                    # the end: every session still tracked is closed (abandoned ones included)
+                    for sid in list(self.tk.manager.sessions):
+                        closing = asyncio.get_running_loop().create_task(
+                            self.http("POST", "/session/close", json={"session_id": sid})
+                        )
+                        while not closing.done():
+                            self.step()
+                            await asyncio.sleep(0)
+                for _ in range(4):
+                    self.step()
+                    await asyncio.sleep(0)
+                self._sample()
+                res.counters = {k: int(v) for k, v in self.tk.manager.counters.items()}
+                self._leaks(initial)
+                res.bytes_checked = self.stack.bytes_checked
+                res.byte_mismatches = self.stack.byte_mismatches
+        finally:
+            logging.getLogger("toolkv").removeHandler(errors)
+            self.stack.close()
+        res.error_logs = errors.lines[:20]
+        res.tool_calls = self.calls_started
+        res.iterations = self.iteration
+        res.seconds = time.perf_counter() - t0
+        res.flat_problems = flat_problems(
+            res.samples[:-1], sizes={"device": self.stack.device_size, "host": self.stack.host_size}
+        )
+        if cfg.progress:
+            print(file=sys.stderr)
+        return res
+
+    async def _drive(self) -> None:
+        """Run the agents: ``concurrent`` at a time, new ones as others end, until the tool-call
+        budget is used; the scheduler loop runs in between."""
+        cfg, w = self.cfg, self.cfg.workload()
+        loop = asyncio.get_running_loop()
+        live: set[asyncio.Task[None]] = set()
+        index = 0
+
+        def launch() -> None:
+            nonlocal index
+            plan = plan_session(w, index, self.now, random.Random(cfg.seed * 1_000_003 + index), prefix="a")
+            index += 1
+            live.add(loop.create_task(self.agent(plan)))
+
+        for _ in range(cfg.concurrent):
+            launch()
+        while live:
+            self.step()
+            for _ in range(3):  # let the woken clients and their HTTP round trips move on
+                await asyncio.sleep(0)
+            for t in [t for t in live if t.done()]:
+                live.discard(t)
+                t.result()  # an agent's exception is the soak's failure
+                if self.calls_started < cfg.tool_calls:
+                    launch()
+
+    def _leaks(self, initial: Any) -> None:
+        """Every counter back to its initial value: nothing tracked, held, queued or in flight."""
+        res, m, stack = self.result, self.tk.manager, self.stack
+        stack.drain()
+        after = stack.accounting()
+        if after != initial:
+            res.leaks.append(f"cache accounting {after} != initial {initial}")
+        b: Any = m.backend
+        for attr in ("protected_tokens", "pinned_tokens", "host_tokens"):
+            v = getattr(b, attr, 0)
+            if v:
+                res.leaks.append(f"backend {attr} = {v}")
+        for name in ("sessions", "_offloading", "_restoring", "_prefetching"):
+            if getattr(m, name):
+                res.leaks.append(f"manager.{name} holds {len(getattr(m, name))}")
+        if getattr(b, "_loads", None):
+            res.leaks.append(f"backend loads in flight: {len(b._loads)}")
+        if len(self.channel.replies):
+            res.leaks.append(f"{len(self.channel.replies)} replies never delivered")
+        if self.waiting or self.held or self.running or any(not f.done() for _, _, f in self.timers):
+            res.leaks.append("requests or client timers left over")
+
+    def run(self) -> SoakResult:
+        return asyncio.run(self._main())
+
+
+def run_soak(cfg: SoakConfig) -> SoakResult:
+    return Soak(cfg).run()
+
+
+# ---- the long run (make soak-long) ------------------------------------------------------------------------
+def plot(results: list[SoakResult], path: Path) -> None:
+    """One column per stack: RSS, pool occupancy and protected tokens against tool calls."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 7), squeeze=False)
+    for col, r in enumerate(results):
+        xs = [s.tool_calls for s in r.samples]
+        ax = axes[0][col]
+        ax.plot(xs, [s.rss_bytes / 2**20 for s in r.samples], color="tab:red")
+        ax.set_title(f"{r.config['stack']}: {r.tool_calls:,} calls, {r.sessions} sessions")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_ylim(bottom=0)
+        ax = axes[1][col]
+        for name, color in (("device_used", "tab:blue"), ("host_used", "tab:green"), ("protected_tokens", "tab:orange")):
+            ax.plot(xs, [getattr(s, name) for s in r.samples], label=name, color=color, linewidth=0.8)
+        ax.set_xlabel("tool calls")
+        ax.set_ylabel("tokens")
+        ax.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m toolkv.testing.soak", description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=100_000)
+    p.add_argument("--stacks", default="hiradix,pin,shadow", help=f"comma-separated, of {','.join(STACKS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/soak"))
+    a = p.parse_args(argv)
+    stacks = [s for s in a.stacks.split(",") if s]
+    bad = [s for s in stacks if s not in STACKS]
+    if bad or a.calls < 1:
+        p.error(f"unknown stack {bad}" if bad else "--calls must be >= 1")
+    a.out.mkdir(parents=True, exist_ok=True)
+    results: list[SoakResult] = []
+    failed = False
+    for s in stacks:
+        r = run_soak(SoakConfig(stack=s, tool_calls=a.calls, seed=a.seed, progress=True))  # type: ignore[arg-type]
+        problems = r.leaks + r.flat_problems + ([f"{r.byte_mismatches} byte mismatches"] if r.byte_mismatches else [])
+        failed |= bool(problems)
+        print(
+            f"{s}: {r.tool_calls:,} tool calls, {r.sessions} sessions, {r.iterations:,} iterations in {r.seconds:.1f}s;"
+            f" restores verified {r.restores_verified:,} ({r.restored_bytes_checked:,} bytes),"
+            f" mismatches {r.byte_mismatches}, flushes {dict(r.flushes)}, leaks {len(r.leaks)},"
+            f" trend problems {len(r.flat_problems)}" + "".join(f"\n  ! {x}" for x in problems)
+        )
+        (a.out / f"soak_{s}.json").write_text(json.dumps(r.to_json(), indent=1, default=str))
+        results.append(r)
+    plot(results, a.out / "soak.png")
+    print(f"wrote {a.out / 'soak.png'} and {', '.join(str(a.out / f'soak_{s}.json') for s in stacks)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
