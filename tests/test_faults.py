@@ -68,19 +68,24 @@ def test_deferred_flush_after_the_last_write_ack_marks_the_session_lost(bench: B
     st, body = b.call("tool_end", session_id="s1", epoch=1)
     assert (st, body["error"], body["state"]) == (409, "wrong_state", "Lost")
     # the next turn recomputes: the session runs again on freshly computed, correct KV
-    b.turn("s1", TURN + [OUT[-1], 6000, 6001], [6002, 6003])
+    b.turn("s1", [*TURN, OUT[-1], 6000, 6001], [6002, 6003])
     assert b.meta("s1")["state"] == "Running"
-    checked = _kv_bytes(b, TURN + [OUT[-1], 6000, 6001, 6002])
+    checked = _kv_bytes(b, [*TURN, OUT[-1], 6000, 6001, 6002])
     leaks = b.leaks()
     assert leaks == []
     record(
-        Row(R, "hiradix", "flush deferred over an offload (write retired, not yet ticked)",
+        Row(
+            R,
+            "hiradix",
+            "flush deferred over an offload (write retired, not yet ticked)",
             "`/flush_cache?timeout=30` asked while Offloading; the write finishes; sglang's "
             "`writing_check` retires the ack; `check_pending()` flushes before toolkv's tick",
             f"flush `success=True`; `tool_end` {st} `wrong_state` (`Lost`)",
             "Lost (was: Closed, ERROR, `reset_mid_copy=1`); next turn recomputes -> Running",
-            f"{checked:,} KV bytes of the recomputed turn equal", "none",
-            "tests/test_faults.py::test_deferred_flush_after_the_last_write_ack_marks_the_session_lost"),
+            f"{checked:,} KV bytes of the recomputed turn equal",
+            "none",
+            "tests/test_faults.py::test_deferred_flush_after_the_last_write_ack_marks_the_session_lost",
+        ),
     )
 
 
@@ -105,17 +110,22 @@ def test_deferred_flush_after_the_load_ack_hands_the_session_over(bench: Bench) 
     # spec: LoadAck (-> Handover), then TreeReset (a handed-over session's KV and pin went with the tree)
     assert b.meta("s1")["state"] == "Lost"
     assert (m.counters["reset_mid_copy"], m.counters["handover"], m.counters["lost"]) == (0, 1, 1)
-    b.turn("s1", TURN + [OUT[-1], 7000], [7001, 7002])
-    checked = _kv_bytes(b, TURN + [OUT[-1], 7000, 7001])
+    b.turn("s1", [*TURN, OUT[-1], 7000], [7001, 7002])
+    checked = _kv_bytes(b, [*TURN, OUT[-1], 7000, 7001])
     assert b.leaks() == []
     record(
-        Row(R, "hiradix", "flush deferred over a restore (load retired, not yet ticked)",
+        Row(
+            R,
+            "hiradix",
+            "flush deferred over a restore (load retired, not yet ticked)",
             "`/flush_cache?timeout=30` asked while Restoring; the load finishes; `loading_check` "
             "retires it; `check_pending()` flushes before toolkv's tick",
             "flush `success=True`; the next request is served (recomputed)",
             "LoadAck -> Handover, then TreeReset -> Lost (was: Closed, ERROR); next turn -> Running",
-            f"{checked:,} KV bytes of the recomputed turn equal", "none",
-            "tests/test_faults.py::test_deferred_flush_after_the_load_ack_hands_the_session_over"),
+            f"{checked:,} KV bytes of the recomputed turn equal",
+            "none",
+            "tests/test_faults.py::test_deferred_flush_after_the_load_ack_hands_the_session_over",
+        ),
     )
 
 

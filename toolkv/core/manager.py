@@ -710,9 +710,28 @@ class ToolKVManager:
         """The tree was replaced (flush_cache): every node object is gone, so drop references
         without releasing; offloaded and kept sessions lose their KV.
 
-        sglang flushes only a fully idle scheduler (no write or load pending), so no session can
-        be mid-copy here (spec ``TreeReset``). Should a future sglang reset with copies in flight,
-        such a session is closed with an error line instead of taking the scheduler down."""
+        sglang flushes only a fully idle scheduler (no write or load pending), but "pending" is
+        what its own ack checks left: ``writing_check``/``loading_check`` retire a copy in one
+        iteration, and toolkv's tick (the AFTER hook of ``process_input_requests``) sees it in the
+        next, after ``check_pending()`` at the end of ``process_input_requests`` may already have
+        run a deferred ``/flush_cache?timeout=T``. Such a session has, in the spec, already taken
+        its ``WriteAck``/``LoadAck`` step, and ``TreeReset`` (enabled only with ``WriteKeys = {}``
+        and no load ack pending) comes after it. So this step is, in spec actions:
+
+        1. ``WriteAck`` for every ``Offloading`` session whose writes sglang retired (→
+           ``Offloaded``), ``LoadAck`` for every ``Restoring`` one whose load it retired (→
+           ``Handover``, then ``Admit`` → ``Runnable`` when its request was admitted during the
+           load) and every ``Prefetching`` one (→ ``Kept``): :meth:`_take_retired_acks`, on the
+           records only (the nodes are gone: the GPU copies ``WriteAck`` frees and the pins
+           ``LoadAck``/``Admit`` hand over went with the reset, as the spec's ``TreeReset`` clears
+           ``dev`` and ``lockRef``);
+        2. ``TreeReset``: every session in ``Holding`` becomes ``Lost`` (the KV is gone), the
+           others keep their phase (a stale node reference, re-resolved by the next walk).
+
+        A session whose copy sglang had NOT retired would be a reset the spec does not allow
+        (only a future sglang could do it): it is closed with an error line instead of taking
+        the scheduler down."""
+        self._take_retired_acks()
         self.tree_gen += 1
         self.backend.reset()
         mid_copy: list[str] = []
@@ -732,6 +751,33 @@ class ToolKVManager:
         self._offloading.clear()
         self._restoring.clear()
         self._prefetching.clear()
+
+    def _take_retired_acks(self) -> None:
+        """Spec ``WriteAck``/``LoadAck`` (and ``Admit``) for the copies sglang retired before a
+        reset that no tick has processed yet, read off the old tree's nodes before the backend
+        forgets its loads (see :meth:`on_tree_reset`). Nothing here touches a cache: the nodes
+        belong to the replaced tree, whose memory the reset already returned."""
+        for rec in list(self._offloading.values()):
+            if rec.node is not None and not self.backend.offload_pending(rec):
+                del self._offloading[rec.session_id]
+                fire(rec, "write_ack", "Offloaded")
+        if not (self._restoring or self._prefetching):
+            return
+        self.backend.poll_loads()
+        for rec in list(self._restoring.values()):
+            if rec.node is not None and not self.backend.restore_pending(rec):
+                self._settle(rec)
+                fire(rec, "load_ack", "Handover")
+                self.counters["handover"] += 1
+                if rec.admit_pending:
+                    rec.admit_pending = False
+                    fire(rec, "admit", "Runnable")
+                    self.counters["admitted"] += 1
+        for rec in list(self._prefetching.values()):
+            if rec.node is None or not self._prefetch_readable(rec):
+                continue
+            del self._prefetching[rec.session_id]
+            fire(rec, "load_ack", "Kept")
 
     # ---- Tick -----------------------------------------------------------------------------------------
     def set_clock(self, now: float) -> None:

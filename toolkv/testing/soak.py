@@ -40,7 +40,6 @@ import contextlib
 import heapq
 import json
 import logging
-import math
 import os
 import pickle
 import random
@@ -58,12 +57,12 @@ from typing import Any, Literal
 
 import torch
 
+from toolkv.core.backends.base import LocalAgreement
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.http_api import ChannelTransport, build_app
 from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.sglang.tp import AgreedClock
-from toolkv.core.backends.base import LocalAgreement
 from toolkv.tools.agent_workload import SessionPlan, Workload, plan_session
 
 StackKind = Literal["hiradix", "pin", "shadow", "unified"]
@@ -401,7 +400,13 @@ class Stack0523(Stack):
         tokens = prompt + output
         kv_len = len(tokens) - 1
         self._rid += 1
-        req = Req(f"soak{self._rid}", "", array("q", prompt), SamplingParams(max_new_tokens=len(output)), session_id=sid)
+        req = Req(
+            f"soak{self._rid}",
+            "",
+            array("q", prompt),
+            SamplingParams(max_new_tokens=len(output)),
+            session_id=sid,
+        )
         prefix, last = self.match_device(tokens[:kv_len])
         req.last_node = last
         req.lock = h.tree.lock(last)
@@ -682,12 +687,17 @@ class Soak:
                 await self.channel.send_nowait("tool_start", {"session_id": sid})
                 await self.sleep(cfg.tick_s * 2)
                 st, body = await self.http(
-                    "POST", "/session/tool_start", json={"session_id": sid, "prior_epoch": epoch}, routes=routes
+                    "POST",
+                    "/session/tool_start",
+                    json={"session_id": sid, "prior_epoch": epoch},
+                    routes=routes,
                 )
                 res.events["disconnect_resent"] += 1
                 res.events["disconnect_replayed"] += int(bool(body.get("replayed")))
             else:
-                st, body = await self.http("POST", "/session/tool_start", json={"session_id": sid}, routes=routes)
+                st, body = await self.http(
+                    "POST", "/session/tool_start", json={"session_id": sid}, routes=routes
+                )
             started = st == 200
             if started:
                 epoch = int(body["epoch"])
@@ -700,7 +710,9 @@ class Soak:
             prompt = list(plan.results[turn])
             if not started:
                 continue  # nothing to end: the next request recomputes what is missing
-            end = self.http("POST", "/session/tool_end", json={"session_id": sid, "epoch": epoch}, routes=routes)
+            end = self.http(
+                "POST", "/session/tool_end", json={"session_id": sid, "epoch": epoch}, routes=routes
+            )
             if rng.random() < cfg.race_p:  # the next request is sent without waiting for the reply
                 res.events["raced"] += 1
                 racing = asyncio.get_running_loop().create_task(end)
@@ -842,9 +854,22 @@ class Soak:
     def _sample(self) -> None:
         dev, host = self.stack.occupancy()
         b: Any = self.tk.manager.backend
-        prot = int(getattr(b, "protected_tokens", 0) or getattr(b, "pinned_tokens", 0) or getattr(b, "host_tokens", 0))
+        prot = int(
+            getattr(b, "protected_tokens", 0)
+            or getattr(b, "pinned_tokens", 0)
+            or getattr(b, "host_tokens", 0)
+        )
         self.result.samples.append(
-            Sample(self.iteration, self.now, self.calls_started, rss_bytes(), dev, host, prot, len(self.tk.manager.sessions))
+            Sample(
+                self.iteration,
+                self.now,
+                self.calls_started,
+                rss_bytes(),
+                dev,
+                host,
+                prot,
+                len(self.tk.manager.sessions),
+            )
         )
         if self.cfg.progress:
             print(
@@ -989,7 +1014,11 @@ def plot(results: list[SoakResult], path: Path) -> None:
         ax.set_ylabel("RSS (MiB)")
         ax.set_ylim(bottom=0)
         ax = axes[1][col]
-        for name, color in (("device_used", "tab:blue"), ("host_used", "tab:green"), ("protected_tokens", "tab:orange")):
+        for name, color in (
+            ("device_used", "tab:blue"),
+            ("host_used", "tab:green"),
+            ("protected_tokens", "tab:orange"),
+        ):
             ax.plot(xs, [getattr(s, name) for s in r.samples], label=name, color=color, linewidth=0.8)
         ax.set_xlabel("tool calls")
         ax.set_ylabel("tokens")
@@ -1015,7 +1044,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for s in stacks:
         r = run_soak(SoakConfig(stack=s, tool_calls=a.calls, seed=a.seed, progress=True))  # type: ignore[arg-type]
-        problems = r.leaks + r.flat_problems + ([f"{r.byte_mismatches} byte mismatches"] if r.byte_mismatches else [])
+        problems = (
+            r.leaks
+            + r.flat_problems
+            + ([f"{r.byte_mismatches} byte mismatches"] if r.byte_mismatches else [])
+        )
         failed |= bool(problems)
         print(
             f"{s}: {r.tool_calls:,} tool calls, {r.sessions} sessions, {r.iterations:,} iterations in {r.seconds:.1f}s;"
