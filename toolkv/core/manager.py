@@ -428,6 +428,11 @@ class ToolKVManager:
             if not self.backend.worth_prefetching(rec):
                 continue
             try:
+                if not self._spare_for(rec):
+                    # An early restore makes room by evicting other sessions' cache for a session
+                    # that is not back yet: only into spare room (under load it cost more than it
+                    # saved); otherwise its tool_end restores it.
+                    raise DeviceMemoryFull("no spare device room for an early restore")
                 self.prefetch(sid)
                 n += 1
             except DeviceMemoryFull:
@@ -437,6 +442,15 @@ class ToolKVManager:
                 heapq.heappush(heap, (rec.prefetch_at, self._seq, sid))
                 break  # the device is full for the others too; try again later
         return n
+
+    def _spare_for(self, rec: SessionRecord) -> bool:
+        """Whether the device has spare room (free after promised and queued tokens, as the keep
+        rule counts it) for the session's KV. Backends without the notion always have room."""
+        p = self.backend.pressure()
+        if p.device_spare_tokens is None:
+            return True
+        spare = p.device_spare_tokens - int(self.queued_demand())
+        return spare - rec.offload_tokens >= self.config.policy_config.device_reserve * p.device_total_tokens
 
     # ---- ToolStart ------------------------------------------------------------------------------------
     def offload(
