@@ -28,6 +28,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -89,10 +90,21 @@ class Server:
             return st if isinstance(st, str) else None
 
     def flush(self) -> None:
-        urllib.request.urlopen(
-            urllib.request.Request(self.url + "/flush_cache", b"{}", {"Content-Type": "application/json"}),
-            timeout=60,
-        ).read()
+        """Empty the cache between points. sglang refuses (400) while the scheduler is not fully
+        idle, e.g. while HiCache's write-through of the last request is in flight: retry a while."""
+        for attempt in range(100):
+            try:
+                urllib.request.urlopen(
+                    urllib.request.Request(
+                        self.url + "/flush_cache", b"{}", {"Content-Type": "application/json"}
+                    ),
+                    timeout=60,
+                ).read()
+                break
+            except urllib.error.HTTPError as e:
+                if e.code != 400 or attempt == 99:
+                    raise
+                time.sleep(0.2)
         time.sleep(1.0)
 
 
