@@ -149,3 +149,41 @@ def test_profile_fit_recovers_synthetic_coefficients() -> None:
     # a term the points cannot see (noise only) is fixed at zero, never negative
     flat = [(b, lsum, 0.02 + (0.0001 if b % 2 else -0.0001)) for b in (1, 2, 3, 4) for lsum in (1000, 2000)]
     assert all(c >= 0 for c in fit(flat, decode_terms))
+
+
+def test_a_dying_scheduler_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang's allocator raising mid-run (the scheduler process dying on a GPU server) ends the
+    run early and fails its checks instead of raising or passing."""
+    from toolkv.twin import scheduler as sched_mod
+    from toolkv.twin.report import result
+
+    calls = {"n": 0}
+    real = sched_mod.TwinScheduler._alloc_extend
+
+    def dying(self: sched_mod.TwinScheduler, reqs: list[object]) -> list[tuple[int, int]]:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("Out of memory. Try to lower your batch size.\nmore lines")
+        return real(self, reqs)
+
+    monkeypatch.setattr(sched_mod.TwinScheduler, "_alloc_extend", dying)
+    o = run("stock")
+    assert o.crashed is not None and "Out of memory" in o.crashed
+    r = result(o, default_profile(), window=(2.0, SMALL.duration_s))
+    assert not r["passed"] and not r["checks"]["the scheduler did not die"]
+
+
+def test_hand_over_hook_sees_every_admitted_session_request() -> None:
+    """Every request of a session reaches toolkv's admission hook once per prefill batch it is in
+    (the plugin's AFTER hook on get_new_batch_prefill); stock requests carry no session."""
+    from toolkv.twin.run import Twin
+
+    seen: list[str | None] = []
+    twin = Twin(make_plan(SMALL), get("offload"), default_profile(), OPTS)
+    twin.tk.on_batch = lambda reqs: seen.extend(r.session_id for r in reqs)  # type: ignore[method-assign]
+    twin.tk.on_admitted = lambda sid: seen.append(sid)  # type: ignore[method-assign]
+    o = twin.run()
+    assert o.crashed is None
+    sessions = {t.session for t in o.agents.turns}
+    assert set(seen) == sessions  # every session, and nothing else
+    assert len(seen) >= len(o.agents.turns)  # at least one prefill batch per turn (chunks add more)
