@@ -552,6 +552,7 @@ class ToolKVManager:
         if rec.state not in ("Offloading", "Offloaded"):
             return self._tool_end_not_offloaded(rec)
         try:
+            self._check_pin_room(rec)
             runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         except DeviceMemoryFull:
             self._restore_refused(rec)
@@ -635,6 +636,28 @@ class ToolKVManager:
             self.restore_rate = 0.8 * self.restore_rate + 0.2 * (rec.restored_tokens / took)
 
     # ---- the hand-over (spec Handover, Admit) ----------------------------------------------------------
+    def _check_pin_room(self, rec: SessionRecord) -> None:
+        """The hand-over pins the session's whole path, which takes its resident part out of
+        what sglang may evict. sglang has promised running requests device tokens it counts on
+        finding free or evictable (the rest of a chunked prefill over-commits otherwise, and the
+        allocation fails with "Out of memory"): refuse the restore (``DeviceMemoryFull``, nothing
+        changed; sglang's own load-back serves the next request) unless free + evictable, less
+        what was promised, still covers what the pin takes: the path's unlocked resident tokens
+        and the ones still to load (``pin_cost``). Agreed across ranks."""
+        cost = getattr(self.backend, "pin_cost", None)
+        if cost is None or rec.node is None:
+            return
+        tokens = int(cost(rec.node))
+        p = self.backend.pressure()
+        if not self.agree.all_true(p.device_available_tokens >= tokens):
+            raise DeviceMemoryFull(
+                f"pinning {tokens} tokens for session {rec.session_id!r} until its next request would take"
+                f" device room promised to running requests ({p.device_available_tokens} free or evictable"
+                " after them); it stays offloaded",
+                need_tokens=tokens,
+                device_available_tokens=p.device_available_tokens,
+            )
+
     def _pin_for_handover(self, rec: SessionRecord) -> None:
         """A restore that needed no load returned the protection and holds no pin yet: pin the
         resident path (the recorded node, possibly the device prefix left below sglang's

@@ -269,6 +269,19 @@ def after_process_input_requests(_result: None, sched: Any, *args: Any, **kwargs
     if tk is not None:
         tk.bind_schedule_stream(getattr(sched, "schedule_stream", None))
         tk.tick()
+        unblock_idle_queue(sched)
+
+
+def unblock_idle_queue(sched: Any) -> None:
+    """sglang marks the running batch full when the head of the waiting queue does not fit, and
+    clears the mark only when a running batch shrinks. toolkv's pins (a kept or handed-over
+    session) can be what did not fit, and they end on their own (admission, TTL, close): with
+    nothing running, nothing would ever clear the mark and the queue would stall for good. So
+    while nothing runs, the mark is cleared each iteration and the next iteration tries again (the
+    same on every rank: it reads scheduler state only)."""
+    batch = getattr(sched, "running_batch", None)
+    if batch is not None and getattr(batch, "batch_is_full", False) and not getattr(batch, "reqs", None):
+        batch.batch_is_full = False
 
 
 def before_handle_generate_request(sched: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:

@@ -127,6 +127,11 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
 
+    def pin_cost(self, leaf: TreeNode) -> int:
+        """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate:
+        the resident unlocked nodes (evictable until pinned) and the evicted ones (to load)."""
+        return _ntok([m for m in path_to(self.tree, leaf) if m.value is None or m.lock_ref == 0])
+
     def host_need(self, leaf: TreeNode) -> int:
         """Host tokens an offload of ``leaf``'s path would add: the unbacked ones to write, or the
         host budget's share if that is larger (the two limits ``offload`` checks)."""

@@ -27,6 +27,7 @@ class PinBackend(SynchronousLoads, LockPins):
         self.agree = agree or LocalAgreement()
         self.budget_tokens = budget_tokens
         self.pinned_tokens = 0
+        self._handed: dict[str, int] = {}  # session -> budget tokens of its handed-over pin
 
     def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
         tokens = sum(len(m.key) for m in path_to(self.tree, leaf))
@@ -50,8 +51,16 @@ class PinBackend(SynchronousLoads, LockPins):
             r.freed_tokens = 0
 
     def restore(self, rec: SessionRecord) -> bool:
-        self.release(rec)
+        """The offload's pin becomes the hand-over's (spec ``Handover``): the same path lock, still
+        counted against the budget until the next request is admitted (``unpin``)."""
+        if rec.protected is not None and rec.pinned is None:
+            rec.pinned, rec.protected = rec.protected, None
+            self._handed[rec.session_id] = rec.offload_tokens
         return True
+
+    def unpin(self, rec: SessionRecord) -> None:
+        super().unpin(rec)
+        self.pinned_tokens -= self._handed.pop(rec.session_id, 0)
 
     def release(self, rec: SessionRecord) -> None:
         self.unpin(rec)
@@ -66,6 +75,7 @@ class PinBackend(SynchronousLoads, LockPins):
     def forget(self, rec: SessionRecord) -> None:
         if rec.protected is not None:
             self.pinned_tokens -= rec.offload_tokens
+        self.pinned_tokens -= self._handed.pop(rec.session_id, 0)
         rec.protected = None
         rec.pinned = None
 
@@ -88,7 +98,7 @@ class PinBackend(SynchronousLoads, LockPins):
         tokens = sum(len(m.key) for m in path_to(self.tree, node))
         return {
             "tier": Tier.GPU.value,
-            "pinned": rec.protected is not None,
+            "pinned": rec.protected is not None or rec.pinned is not None,
             "tokens": tokens,
             "device_tokens": tokens,
             "host_tokens": 0,

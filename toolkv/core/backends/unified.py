@@ -189,6 +189,16 @@ class UnifiedBackend(HostRestore, OwnLoads):
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
 
+    def pin_cost(self, leaf: TreeNode) -> int:
+        """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate."""
+        return _ntok(
+            [
+                m
+                for m in path_to(self.tree, leaf)
+                if full(m).value is None or all(cd.lock_ref == 0 for cd in m.component_data)
+            ]
+        )
+
     def host_need(self, leaf: TreeNode) -> int:
         """Host tokens an offload of ``leaf``'s path would add (unbacked, or the budget's share)."""
         path = path_to(self.tree, leaf)
