@@ -163,10 +163,17 @@ class SchedulerStandIn:
         self.is_fully_idle: Callable[..., bool] = Scheduler.is_fully_idle.__get__(self)
         self.flush_cache: Callable[..., bool] = Scheduler.flush_cache.__get__(self)
         self.flush_replies = FlushReplies()
+        import inspect
+
+        params = inspect.signature(SchedulerFlushWrapper.__init__).parameters
+        # 0.5.16 answers through ipc_channels.send_to_tokenizer, 0.5.23 through a send_output callable
+        reply: dict[str, Any] = (
+            {"send_output": self.flush_replies.send_output}
+            if "send_output" in params
+            else {"ipc_channels": SimpleNamespace(send_to_tokenizer=self.flush_replies)}
+        )
         self.flush_wrapper = SchedulerFlushWrapper(
-            flush_cache=self.flush_cache,
-            is_fully_idle=self.is_fully_idle,
-            ipc_channels=SimpleNamespace(send_to_tokenizer=self.flush_replies),  # type: ignore[arg-type]
+            flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle, **reply
         )
 
     def request_flush(self, timeout_s: float) -> Any:
@@ -585,6 +592,37 @@ def flat_problems(samples: list[Sample], *, warmup: float = 0.25, sizes: dict[st
     return out
 
 
+def problems(r: SoakResult, *, min_calls: int, min_sessions: int) -> list[str]:
+    """Everything a soak run must show, as failure lines that carry the numbers: the call and
+    session counts, no leak, no upward trend, no byte that differs, no ERROR line, no session
+    closed by a reset, and that every fault it mixes in actually happened."""
+    out = list(r.leaks) + list(r.flat_problems)
+    stack = r.config["stack"]
+    if r.tool_calls < min_calls or r.sessions < min_sessions:
+        out.append(
+            f"ran {r.tool_calls} tool calls over {r.sessions} sessions (< {min_calls} / {min_sessions})"
+        )
+    if r.byte_mismatches:
+        out.append(
+            f"{r.byte_mismatches} reused prefixes held wrong bytes ({r.bytes_checked:,} bytes checked)"
+        )
+    if r.error_logs:
+        out.append(f"ERROR lines: {r.error_logs}")
+    if r.counters.get("reset_mid_copy"):
+        out.append(f"{r.counters['reset_mid_copy']} sessions closed by a tree reset")
+    need = ["abandoned", "aborted_waiting", "aborted_running", "raced", "disconnect_replayed"]
+    if stack in ("pin", "shadow"):
+        need.append("repopulated")
+    out += [f"no {e} event happened ({dict(r.events)})" for e in need if not r.events.get(e)]
+    if not r.flushes.get("ok"):
+        out.append(f"no flush ran ({dict(r.flushes)})")
+    if not r.counters.get("expired"):
+        out.append("no session expired by the TTL")
+    if stack in ("hiradix", "unified") and not (r.restores_verified and r.restored_bytes_checked):
+        out.append("no restored session's bytes were checked")
+    return out
+
+
 # ---- the soak -----------------------------------------------------------------------------------------
 class _ErrorLogs(logging.Handler):
     def __init__(self) -> None:
@@ -613,6 +651,7 @@ class Soak:
         self.next_flush = cfg.flush_every
         self.flush_waiters: list[asyncio.Future[Any]] = []
         self._flush_pending = False
+        self._progress = 0  # the last iteration a request finished (a stall detector)
         # requests held in front of the scheduler while a flush waits for an idle moment (an
         # operator drains traffic before /flush_cache; sglang itself would keep admitting them)
         self.held: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
@@ -734,7 +773,7 @@ class Soak:
                 self.result.events["aborted_running"] += 1
             fut = self.submit(sid, prompt, output)
             if rng.random() < self.cfg.abort_waiting_p:
-                await self.sleep(self.cfg.tick_s)
+                await asyncio.sleep(0)  # the client goes away before the scheduler admits it
                 if self._abort_waiting(fut):
                     self.result.events["aborted_waiting"] += 1
                     await self.sleep(rng.uniform(0.5, 2.0 * self.cfg.handover_ttl_s))
@@ -799,6 +838,7 @@ class Soak:
         for run, fut in self.running:
             self.stack.finish(run)
             fut.set_result("done")
+            self._progress = self.iteration
         self.running = []
         sched.running_batch.reqs = []
         if self.waiting:
@@ -957,7 +997,18 @@ class Soak:
 
         for _ in range(cfg.concurrent):
             launch()
+        # A run that stops making progress (e.g. leaked device slots: nothing can be admitted
+        # any more) ends as a failure with the numbers, not as a hang.
         while live:
+            if self.iteration - self._progress > 5_000:
+                self.result.leaks.append(
+                    f"stalled: {self.iteration} iterations for {self.calls_started} tool calls;"
+                    f" {len(self.waiting)} requests waiting, device/host in use {self.stack.occupancy()}"
+                )
+                for t in live:
+                    t.cancel()
+                self.waiting, self.held, self.running = [], [], []
+                return
             self.step()
             for _ in range(3):  # let the woken clients and their HTTP round trips move on
                 await asyncio.sleep(0)
@@ -1044,17 +1095,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for s in stacks:
         r = run_soak(SoakConfig(stack=s, tool_calls=a.calls, seed=a.seed, progress=True))  # type: ignore[arg-type]
-        problems = (
-            r.leaks
-            + r.flat_problems
-            + ([f"{r.byte_mismatches} byte mismatches"] if r.byte_mismatches else [])
-        )
-        failed |= bool(problems)
+        bad = problems(r, min_calls=a.calls, min_sessions=min(200, a.calls // 50))
+        failed |= bool(bad)
         print(
             f"{s}: {r.tool_calls:,} tool calls, {r.sessions} sessions, {r.iterations:,} iterations in {r.seconds:.1f}s;"
             f" restores verified {r.restores_verified:,} ({r.restored_bytes_checked:,} bytes),"
             f" mismatches {r.byte_mismatches}, flushes {dict(r.flushes)}, leaks {len(r.leaks)},"
-            f" trend problems {len(r.flat_problems)}" + "".join(f"\n  ! {x}" for x in problems)
+            f" trend problems {len(r.flat_problems)}" + "".join(f"\n  ! {x}" for x in bad)
         )
         (a.out / f"soak_{s}.json").write_text(json.dumps(r.to_json(), indent=1, default=str))
         results.append(r)
