@@ -853,10 +853,11 @@ class Soak:
                 restored = rec is not None and rec.state == "Handover" and rec.restore == "loading"
                 mism = self.stack.byte_mismatches
                 checked = self.stack.bytes_checked
-                run = self.stack.admit(sid, prompt, output)
-                if run is None:
+                admit = self.stack.admit(sid, prompt, output)
+                if admit is None:
                     keep.append((sid, prompt, output, fut))
                     continue
+                run = admit
                 if restored:
                     res.restores_verified += 1
                     res.restored_bytes_checked += self.stack.bytes_checked - checked
@@ -885,9 +886,9 @@ class Soak:
         nxt = self.timers[0][0] if self.timers else self.now + cfg.tick_s
         self.now = max(self.now + cfg.tick_s, nxt) if idle else self.now + cfg.tick_s
         while self.timers and self.timers[0][0] <= self.now:
-            _, _, fut = heapq.heappop(self.timers)
-            if not fut.done():
-                fut.set_result(None)
+            _, _, timer = heapq.heappop(self.timers)
+            if not timer.done():
+                timer.set_result(None)
         if self.iteration % cfg.sample_every == 0:
             self._sample()
 
