@@ -61,7 +61,30 @@ def stats(res: dict[str, Any]) -> dict[str, Any]:
             v for c, v in calls.items() if c.startswith("tool_end ") and c != "tool_end 200"
         ),
         "http_5xx": res["summary"].get("http_5xx", 0),
+        "by_answer": by_answer(res),
     }
+
+
+def by_answer(res: dict[str, Any]) -> dict[str, list[int]]:
+    """Resumed turns split by what toolkv answered to the tool call before them (``tool_start``
+    status / ``tool_end`` status, ``-`` for no call): ``[turns, turns with 0 cached tokens]``.
+    Shows where the KV was lost: after an accepted restore, or after a refusal."""
+    start: dict[str, str] = {}
+    end: dict[str, str] = {}
+    out: dict[str, list[int]] = {}
+    for _t, sid, what in sorted(res.get("events", [])):
+        w = str(what).split()
+        if w[0] == "tool_start":
+            start[sid] = w[1]
+        elif w[0] == "tool_end":
+            end[sid] = w[1]
+        elif w[0] == "turn" and w[1] != "0":
+            cached = int(next(x for x in w if x.startswith("cached=")).split("=")[1])
+            key = f"{start.pop(sid, '-')} / {end.pop(sid, '-')}"
+            row = out.setdefault(key, [0, 0])
+            row[0] += 1
+            row[1] += cached == 0
+    return out
 
 
 def host_gb(config: str) -> str:
@@ -101,6 +124,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def answers_markdown(rows: list[dict[str, Any]]) -> str:
+    """Resumed turns by toolkv's answers (configurations that call toolkv)."""
+    lines = ["| config | tool_start / tool_end | resumed turns | with 0 cached tokens |", "|---|---|---|---|"]
+    for r in rows:
+        for key, (n, zero) in sorted(r["by_answer"].items(), key=lambda kv: -kv[1][0]):
+            if key != "- / -":
+                lines.append(f"| {r['config']} | {key} | {n} | {zero} |")
+    return "\n".join(lines)
+
+
 def load(paths: list[Path]) -> list[dict[str, Any]]:
     files: list[Path] = []
     for p in paths:
@@ -132,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"value_report: {e}", file=sys.stderr)
         return 2
     print(markdown(rows))
+    print()
+    print(answers_markdown(rows))
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
     return 0
