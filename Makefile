@@ -8,7 +8,7 @@ STAMP := $(VENV)/.toolkv-installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test test-long model lint type lock clean venv-0523 test-0523
+.PHONY: venv demo test test-long model lint type lock clean venv-0523 test-0523 soak-long
 
 venv: $(STAMP)
 
@@ -49,7 +49,7 @@ test-long: $(STAMP)
 # Built from scratch in about 4 minutes on 2 cores; its tests skip in .venv and run here.
 VENV_0523 ?= .venv-0523
 STAMP_0523 := $(VENV_0523)/.toolkv-installed
-UNIFIED_TESTS := tests/test_unified_lifecycle.py tests/test_unified_restore.py tests/test_unified_stateful.py tests/test_plugin_0523.py tests/test_kv_hints_0523.py tests/test_agent_example_0523.py
+UNIFIED_TESTS := tests/test_unified_lifecycle.py tests/test_unified_restore.py tests/test_unified_stateful.py tests/test_plugin_0523.py tests/test_soak_0523.py tests/test_kv_hints_0523.py tests/test_agent_example_0523.py
 
 venv-0523: $(STAMP_0523)
 
@@ -64,6 +64,15 @@ $(STAMP_0523): requirements/lock-cpu.txt requirements/sglang-0523.txt requiremen
 
 test-0523: $(STAMP_0523)
 	$(VENV_0523)/bin/pytest -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
+
+# The long soak (docs/reliability.md): 100,000 tool calls per stack through toolkv's HTTP routes and
+# scheduler side over the real caches, with a progress line; writes results/soak/soak_<stack>.json
+# and results/soak/soak.png (RSS, pool occupancy, protected tokens against tool calls), then the
+# same on sglang 0.5.23's UnifiedRadixCache. Fails on a leak, an upward trend or a differing byte.
+SOAK_CALLS ?= 100000
+soak-long: $(STAMP) $(STAMP_0523)
+	$(PY) -m toolkv.testing.soak --calls $(SOAK_CALLS) --stacks hiradix,pin,shadow --out results/soak
+	$(VENV_0523)/bin/python -m toolkv.testing.soak --calls $(SOAK_CALLS) --stacks unified --out results/soak-0523
 
 model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check
