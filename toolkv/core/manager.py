@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
+from toolkv.core.backends.base import Agreement, Backend, LocalAgreement, device_full
 from toolkv.core.lifecycle import EXPIRING, HOLDING, fire
 from toolkv.core.policy import Decision, DurationModel, PolicyConfig, Pressure, decide, demotion_order
 from toolkv.core.session import SessionRecord
@@ -647,16 +647,13 @@ class ToolKVManager:
         cost = getattr(self.backend, "pin_cost", None)
         if cost is None or rec.node is None:
             return
-        tokens = int(cost(rec.node))
-        p = self.backend.pressure()
-        if not self.agree.all_true(p.device_available_tokens >= tokens):
-            raise DeviceMemoryFull(
-                f"pinning {tokens} tokens for session {rec.session_id!r} until its next request would take"
-                f" device room promised to running requests ({p.device_available_tokens} free or evictable"
-                " after them); it stays offloaded",
-                need_tokens=tokens,
-                device_available_tokens=p.device_available_tokens,
-            )
+        tree: Any = self.backend.tree
+        need = int(cost(rec.node))
+        free = int(tree.token_to_kv_pool_allocator.available_size())
+        evictable = int(tree.evictable_size())
+        reserved = int(getattr(self.backend, "headroom", lambda: 0)())
+        if not self.agree.all_true(need + reserved <= free + evictable):
+            raise device_full(rec, need, free, evictable, reserved)
 
     def _pin_for_handover(self, rec: SessionRecord) -> None:
         """A restore that needed no load returned the protection and holds no pin yet: pin the
