@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import pickle
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -172,12 +172,53 @@ class _Collect(logging.Handler):
         self.sink.append(record.getMessage())
 
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+BEGIN, END = "<!-- BEGIN faults -->", "<!-- END faults -->"
+HEADER = (
+    "| release | backend | fault | how injected | what the client saw | state after | bytes / tokens checked "
+    "| leaks | test |\n|---|---|---|---|---|---|---|---|---|"
+)
+REGENERATE = (
+    "TOOLKV_FAULT_ROWS=/tmp/rows .venv/bin/pytest tests/test_faults.py tests/test_soak.py -k 'not test_soak[' "
+    "&& TOOLKV_FAULT_ROWS=/tmp/rows .venv-0523/bin/pytest tests/test_soak_0523.py -k deferred "
+    "&& .venv/bin/python tests/_faultbench.py /tmp/rows"
+)
+
+
+def render(row: Row) -> str:
+    """The row's line in the generated table."""
+    cells = [row.release, row.backend, row.fault, row.injected, row.client_saw, row.state_after, row.checked]
+    cells += [row.leaks, f"`{row.test.split('::')[-1]}`"]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
 def record(row: Row) -> None:
-    """Keep the row for the generated table (``TOOLKV_FAULT_ROWS=DIR`` writes one JSON per row)."""
+    """With ``TOOLKV_FAULT_ROWS=DIR`` write the row for the generator; otherwise check that the
+    generated table in ``docs/reliability.md`` carries exactly this row (what the test observed)."""
     if ROWS_DIR is not None:
         ROWS_DIR.mkdir(parents=True, exist_ok=True)
-        name = f"{row.release}-{row.backend}-{row.fault}".replace(" ", "_").replace("/", "_")
+        name = row.test.split("::")[-1] + "-" + row.release
         (ROWS_DIR / f"{name}.json").write_text(json.dumps(asdict(row), indent=1))
+        return
+    line = render(row)
+    assert line in DOC.read_text(), (
+        f"docs/reliability.md lacks this observed row; regenerate with\n  {REGENERATE}\n{line}"
+    )
 
 
-__all__ = ["Bench", "Row", "field", "record"]
+def write_table(rows_dir: Path, doc: Path = DOC) -> int:
+    """Replace the table between the markers of ``doc`` with the rows in ``rows_dir``."""
+    rows = [Row(**json.loads(p.read_text())) for p in sorted(rows_dir.glob("*.json"))]
+    rows.sort(key=lambda r: (r.release, r.backend != "hiradix", r.test))
+    text = doc.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    body = "\n".join([HEADER, *(render(r) for r in rows)])
+    doc.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    return len(rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(f"{write_table(Path(sys.argv[1]))} rows written to {DOC}")
