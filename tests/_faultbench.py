@@ -179,9 +179,9 @@ HEADER = (
     "| leaks | test |\n|---|---|---|---|---|---|---|---|---|"
 )
 REGENERATE = (
-    "TOOLKV_FAULT_ROWS=/tmp/rows .venv/bin/pytest tests/test_faults.py tests/test_soak.py -k 'not test_soak[' "
-    "&& TOOLKV_FAULT_ROWS=/tmp/rows .venv-0523/bin/pytest tests/test_soak_0523.py -k deferred "
-    "&& .venv/bin/python tests/_faultbench.py /tmp/rows"
+    "TOOLKV_FAULT_ROWS=out/fault-rows .venv/bin/pytest tests/test_faults.py tests/test_soak.py -k 'not test_soak[' "
+    "&& TOOLKV_FAULT_ROWS=out/fault-rows .venv-0523/bin/pytest tests/test_soak_0523.py -k deferred "
+    "&& .venv/bin/python tests/_faultbench.py out/fault-rows"
 )
 
 
