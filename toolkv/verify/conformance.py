@@ -11,7 +11,7 @@ compared with the spec state the edge leads to:
 * on a plain RadixCache (``pin``, ``shadow``) the sessions' view — phase, epoch, deadline, whether
   a runnable session's KV is readable, whether an offloaded session holds its protection — because
   those backends have no host tier: the spec's in-flight phases collapse onto the settled ones
-  (``Offloading`` → ``Offloaded``, ``Restoring`` → ``Runnable``), and the steps they cannot share
+  (``Offloading`` → ``Offloaded``, ``Restoring`` → ``Handover``), and the steps they cannot share
   (:func:`radix_shares`) are left out before planning, with the reason counted.
 
 An edge that cannot happen in sglang (an ack out of issue order) or that a backend cannot share at
@@ -90,7 +90,7 @@ def _diff(spec: Mapping[str, Any], impl: Mapping[str, Any], keys: Iterable[str])
     return out
 
 
-MERGED = {"Offloading": "Offloaded", "Restoring": "Runnable", "Prefetching": "Kept"}
+MERGED = {"Offloading": "Offloaded", "Restoring": "Handover", "Prefetching": "Kept"}
 
 
 def radix_view_spec(st: Mapping[str, Any], b: Bounds) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def radix_view_spec(st: Mapping[str, Any], b: Bounds) -> dict[str, Any]:
         row: dict[str, Any] = {"phase": ph, "epoch": st["epoch"][s]}
         if ph == "Offloaded":
             row["deadline"] = st["deadline"][s]
-        if st["phase"][s] in ("Running", "Runnable"):  # not Restoring: its loads are still in flight
+        if st["phase"][s] in ("Running", "Runnable", "Handover"):  # not Restoring: its loads are in flight
             row["kv"] = st["ref"][s] != NO_NODE and specstep.path_valid(st, st["ref"][s], len(b.nodes))
         view[s] = row
     return view
@@ -120,7 +120,7 @@ def radix_view_impl(r: Replayer) -> dict[str, Any]:
         row: dict[str, Any] = {"phase": rec.state, "epoch": rec.epoch}
         if rec.state == "Offloaded":
             row["deadline"] = int(min(rec.deadline, b.max_time))
-        if rec.state in ("Running", "Runnable"):
+        if rec.state in ("Running", "Runnable", "Handover"):
             node, matched = walk(tree, rec.tokens, rec.extra_key) if rec.tokens else (None, 0)
             row["kv"] = bool(rec.tokens) and matched == len(rec.tokens) and attached(tree, node)
         view[s] = row

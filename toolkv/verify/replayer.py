@@ -492,7 +492,17 @@ def hi_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         if len(w) > pre["hostFree"]:
             room = r.mgr.backend.host_evictable_tokens()  # type: ignore[attr-defined]
             r.host_free_exactly(sum(len(m.key) for m in w) - r.ps - room)
-    r.mgr.tool_start(a[0])
+    _tool_start(r, a[0])
+
+
+def _tool_start(r: Replayer, s: str) -> None:
+    """Spec ``ToolStart``. A conformance replay (``capacity="spec"``) runs exactly it, the
+    manager's ``offload``; elsewhere (fuzzing, traces) the production ``tool_start``, whose
+    demotions for room and policy choices the caller maps onto spec steps."""
+    if r.capacity == "spec":
+        r.mgr.offload(s)
+    else:
+        r.mgr.tool_start(s)
 
 
 def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -782,7 +792,7 @@ def rx_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
             need = sum(len(m.key) for m in be._exclusive(rec.node))
         _budget_refuses(r, need)
     try:
-        r.mgr.tool_start(s)
+        _tool_start(r, s)
     finally:
         be.budget_tokens = None
 
