@@ -26,7 +26,10 @@ CASES = [("hiradix", 10_000, 200), ("pin", 1_500, 100), ("shadow", 1_500, 100)]
 
 @pytest.mark.parametrize(("stack", "calls", "sessions"), CASES, ids=[c[0] for c in CASES])
 def test_soak(stack: str, calls: int, sessions: int) -> None:
-    r = run_soak(SoakConfig(stack=stack, tool_calls=calls))  # type: ignore[arg-type]
+    # the short runs flush and expire sooner, so that both happen within them
+    short = {"flush_every": calls // 2, "ttl_s": 60.0} if calls < 10_000 else {}
+    cfg = SoakConfig(stack=stack, tool_calls=calls, **short)  # type: ignore[arg-type]
+    r = run_soak(cfg)
     bad = problems(r, min_calls=calls, min_sessions=sessions)
     summary = (
         f"{stack}: {r.tool_calls} calls, {r.sessions} sessions, {r.iterations} iterations, {r.seconds:.1f}s,"
