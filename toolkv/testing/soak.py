@@ -491,6 +491,7 @@ class SoakConfig:
     close_p: float = 0.85  # per finished session: the client closes it (else it just stops)
     repopulate_p: float = 0.1  # per tool call (pin/shadow): another request re-inserts the branch
     http_share: float = 0.25  # sessions whose calls go through the FastAPI routes (the rest: the channel)
+    closed_history: int = 10_000  # closed sessions the manager remembers (TOOLKV_CLOSED_HISTORY)
     flush_every: int = 2_500  # tool calls between deferred /flush_cache?timeout requests
     sample_every: int = 250  # iterations between samples
     progress: bool = False
@@ -942,6 +943,7 @@ class Soak:
                     handover_ttl_s=cfg.handover_ttl_s,
                     fallback="shadow" if cfg.stack == "shadow" else "pin",
                     sweep_every=1,
+                    closed_history=cfg.closed_history,
                 )
                 clock = AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
                 self.tk = SchedulerToolKV(h.tree, config=tk_cfg, clock=clock)
@@ -1086,6 +1088,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stacks", default="hiradix,pin,shadow", help=f"comma-separated, of {','.join(STACKS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/soak"))
+    p.add_argument(
+        "--closed-history",
+        type=int,
+        default=10_000,
+        help="closed sessions the manager remembers (TOOLKV_CLOSED_HISTORY; each keeps its tokens)",
+    )
     a = p.parse_args(argv)
     stacks = [s for s in a.stacks.split(",") if s]
     bad = [s for s in stacks if s not in STACKS]
@@ -1095,7 +1103,10 @@ def main(argv: list[str] | None = None) -> int:
     results: list[SoakResult] = []
     failed = False
     for s in stacks:
-        r = run_soak(SoakConfig(stack=s, tool_calls=a.calls, seed=a.seed, progress=True))  # type: ignore[arg-type]
+        cfg = SoakConfig(
+            stack=s, tool_calls=a.calls, seed=a.seed, closed_history=a.closed_history, progress=True
+        )  # type: ignore[arg-type]
+        r = run_soak(cfg)
         bad = problems(r, min_calls=a.calls, min_sessions=min(200, a.calls // 50))
         failed |= bool(bad)
         print(
