@@ -541,6 +541,8 @@ class SoakResult:
     byte_mismatches: int = 0
     flushes: Counter[str] = field(default_factory=Counter)
     counters: dict[str, int] = field(default_factory=dict)
+    left_open: int = 0  # sessions whose client never closed them (abandoned, or just stopped)
+    tracked_at_end: int = 0  # records the manager still held before the final close sweep
     leaks: list[str] = field(default_factory=list)
     flat_problems: list[str] = field(default_factory=list)
     error_logs: list[str] = field(default_factory=list)
@@ -743,6 +745,7 @@ class Soak:
                 epoch = int(body["epoch"])
             if turn == abandon_at:
                 res.events["abandoned"] += 1
+                res.left_open += 1
                 return  # never a tool_end, a next request or a close: the TTL must release it
             if self.stack.name in ("pin", "shadow") and rng.random() < cfg.repopulate_p:
                 self._repopulate(sid)
@@ -763,6 +766,8 @@ class Soak:
             await racing
         if rng.random() < cfg.close_p:
             await self.http("POST", "/session/close", json={"session_id": sid}, routes=routes)
+        else:
+            res.left_open += 1
 
     async def _request(self, sid: str, prompt: list[int], output: list[int], rng: random.Random) -> list[int]:
         """Send the turn's request and return the output it produced. One aborted before
@@ -955,6 +960,7 @@ class Soak:
                     self.client = client
                     await self._drive()
                     # the end: every session still tracked is closed (abandoned ones included)
+                    res.tracked_at_end = len(self.tk.manager.sessions)
                     for sid in list(self.tk.manager.sessions):
                         closing = asyncio.get_running_loop().create_task(
                             self.http("POST", "/session/close", json={"session_id": sid})
