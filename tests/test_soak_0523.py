@@ -29,7 +29,7 @@ TURN = [*PROMPT, *OUT[:-1]]
 
 # UnifiedRadixCache costs about three times HiRadixCache per tool call on CPU (sglang's own
 # checkpoint insert alone ~2.7 ms a turn), so 10,000 calls would take this file past the CI
-# budget of both releases together; 5,000 calls over 400+ sessions here, 10,000 on 0.5.16 in
+# budget of both releases together; 5,000 calls over 200+ sessions here, 10,000 on 0.5.16 in
 # tests/test_soak.py, and `make soak-long` runs 100,000 on each.
 CALLS = 5_000
 
