@@ -90,6 +90,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 def _scenario(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
+    from types import SimpleNamespace
+
     from _turns import finish_turn
 
     from toolkv.sglang.config import ToolKVConfig
@@ -154,6 +156,10 @@ def _scenario(rank: int) -> dict[str, Any]:
         iteration("loads start")  # tool_end only queues the load: the next tick starts it (ring idle)
         iteration("rank0 loads done", loads_on=(0,))
         iteration("rank1 loads done", loads_on=(1,))
+        # the next request of a is admitted on both ranks (the same prefill batch): the hand-over
+        # ends in the same iteration everywhere
+        tk.on_batch([SimpleNamespace(session_id="a", session=None)])
+        record("a admitted")
 
         record("tool_start b", tk.handle("tool_start", {"session_id": "b"}))
         iteration("all writes done", writes_on=(0, 1))
@@ -209,6 +215,7 @@ def test_two_gloo_ranks_take_identical_decisions(tmp_path: Path) -> None:
     assert by["loads start"]["loads"] == 1 and by["loads start"]["sessions"]["a"]["state"] == "Restoring"
     assert by["rank0 loads done"]["sessions"]["a"]["state"] == "Restoring"
     assert by["rank1 loads done"]["sessions"]["a"]["state"] == "Handover"  # pinned until admitted
+    assert by["a admitted"]["sessions"]["a"]["state"] == "Runnable"
     refused = by["tool_end b (rank 1 full)"]
     assert refused["reply"][0] == 503 and refused["sessions"]["b"]["state"] == "Offloaded"
     states = [s["sessions"]["b"]["state"] for s in t0s if s["step"].startswith("idle")]

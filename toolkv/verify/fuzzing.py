@@ -66,6 +66,14 @@ OPTIONAL = frozenset(
 )
 
 
+def _depth(st: dict[str, Any], n: str) -> int:
+    """How far ``n`` is below the root in ``st`` (leaves first = deepest first)."""
+    k = 0
+    while n != ROOT:
+        n, k = st["parent"][n], k + 1
+    return k
+
+
 class FuzzFailure(AssertionError):
     """An invariant, accounting or integrity check failed (the message says which)."""
 
@@ -189,31 +197,19 @@ class ToolKVMachine(RuleBasedStateMachine):
                 x for x in SESSIONS
                 if x != s and pre["phase"][x] == "Offloaded" and post_phase[x] == "Released"
             ]  # fmt: skip
-            gone_host = [
-                n for n, h in pre["host"].items() if h and not self.state["host"].get(n, False)
-                and self.state["status"].get(n) == "Gone"
-            ]  # fmt: skip
-
-            def depth_h(n: str) -> int:
-                k = 0
-                while n != ROOT:
-                    n, k = pre["parent"][n], k + 1
-                return k
-
-            order = sorted(demoted)  # each Demote releases one session's protection: they commute
-            rooms = [["HostRoom", s, n] for n in sorted(gone_host, key=depth_h, reverse=True)]
-            return [*(["Demote", x] for x in order), *rooms, main]
+            rooms = [["HostRoom", s, n] for n in self._host_evicted(pre)]
+            # each Demote releases one session's protection: they commute
+            return [*(["Demote", x] for x in sorted(demoted)), *rooms, main]
+        if act[0] == "WriteThrough":
+            # sglang's write_backup frees host room itself when the pool is full (evict_host of
+            # unprotected host leaves, hiradix_cache.py write_backup): the environment's HostEvict
+            # of each freed node, leaves first, then the write
+            return [*(["HostEvict", n] for n in self._host_evicted(pre)), act]
         if act[0] in ("ToolEnd", "Prefetch"):
             post = self.state
             gone = [n for n, d in pre["dev"].items() if d and not post["dev"].get(n, False)]
 
-            def depth(n: str) -> int:
-                k = 0
-                while n != ROOT:
-                    n, k = pre["parent"][n], k + 1
-                return k
-
-            return [*(["GpuEvict", n] for n in sorted(gone, key=depth, reverse=True)), act]
+            return [*(["GpuEvict", n] for n in sorted(gone, key=lambda n: _depth(pre, n), reverse=True)), act]
         if act[0] != "LoadAck":
             return [act]
         done = [
@@ -221,6 +217,16 @@ class ToolKVMachine(RuleBasedStateMachine):
             if k != act[1] and n > 0 and self.state["loadAcks"].get(k, 0) < n
         ]  # fmt: skip
         return [act, *(["LoadAck", k] for k in sorted(done))]
+
+    def _host_evicted(self, pre: dict[str, Any]) -> list[str]:
+        """Nodes whose host copy left the tree in the last step, leaves first."""
+        post = self.state
+        gone = [
+            n
+            for n, h in pre["host"].items()
+            if h and not post["host"].get(n, False) and post["status"].get(n) == "Gone"
+        ]
+        return sorted(gone, key=lambda n: _depth(pre, n), reverse=True)
 
     def _fresh_node(self) -> str:
         """A new spec node name, Unborn in the current state (the spec's functions range over it)."""
@@ -615,7 +621,9 @@ def machine_class(
 ) -> type[ToolKVMachine]:
     """A configured subclass (Hypothesis instantiates the class itself, once per example)."""
     return type(
-        "ToolKVMachine_" + ("_".join(sorted(caveats | env_bugs)) or "correct") + ("_auto" if policy == "auto" else ""),
+        "ToolKVMachine_"
+        + ("_".join(sorted(caveats | env_bugs)) or "correct")
+        + ("_auto" if policy == "auto" else ""),
         (ToolKVMachine,),
         {
             "caveats": caveats,
