@@ -790,7 +790,11 @@ class ToolKVManager:
         """Spec ``WriteAck``/``LoadAck`` (and ``Admit``) for the copies sglang retired before a
         reset that no tick has processed yet, read off the old tree's nodes before the backend
         forgets its loads (see :meth:`on_tree_reset`). Nothing here touches a cache: the nodes
-        belong to the replaced tree, whose memory the reset already returned."""
+        belong to the replaced tree, whose memory the reset already returned. A write counts as
+        retired when no path node carries a ``write_through_pending_id`` (both releases clear it
+        at the ack and leave it on the old nodes); a load when the backend's own ack processing
+        finds none in flight: 0.5.16's reset keeps ``ongoing_load_back``, so an unretired load
+        shows; 0.5.23's empties it, so there sglang's own idle check is the only witness."""
         for rec in list(self._offloading.values()):
             if rec.node is not None and not self.backend.offload_pending(rec):
                 del self._offloading[rec.session_id]
