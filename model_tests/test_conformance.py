@@ -141,7 +141,11 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], set[str]]] = {
     "StaleNode": (frozenset({"StaleNode"}), frozenset(), {"ProtectedHasHost", "NoOrphanHost", "TreeShape"}),
     "NoTtl": (frozenset({"NoTtl"}), frozenset(), {"ProtectionReleased"}),
     "FreeBeforeAck": (frozenset({"FreeBeforeAck"}), frozenset(), {"NoFreeWhilePending"}),
-    "EarlyRunnable": (frozenset({"EarlyRunnable"}), frozenset(), {"RunnableOnlyWhenLoaded", "HandoverResident"}),
+    "EarlyRunnable": (
+        frozenset({"EarlyRunnable"}),
+        frozenset(),
+        {"RunnableOnlyWhenLoaded", "HandoverResident"},
+    ),
     "NoEpochCheck": (frozenset({"NoEpochCheck"}), frozenset(), {"StaleEpochNoop"}),
     "EpochReuse": (frozenset({"EpochReuse"}), frozenset(), {"EpochMonotone"}),
     "KeepNoPin": (frozenset({"KeepNoPin"}), frozenset(), {"LockAccounting", "KeptIsResident"}),

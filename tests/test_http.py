@@ -71,7 +71,9 @@ def test_tool_call_cycle_over_http(srv: Server) -> None:
     r = c.post("/session/tool_end", json={"session_id": "s1", "epoch": 1})
     assert r.status_code == 200 and r.json()["state"] == "Restoring"
     iteration(h, srv.tk, loads=True)
-    assert c.get("/session/kv_meta", params={"session_id": "s1"}).json()["state"] == "Handover"  # pinned until its next request is admitted
+    assert (
+        c.get("/session/kv_meta", params={"session_id": "s1"}).json()["state"] == "Handover"
+    )  # pinned until its next request is admitted
     server = c.get("/session/kv_meta").json()
     assert server["sessions"] == 1 and server["counters"]["tool_start"] == 1 and "host_free_tokens" in server
     assert c.post("/session/close", json={"session_id": "s1"}).json()["state"] == "Closed"

@@ -314,3 +314,34 @@ def test_a_reused_session_id_keeps_old_epochs_stale(hh: CacheHarness) -> None:
         m.tool_end("a", old)
     assert m.kv_meta("a")["state"] in ("Offloading", "Offloaded")
     m.close("a")
+
+
+def test_abandoned_sessions_are_forgotten_and_memory_stays_bounded() -> None:
+    """100,000 sessions that never call close (zero-change mode never does): each is forgotten
+    idle_ttl_s after its last turn or call, its closed record keeps no tokens and no node, and the
+    closed history is bounded, so the manager's tables stay bounded whatever the run's length."""
+    import tracemalloc
+
+    with CacheHarness(HarnessConfig(kind="radix", device_tokens=4096)) as h:
+        m = ToolKVManager(h.tree, config=ManagerConfig(idle_ttl_s=10.0, closed_history=1_000))
+        prompt = list(range(1, 65))
+        assert h.run_request(prompt)
+        tracemalloc.start()
+        peak_tables = 0
+        for i in range(100_000):
+            m.tick(i * 0.01)  # 100 new sessions per simulated second, each idle after one turn
+            m.record_turn(f"agent-{i}", prompt)
+            if i == 20_000:
+                base = tracemalloc.get_traced_memory()[0]
+            peak_tables = max(peak_tables, len(m.sessions) + len(m._closed))
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        assert len(m.sessions) <= 10.0 / 0.01 + 1, "only the sessions active within idle_ttl_s are tracked"
+        assert len(m._closed) == 1_000 and peak_tables <= 2_002
+        assert m.counters["forgotten"] >= 98_000
+        assert all(len(r.tokens) == 0 and r.node is None for r in m._closed.values())
+        assert grown < 2_000_000, f"memory grew {grown} bytes over 80,000 abandoned sessions"
+        recent = next(reversed(m._closed))
+        assert m.kv_meta(recent)["state"] == "Closed"  # a recent one still answers and fences old epochs
+        with pytest.raises(UnknownSession):
+            m.kv_meta("agent-0")  # beyond the closed history: unknown (404), as documented

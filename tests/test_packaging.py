@@ -16,7 +16,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # provided by the serving environment, deliberately not declared (see pyproject.toml)
-SERVING_STACK = {"torch", "sglang", "uvloop"}  # uvloop: sglang's HTTP server (a stand-in imports it if present)
+SERVING_STACK = {
+    "torch",
+    "sglang",
+    "uvloop",
+}  # uvloop: sglang's HTTP server (a stand-in imports it if present)
 
 
 def _third_party_imports(paths: list[Path]) -> set[str]:

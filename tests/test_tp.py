@@ -89,9 +89,9 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 
 def _scenario(rank: int) -> dict[str, Any]:
-    import torch.distributed as dist
     from types import SimpleNamespace
 
+    import torch.distributed as dist
     from _turns import finish_turn
 
     from toolkv.sglang.config import ToolKVConfig

@@ -47,6 +47,9 @@ from toolkv.errors import (
 
 log = logging.getLogger("toolkv")
 
+# the phases of a session that holds nothing: it may be forgotten when idle (spec Close)
+IDLE = frozenset({"Running", "Runnable", "Expired", "Lost", "Released"})
+
 
 @dataclass(frozen=True)
 class ManagerConfig:
@@ -66,6 +69,10 @@ class ManagerConfig:
     # admitted (spec Handover); never longer than ttl_s. Under load the next request can queue
     # for seconds: without the pin sglang evicts the KV it was restored for.
     handover_ttl_s: float = 30.0
+    # a session that holds nothing and has had no turn or call for this long is forgotten (spec
+    # Close): agents that end without close (zero-change mode never calls it) must not grow the
+    # table for ever. inf: never.
+    idle_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -74,6 +81,8 @@ class ManagerConfig:
             raise ValueError("keep_ttl_s must be a number of seconds >= 0")
         if not self.handover_ttl_s >= 0:
             raise ValueError("handover_ttl_s must be a number of seconds >= 0")
+        if not self.idle_ttl_s > 0:
+            raise ValueError("idle_ttl_s must be a number of seconds > 0 (inf: never)")
         if not (self.restore_tokens_per_s > 0 and self.restore_tokens_per_s < float("inf")):
             raise ValueError("restore_tokens_per_s must be a positive number")
 
@@ -107,6 +116,7 @@ class ToolKVManager:
         self.durations = DurationModel(self.config.policy_config)
         self.restore_rate = self.config.restore_tokens_per_s  # EWMA of measured restores
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, session id), lazy deletion
+        self._idle: list[tuple[float, int, str]] = []  # (idle expiry, seq, session id), lazy deletion
         self._seq = 0
         self.now = 0.0
         self.tree_gen = 0
@@ -151,6 +161,31 @@ class ToolKVManager:
         rec.deadline_seq = self._seq
         heapq.heappush(self._deadlines, (rec.deadline, self._seq, rec.session_id))
 
+    def _touch(self, rec: SessionRecord) -> None:
+        """The session did something: its idle expiry moves to ``now + idle_ttl_s``."""
+        rec.last_active = self.now
+        if self.config.idle_ttl_s != float("inf"):
+            self._seq += 1
+            heapq.heappush(self._idle, (self.now + self.config.idle_ttl_s, self._seq, rec.session_id))
+
+    def forget_idle(self) -> int:
+        """Spec ``Close`` of every session that holds nothing and was idle for ``idle_ttl_s``:
+        its record goes to the bounded closed history (tokens and node dropped). O(1) when none
+        is due."""
+        heap, n = self._idle, 0
+        while heap and heap[0][0] <= self.now:
+            _due, _seq, sid = heapq.heappop(heap)
+            rec = self.sessions.get(sid)
+            if rec is None or rec.last_active + self.config.idle_ttl_s > self.now:
+                continue  # closed already, or active since (a newer entry is queued)
+            if rec.state not in IDLE:
+                self._touch(rec)  # holds something: the TTL ends that first; look again later
+                continue
+            self.close(sid)
+            self.counters["forgotten"] += 1
+            n += 1
+        return n
+
     def _settle(self, rec: SessionRecord) -> None:
         """The session left the protecting states: stop watching it (its old deadline stays on
         record, as in the spec; the sweep ignores sessions that protect nothing)."""
@@ -186,6 +221,7 @@ class ToolKVManager:
         rec.tree_gen = self.tree_gen
         if rec.state != "Running":
             fire(rec, "insert", "Running")
+        self._touch(rec)
         self.counters["turns"] += 1
 
     # ---- tool_start: the policy's choice among ToolStart, Keep and LetGo --------------------------------
@@ -282,6 +318,7 @@ class ToolKVManager:
         rec.expected_s = d.expected_s if d is not None else 0.0
         self.counters[f"decision_{action}"] += 1
         self.counters[f"reason_{rec.reason}"] += 1
+        self._touch(rec)
         if (
             d is not None
             and d.prefetch_after_s is not None
@@ -577,6 +614,7 @@ class ToolKVManager:
     def _observe_call(self, rec: SessionRecord) -> None:
         """The tool call is over (tool_end accepted): feed its duration (agreed clock) to the
         duration model."""
+        self._touch(rec)
         if rec.call_open:
             self.durations.observe(rec.tool, self.now - rec.tool_started_at)
             rec.call_open = False
@@ -732,6 +770,9 @@ class ToolKVManager:
         self.backend.release(rec)
         self._settle(rec)
         fire(rec, "close", "Closed")
+        # a closed record answers kv_meta and fences old epochs: nothing of the KV is kept (a
+        # node reference would keep a replaced tree alive after a flush)
+        rec.tokens, rec.node, rec.backend_state = array("q"), None, None
         del self.sessions[session_id]
         self._closed[session_id] = rec
         while len(self._closed) > self.config.closed_history:
@@ -838,6 +879,8 @@ class ToolKVManager:
             self.process_load_acks()
         if self._deadlines and self._deadlines[0][0] <= now:
             self.ttl_sweep()
+        if self._idle and self._idle[0][0] <= now:
+            self.forget_idle()
 
     # ---- kv_meta --------------------------------------------------------------------------------------
     def _meta(self, rec: SessionRecord) -> dict[str, object]:

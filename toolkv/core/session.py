@@ -49,4 +49,5 @@ class SessionRecord:
     prefetch_at: float = math.inf  # agreed clock time of the early restore (offloaded sessions)
     restore_started_at: float = 0.0  # agreed clock when the last load was queued (restore rate)
     admit_pending: bool = False  # the next request was admitted while the load was in flight
+    last_active: float = 0.0  # agreed clock of the session's last turn or call (idle expiry)
     target: str | None = None  # used by lifecycle.fire while a transition runs

@@ -127,6 +127,8 @@ class ToolKVConfig:
     keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: with policy auto, the longest a GPU pin waits for tool_end
     # TOOLKV_HANDOVER_TTL_S: the longest a restored session stays pinned waiting for its next request
     handover_ttl_s: float = 30.0
+    # TOOLKV_IDLE_TTL_S: a session holding nothing, with no turn or call for this long, is forgotten
+    idle_ttl_s: float = 3600.0
 
     @classmethod
     def variables(cls) -> frozenset[str]:
@@ -201,6 +203,7 @@ class ToolKVConfig:
             restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
             keep_ttl_s=_float(e, "TOOLKV_KEEP_TTL_S", cls.keep_ttl_s, lo=0.0),
             handover_ttl_s=_float(e, "TOOLKV_HANDOVER_TTL_S", cls.handover_ttl_s, lo=0.0),
+            idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, lo=1.0),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -219,4 +222,5 @@ class ToolKVConfig:
             restore_tokens_per_s=self.restore_tokens_per_s,
             keep_ttl_s=self.keep_ttl_s,
             handover_ttl_s=self.handover_ttl_s,
+            idle_ttl_s=self.idle_ttl_s,
         )

@@ -139,7 +139,9 @@ class DecisionLog:
             if rec is None or rec.state not in HOLDING:
                 self._protecting.discard(sid)
             done, kind = _INFLIGHT[state]
-            finished = rec is not None and (rec.state == done or (done == "Handover" and rec.state == "Runnable"))
+            finished = rec is not None and (
+                rec.state == done or (done == "Handover" and rec.state == "Runnable")
+            )
             if rec is not None and rec.epoch == epoch and finished:
                 self._complete(kind, now - t0, tokens)
                 log.debug("toolkv %s done session=%s epoch=%d seconds=%.4f", kind, fmt(sid), epoch, now - t0)

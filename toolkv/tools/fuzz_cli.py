@@ -36,7 +36,11 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
     "KeepNoPin": (frozenset({"KeepNoPin"}), frozenset(), "policy: kept KV not pinned"),
     "DemoteKeepsRef": (frozenset({"DemoteKeepsRef"}), frozenset(), "policy: demoted session still protected"),
     "EarlyKept": (frozenset({"EarlyKept"}), frozenset(), "policy: early restore kept before its load ack"),
-    "EarlyRelease": (frozenset({"EarlyRelease"}), frozenset(), "hand-over: pin released before the next request"),
+    "EarlyRelease": (
+        frozenset({"EarlyRelease"}),
+        frozenset(),
+        "hand-over: pin released before the next request",
+    ),
 }
 
 

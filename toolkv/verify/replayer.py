@@ -208,6 +208,7 @@ class Replayer:
                 keep_ttl_s=self.ttl,
                 policy=self.policy,
                 prefetch=False,
+                idle_ttl_s=float("inf"),  # the spec closes sessions only when told to
             ),
             caveats=self.caveats,
         )
