@@ -434,8 +434,8 @@ class ToolKVManager:
             )
         runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         rec.prefetch_at = float("inf")
-        if runnable:  # nothing to load: the path is resident; pin it
-            kept = rec.node is not None and self.backend.keep(rec, rec.node)
+        if runnable:  # nothing to load: the path is resident; pin it (the pin backend's offload pin is it)
+            kept = rec.pinned is not None or (rec.node is not None and self.backend.keep(rec, rec.node))
             assert kept, "a restored path must be resident"
             fire(rec, "prefetch", "Kept")
         elif self._prefetch_readable(rec):  # never, with a load in flight (restore pinned the path)
@@ -697,9 +697,10 @@ class ToolKVManager:
         """A restore that needed no load returned the protection and holds no pin yet: pin the
         resident path (the recorded node, possibly the device prefix left below sglang's
         ``load_back_threshold``) so that it survives until the next request holds it."""
-        if rec.node is not None and rec.pinned is None:
-            kept = self.backend.keep(rec, rec.node)
-            assert kept, "a path the restore found resident must be pinnable"
+        if rec.node is not None and rec.pinned is None and not self.backend.keep(rec, rec.node):
+            # never with a correct backend (the restore found the path resident); a backend that
+            # says so with a load in flight (mutant EarlyRunnable) is caught by HandoverResident
+            log.error("session %s: the restored path is not resident; handed over unpinned", rec.session_id)
 
     def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
         """The tool call is over and the KV is on the GPU, pinned (spec ``Handover``): armed with

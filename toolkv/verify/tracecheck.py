@@ -69,6 +69,8 @@ ACTIONS = {
     "LetGo": "LetGo(a[2])",
     "Demote": "Demote(a[2])",
     "Prefetch": "Prefetch(a[2])",
+    "HostRoom": "HostRoom(a[2], a[3])",
+    "Admit": "Admit(a[2])",
 }
 
 
@@ -147,6 +149,8 @@ TInit == /\\ i = 1
 \\* The implementation's capacity decisions replace the spec's node-slot guards.
 TFits == Trace[i + 1].fits
 THostFits(W) == TFits
+\\* room was made exactly where the trace says the manager made it (HostRoom steps before a ToolStart)
+THostShort(W) == Trace[i + 1].act[1] = "HostRoom"
 TDevFits(C) == TFits
 TInsertFits == TRUE
 TWriteFits == TRUE
@@ -186,6 +190,7 @@ TraceNext == TNext \\/ Done
     Policy = {"TRUE" if header.get("policy") else "FALSE"}
     BUG = "none"
     HostFits <- THostFits
+    HostShort <- THostShort
     DevFits <- TDevFits
     InsertFits <- TInsertFits
     WriteFits <- TWriteFits
