@@ -771,9 +771,9 @@ class ToolKVManager:
         self.backend.release(rec)
         self._settle(rec)
         fire(rec, "close", "Closed")
-        # a closed record answers kv_meta and fences old epochs: nothing of the KV is kept (a
-        # node reference would keep a replaced tree alive after a flush)
-        rec.tokens, rec.node, rec.backend_state = array("q"), None, None
+        # a closed record answers kv_meta and fences old epochs: its token copy goes (the bulk of
+        # a record); the node reference stays as the spec's ref does (one object per record)
+        rec.tokens, rec.backend_state = array("q"), None
         del self.sessions[session_id]
         self._closed[session_id] = rec
         while len(self._closed) > self.config.closed_history:
