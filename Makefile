@@ -71,8 +71,8 @@ test-0523: $(STAMP_0523)
 # same on sglang 0.5.23's UnifiedRadixCache. Fails on a leak, an upward trend or a differing byte.
 SOAK_CALLS ?= 100000
 soak-long: $(STAMP) $(STAMP_0523)
-	$(PY) -m toolkv.testing.soak --calls $(SOAK_CALLS) --stacks hiradix,pin,shadow --out results/soak
-	$(VENV_0523)/bin/python -m toolkv.testing.soak --calls $(SOAK_CALLS) --stacks unified --out results/soak-0523
+	$(PY) -m toolkv.tools.soak --calls $(SOAK_CALLS) --stacks hiradix,pin,shadow --out results/soak
+	$(VENV_0523)/bin/python -m toolkv.tools.soak --calls $(SOAK_CALLS) --stacks unified --out results/soak-0523
 
 model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check

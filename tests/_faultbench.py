@@ -1,6 +1,6 @@
 """Shared by the fault tests (``test_faults.py`` on 0.5.16, ``test_soak_0523.py`` on 0.5.23): one
 real cache stack, toolkv's scheduler side, its HTTP routes, and the scheduler loop of
-``toolkv.testing.soak`` driven one iteration at a time, so a test can put a fault exactly where it
+``toolkv.tools.soak`` driven one iteration at a time, so a test can put a fault exactly where it
 wants it (between sglang's ack check and toolkv's tick, between tool_end and the next request).
 
 Every row of the fault table (``docs/reliability.md``) is one :class:`Row`, filled from what the
@@ -29,7 +29,7 @@ from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.plugin import after_get_new_batch_prefill, before_handle_generate_request
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.sglang.tp import AgreedClock
-from toolkv.testing.soak import SchedulerStandIn, Stack, _Batch
+from toolkv.tools.soak import SchedulerStandIn, Stack, _Batch
 
 ROWS_DIR = Path(os.environ.get("TOOLKV_FAULT_ROWS", "")) if os.environ.get("TOOLKV_FAULT_ROWS") else None
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from _faultbench import Bench, Row, record
 
-from toolkv.testing.soak import Stack0516, toolkv_cache_hooks
+from toolkv.tools.soak import Stack0516, toolkv_cache_hooks
 
 R = "0.5.16"
 PROMPT = list(range(1000, 1064))

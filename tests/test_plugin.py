@@ -622,11 +622,11 @@ def test_every_decision_is_one_structured_line(hh: CacheHarness, caplog: pytest.
         iteration(h, tk)
     lines = _decisions(caplog)
     assert lines[:5] == [
-        "toolkv decision op=tool_start session=s1 epoch=1 state=Offloading tokens=41 outcome=ok reason=- rank=0",
+        "toolkv decision op=tool_start session=s1 epoch=1 state=Offloading tokens=41 outcome=ok reason=policy_offload rank=0",
         "toolkv decision op=tool_end session=s1 epoch=1 state=Offloading tokens=41 outcome=refused reason=stale_epoch rank=0",
         "toolkv decision op=tool_start session=ghost epoch=- state=- tokens=- outcome=refused reason=unknown_session rank=0",
         "toolkv decision op=auto_offload session=ghost epoch=- state=- tokens=- outcome=skipped reason=skip:disabled rank=0",
-        'toolkv decision op=tool_start session="we\\"ird id" epoch=1 state=Offloading tokens=20 outcome=ok reason=- rank=0',
+        'toolkv decision op=tool_start session="we\\"ird id" epoch=1 state=Offloading tokens=20 outcome=ok reason=policy_offload rank=0',
     ]
     assert sorted(lines[5:]) == [  # both expire in the same sweep
         'toolkv decision op=ttl_sweep session="we\\"ird id" epoch=1 state=Expired tokens=20 outcome=ok reason=expired rank=0',

@@ -1,4 +1,4 @@
-"""The CPU soak on sglang 0.5.16's REAL caches (``toolkv.testing.soak``): toolkv's scheduler side
+"""The CPU soak on sglang 0.5.16's REAL caches (``toolkv.tools.soak``): toolkv's scheduler side
 and its HTTP routes in one process, agent sessions from the agent workload with tool calls,
 hand-overs, abandoned sessions, aborted requests, tool_end racing the next request, lost replies
 re-sent, deferred flushes, and (on a plain RadixCache) other requests re-inserting an offloaded
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from toolkv.core.backends.shadow import ShadowBackend
-from toolkv.testing.soak import SoakConfig, Stack0516, problems, run_soak, toolkv_cache_hooks
+from toolkv.tools.soak import SoakConfig, Stack0516, problems, run_soak, toolkv_cache_hooks
 
 # 10,000 calls on the HiRadixCache; the fallbacks share the budget (no copies in flight there).
 CASES = [("hiradix", 10_000, 200), ("pin", 1_500, 100), ("shadow", 1_500, 100)]

@@ -19,7 +19,7 @@ if not has_unified_radix_cache():
 
 from _faultbench import Bench, Row, record
 
-from toolkv.testing.soak import SoakConfig, Stack0523, problems, run_soak, toolkv_cache_hooks
+from toolkv.tools.soak import SoakConfig, Stack0523, problems, run_soak, toolkv_cache_hooks
 
 R = "0.5.23"
 PROMPT = list(range(1000, 1064))

@@ -29,7 +29,7 @@ copy primitives, the controlled copy engine), :class:`SchedulerStandIn` (sglang'
 needs a model runner; the real ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache`` run
 bound to it), :class:`SoakChannel` (the tokenizer-manager <-> scheduler ZMQ channel: the wire
 objects are pickled both ways), and the request stand-in of 0.5.16 (``_Finished``: the fields
-``cache_finished_req`` reads). ``python -m toolkv.testing.soak`` is the long run (``make soak-long``).
+``cache_finished_req`` reads). ``python -m toolkv.tools.soak`` is the long run (``make soak-long``).
 """
 
 from __future__ import annotations
@@ -1089,7 +1089,7 @@ def plot(results: list[SoakResult], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m toolkv.testing.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m toolkv.tools.soak", description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=100_000)
     p.add_argument("--stacks", default="hiradix,pin,shadow", help=f"comma-separated, of {','.join(STACKS)}")
     p.add_argument("--seed", type=int, default=0)
