@@ -244,9 +244,9 @@ class ToolKVManager:
             hint = None if expected_s is None else float(expected_s)
             expected = hint if hint is not None else self.durations.median(tool)
             # a full host demotes offloaded sessions predicted back after this one, not a 507
-            out = self.offload(session_id, demote=True, returns_at=self.now + expected)
+            self.offload(session_id, demote=True, returns_at=self.now + expected)
             self._note_call(rec, tool, Decision("offload", "policy_offload", expected, 0.0, None))
-            return out
+            return self._meta(rec)  # with the decision and its reason, as the per-call policy answers
         rec = self._get(session_id)
         if rec.state != "Running":
             raise WrongState(
@@ -754,6 +754,7 @@ class ToolKVManager:
         whose request never came is ``Runnable``: its KV stays in the tree, unpinned."""
         self.backend.release(rec)
         self._settle(rec)
+        self._touch(rec)  # the idle clock restarts at the expiry: forgotten idle_ttl_s after it
         if rec.state == "Handover":
             rec.admit_pending = False
             fire(rec, "ttl_sweep", "Runnable")
