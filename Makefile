@@ -33,6 +33,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/toolkv spec-check --jobs 2
 	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
+	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
 	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
 	$(MAKE) -s test-0523
 
@@ -42,6 +43,7 @@ test: $(STAMP)
 test-long: $(STAMP)
 	$(VENV)/bin/toolkv spec-check --jobs 2
 	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
+	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
 	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest -m "not gpu" -v -p no:cacheprovider --durations=25
 	$(VENV)/bin/toolkv fuzz --profile long --mutants --every 100
 
@@ -77,6 +79,7 @@ soak-long: $(STAMP) $(STAMP_0523)
 model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check
 	$(VENV)/bin/toolkv spec-check --spec-dir spec/decode
+	$(VENV)/bin/toolkv spec-check --spec-dir spec/storage
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check toolkv tests model_tests fuzz
