@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Agent load on a stock sglang 0.5.16 server with the toolkv plugin, on the GPU machine.
 #
-#   here, once:   bash scripts/gpu_e2e.sh stage    (bundle + toolkv's runtime deps in .gpu-bundle/)
+#   here, once:   bash scripts/gpu_bundle.sh    (both sglang releases + toolkv's runtime deps in .gpu-bundle/)
 #   device call (carry [".gpu-bundle"]):
 #     bash scripts/gpu_agent.sh MODE DURATION_S [TWINS] [-- extra launch_server flags]
 #   MODE: stock | explicit | on-request (see toolkv/tools/agent_bench.py).  TOOLKV_SRC=<dir> runs
@@ -17,12 +17,12 @@ MODE=${1:?mode} DURATION=${2:?duration} TWINS=${3:-0}
 shift $(( $# < 3 ? $# : 3 )); [ "${1:-}" = "--" ] && shift
 EXTRA=("$@")
 OUT=${OUT:-/tmp/toolkv_agent_out}; RUN=$OUT/${RUN_NAME:-$MODE}; mkdir -p "$RUN"
-[ -d /tmp/site/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
+[ -d /tmp/site-0516/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"; use_flashinfer_stub
 SRC=${TOOLKV_SRC:-$ROOT} EPV=${TOOLKV_EP:-toolkv.sglang.plugin:register}
 EP=$STAGE_ROOT/toolkv_ep_$$; toolkv_entry_point "$EP" "$EPV"
-export PYTHONPATH=$SRC:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH
+export PYTHONPATH=$SRC:$EP:$TOOLKV_DEPS:$PYTHONPATH
 if [ "$MODE" = stock ]; then export TOOLKV_ENABLE=0; else export TOOLKV_ENABLE=1; fi
 export TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_RESTORE_ON_REQUEST=1
 PORT=30000 LOG=$RUN/server.log

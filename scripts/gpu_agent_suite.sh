@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The agent benchmark's configurations on one GPU machine, same workload and seed for all.
 #
-#   here, once:   bash scripts/gpu_e2e.sh stage    (bundle + toolkv's runtime deps in .gpu-bundle/)
+#   here, once:   bash scripts/gpu_bundle.sh    (both sglang releases + toolkv's runtime deps in .gpu-bundle/)
 #   device call (carry [".gpu-bundle"]):
 #     bash scripts/gpu_agent_suite.sh REGIME SERVERS [DURATION_S]
 #   REGIME  constrained: GPU KV pool capped at 120,000 tokens (--mem-fraction-static 0.3)
@@ -18,7 +18,7 @@
 #     valueauto   16 GB host with TOOLKV_POLICY=auto: config auto16 (explicit, tool names sent)
 # BENCH_ARGS (env) is appended to every bench (e.g. the closed 48-session load of docs/benchmarks.md);
 # DRAIN (env, default 60) is the drain of every bench.
-# Every server: Llama-3.1-8B shape, dummy weights, 64K context, triton attention, the toolkv plugin
+# RELEASE (env): 0516 (default) or 0523. Every server: Llama-3.1-8B shape (Granite-8B on 0.5.23), dummy weights, 64K context, triton attention, the toolkv plugin
 # loaded (TOOLKV_ENABLE=1; the stock configs make no toolkv call and send no session id). Results:
 # $OUT/<regime>/<config>.json and server logs. TOOLKV_SRC=<dir> runs the toolkv tree found there (e.g.
 # an export of one commit) instead of this checkout.
@@ -34,18 +34,22 @@ case $REGIME in
   plentiful) MEM=(--mem-fraction-static 0.85); POOL=800000 ;;
   *) echo "regime must be constrained or plentiful" >&2; exit 2 ;;
 esac
-[ -d /tmp/site/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
+[ -d /tmp/site-0516/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
 # shellcheck source=/dev/null
-source "$BUNDLE/env.sh"; use_flashinfer_stub
+source "$BUNDLE/env.sh"
+# RELEASE=0523: sglang 0.5.23 with the Granite-8B shape (its Llama builds DualGemm, which imports the cutlass
+# DSL that the bundle leaves out); 0516 (default): sglang 0.5.16 with the Llama-3.1-8B shape.
+RELEASE=${RELEASE:-0516}; use_release "$RELEASE" || exit 2
+case $RELEASE in 0516) MODEL=llama-3.1-8b ;; 0523) MODEL=granite-8b ;; esac
 EP=$STAGE_ROOT/toolkv_ep_suite; toolkv_entry_point "$EP"
 SRC=${TOOLKV_SRC:-$ROOT}
-export PYTHONPATH=$SRC:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
+export PYTHONPATH=$SRC:$EP:$TOOLKV_DEPS:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
 PORT=30000 FAIL=0
 
 serve() {  # $1 name, rest: launch flags
   local name=$1; shift
   LOG=$RES/server_$name.log
-  setsid "$PY" -m sglang.launch_server --model-path "$STAGE_ROOT/models/llama-3.1-8b" --load-format dummy \
+  setsid "$PY" -m sglang.launch_server --model-path "$MODELS/$MODEL" --load-format dummy \
     --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch --grammar-backend none \
     --context-length 65536 --disable-cuda-graph --host 127.0.0.1 --port $PORT "${MEM[@]}" "$@" > "$LOG" 2>&1 &
   SERVER=$!

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Calibrate the twin's time profile (toolkv twin --profile) on one H200, in one device call of < 10 min.
 #
-#   here, once:   bash scripts/gpu_e2e.sh stage    (bundle + toolkv's runtime deps in .gpu-bundle/)
+#   here, once:   bash scripts/gpu_bundle.sh    (both sglang releases + toolkv's runtime deps in .gpu-bundle/)
 #   device call (carry [".gpu-bundle"]):   bash scripts/gpu_calibrate.sh
 #   dry run here (no server, synthetic points): bash scripts/gpu_calibrate.sh --dry-run
 #
@@ -22,11 +22,11 @@ fi
 BUNDLE=$ROOT/.gpu-bundle
 # shellcheck source=scripts/gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"
-[ -d /tmp/site/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
+[ -d /tmp/site-0516/sglang ] || bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || exit 1
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"; use_flashinfer_stub
 EP=$STAGE_ROOT/toolkv_ep_cal; toolkv_entry_point "$EP"
-export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_TTL_S=600
+export PYTHONPATH=$ROOT:$EP:$TOOLKV_DEPS:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_TTL_S=600
 PORT=30000 LOG=$RES/server.log
 setsid "$PY" -m sglang.launch_server --model-path "$STAGE_ROOT/models/llama-3.1-8b" --load-format dummy \
   --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch --grammar-backend none \

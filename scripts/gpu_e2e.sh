@@ -2,9 +2,8 @@
 # toolkv end-to-end on the GPU machine: stock sglang 0.5.16 + the toolkv plugin, dummy weights, HiCache.
 #
 #   here (once per bundle):  bash scripts/gpu_e2e.sh stage
-#       builds .gpu-bundle/ with /work/shared/gpu/build_bundle.sh if missing, and copies toolkv's one
-#       runtime dependency (transitions, pure Python) from .venv into .gpu-bundle/toolkv_deps/
-#   device (one call, carry [".gpu-bundle"]):  bash scripts/gpu_e2e.sh run [real|stub] [1b|8b]
+#       builds .gpu-bundle/ with scripts/gpu_bundle.sh if missing (both sglang releases, toolkv's deps)
+#   GPU machine (checkout + .gpu-bundle):  bash scripts/gpu_e2e.sh run [1b|8b] [server flags...]
 #       installs the bundle, makes the entry point visible, launches the server with TOOLKV_ENABLE=1,
 #       runs scripts/gpu_e2e.py, copies results + server log to $OUT. Exit 0 only if every check passed.
 set -uo pipefail
@@ -16,27 +15,26 @@ ACTION=${1:-run}
 
 if [ "$ACTION" = stage ]; then
   set -e
-  [ -f "$BUNDLE/bundle.tar.xz" ] || bash "$ROOT/../shared/gpu/build_bundle.sh" "$BUNDLE"
-  stage_deps "$ROOT" "$BUNDLE"
+  [ -f "$BUNDLE/bundle.tar.xz" ] || bash "$ROOT/scripts/gpu_bundle.sh" "$BUNDLE"
   exit 0
 fi
-[ "$ACTION" = run ] || { echo "usage: gpu_e2e.sh stage | run [real|stub] [1b|8b] [server flags...]" >&2; exit 2; }
-MODE=${2:-stub} SIZE=${3:-1b}
-EXTRA=("${@:4}")  # extra server flags, e.g. --tp 2 on a two-GPU machine
+[ "$ACTION" = run ] || { echo "usage: gpu_e2e.sh stage | run [1b|8b] [server flags...]" >&2; exit 2; }
+SIZE=${2:-1b}
+EXTRA=("${@:3}")  # extra server flags, e.g. --tp 2 on a two-GPU machine
 OUT=${OUT:-/tmp/toolkv_e2e_out}
 mkdir -p "$OUT"
 
 bash "$BUNDLE/install.sh" "$BUNDLE" || exit 1
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"
-case $MODE in real) ;; stub) use_flashinfer_stub ;; *) echo "mode must be real or stub" >&2; exit 2 ;; esac
+use_release 0516
 case $SIZE in 1b) CFG=llama-3.2-1b ;; 8b) CFG=llama-3.1-8b ;; *) echo "size must be 1b or 8b" >&2; exit 2 ;; esac
 MODEL=$STAGE_ROOT/models/$CFG PORT=${PORT:-30000}
 
 # toolkv from the checkout, its dependency from the bundle, and a dist-info carrying the entry point:
 # importlib.metadata.entry_points() scans every sys.path entry for *.dist-info/entry_points.txt.
 toolkv_entry_point "$STAGE_ROOT/toolkv_ep"; EP=$STAGE_ROOT/toolkv_ep
-export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH
+export PYTHONPATH=$ROOT:$EP:$TOOLKV_DEPS:$PYTHONPATH
 export TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
 "$PY" - <<'PY' || exit 1
 import importlib.metadata as md

@@ -5,9 +5,8 @@
 # request, nothing leaked).
 #
 #   here (once per bundle):  bash scripts/gpu_e2e_0523.sh stage
-#       builds .gpu-bundle-0523/ with scripts/gpu_bundle_0523.sh if missing, and copies toolkv's runtime
-#       dependencies (transitions, prometheus_client: pure Python) from .venv into .gpu-bundle-0523/toolkv_deps/
-#   device (one call, carry [".gpu-bundle-0523"]):  bash scripts/gpu_e2e_0523.sh run [server flags...]
+#       builds .gpu-bundle/ with scripts/gpu_bundle.sh if missing (both sglang releases, toolkv's deps)
+#   GPU machine (checkout + .gpu-bundle):  bash scripts/gpu_e2e_0523.sh run [server flags...]
 #       installs the bundle, makes the entry point visible, launches the server with TOOLKV_ENABLE=1 and the
 #       Python tree core, runs scripts/gpu_e2e.py, copies results + server log to $OUT. Exit 0 only if every
 #       check passed.
@@ -15,13 +14,12 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"
-BUNDLE=$ROOT/.gpu-bundle-0523
+BUNDLE=$ROOT/.gpu-bundle
 ACTION=${1:-run}
 
 if [ "$ACTION" = stage ]; then
   set -e
-  [ -f "$BUNDLE/bundle.tar.xz" ] || bash "$ROOT/scripts/gpu_bundle_0523.sh" "$BUNDLE"
-  stage_deps "$ROOT" "$BUNDLE"
+  [ -f "$BUNDLE/bundle.tar.xz" ] || bash "$ROOT/scripts/gpu_bundle.sh" "$BUNDLE"
   exit 0
 fi
 [ "$ACTION" = run ] || { echo "usage: gpu_e2e_0523.sh stage | run [server flags...]" >&2; exit 2; }
@@ -31,13 +29,15 @@ mkdir -p "$OUT"
 
 bash "$BUNDLE/install.sh" "$BUNDLE" || exit 1
 # shellcheck source=/dev/null
-source "$BUNDLE/env.sh"   # also SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python, the kernel-version skip, no flashinfer
-MODEL=$STAGE_ROOT/models-0523/llama-3.2-1b PORT=${PORT:-30000}
+source "$BUNDLE/env.sh"
+use_release 0523   # also SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python, the kernel-version skip, no flashinfer
+# Granite-8B's shape: 0.5.23's Llama builds DualGemm, whose module imports the cutlass DSL (not in the bundle)
+MODEL=$MODELS/granite-8b PORT=${PORT:-30000}
 
 # toolkv from the checkout, its dependencies from the bundle, and a dist-info carrying the entry point:
 # importlib.metadata.entry_points() scans every sys.path entry for *.dist-info/entry_points.txt.
 toolkv_entry_point "$STAGE_ROOT/toolkv_ep_0523"; EP=$STAGE_ROOT/toolkv_ep_0523
-export PYTHONPATH=$ROOT:$EP:$BUNDLE/toolkv_deps:$PYTHONPATH
+export PYTHONPATH=$ROOT:$EP:$TOOLKV_DEPS:$PYTHONPATH
 export TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
 "$PY" - <<'PY' || exit 1
 import importlib.metadata as md

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # toolkv on the GPU machine: real CUDA pools, pinned host pool, sgl-kernel copies, real streams.
 #
-#   here, once:   bash scripts/gpu_e2e.sh stage && bash scripts/gpu_run.sh stage
+#   here, once:   bash scripts/gpu_bundle.sh   (both sglang releases, toolkv's runtime and test deps)
 #   device call (carry [".gpu-bundle"]):  bash scripts/gpu_run.sh fuzz     # tests + transfer bench + campaign
 #                                         bash scripts/gpu_run.sh mutants  # kill table on CUDA
 # Everything lands in $OUT (JSON + logs); the last lines printed are a short summary.
@@ -11,27 +11,12 @@ BUNDLE=$ROOT/.gpu-bundle
 ACTION=${1:-fuzz}
 OUT=${OUT:-/tmp/toolkv_gpu_out}
 
-if [ "$ACTION" = stage ]; then
-  set -e
-  # pure-Python test dependencies, pinned as in requirements/lock-cpu.txt (the GPU machine is offline)
-  rm -rf "$BUNDLE/test_wheels" && mkdir -p "$BUNDLE/test_wheels"
-  "$ROOT/.venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$BUNDLE/test_wheels" \
-    attrs==26.1.0 sortedcontainers==2.4.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
-    transitions==0.9.3 six==1.17.0
-  # hypothesis ships compiled wheels: take the one for the GPU machine's CPython 3.12
-  "$ROOT/.venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$BUNDLE/test_wheels" hypothesis==6.170.17
-  ls "$BUNDLE/test_wheels"; du -sh "$BUNDLE"
-  exit 0
-fi
-
 mkdir -p "$OUT"
 bash "$BUNDLE/install.sh" "$BUNDLE" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"
-"$PY" -m pip install -q --no-deps --no-index --target /tmp/toolkv_deps "$BUNDLE"/test_wheels/*.whl \
-  > "$OUT/deps.log" 2>&1 || { tail -20 "$OUT/deps.log"; exit 1; }
-export PYTHONPATH=$ROOT:/tmp/toolkv_deps:$PYTHONPATH OMP_NUM_THREADS=4
+use_release 0516
+export PYTHONPATH=$ROOT:$TOOLKV_TEST_DEPS:$TOOLKV_DEPS:$PYTHONPATH OMP_NUM_THREADS=4
 cd "$ROOT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PY" -c "import torch, sglang; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'sglang', sglang.__version__)" | tee "$OUT/versions.txt"
@@ -56,5 +41,5 @@ case $ACTION in
       > "$OUT/kill_gpu.log" 2>&1
     echo "mutants rc=$?" | tee -a "$OUT/kill_gpu.log"; grep -v -i warn "$OUT/kill_gpu.log" | tail -14
     ;;
-  *) echo "usage: gpu_run.sh stage | fuzz | mutants" >&2; exit 2 ;;
+  *) echo "usage: gpu_run.sh fuzz | mutants" >&2; exit 2 ;;
 esac

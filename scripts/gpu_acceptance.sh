@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# GPU acceptance in one run: both sglang releases, real zero-change, a 48-session load, a CUDA fuzz campaign.
+#
+#   here, once per bundle:  bash scripts/gpu_bundle.sh            (.gpu-bundle/, about 60 MiB)
+#   on the GPU machine (checkout + .gpu-bundle):  COMMIT=$(git rev-parse HEAD) bash scripts/gpu_acceptance.sh
+#
+# Per release (RELEASES, default "0516,0523"), one server with toolkv (zero-change and restore-on-request
+# on), a chat tokenizer and sglang's xgrammar backend:
+#   0.5.16  Llama-3.1-8B shape, HiRadixCache;  0.5.23  Granite-8B shape (no DualGemm, so no cutlass DSL
+#   is needed), UnifiedRadixCache with the Python tree core; both --mem-fraction-static 0.3
+#   --max-total-tokens 120000 --enable-hierarchical-cache --hicache-size 16, dummy weights.
+# against which run, each under a time cap:
+#   e2e          scripts/gpu_e2e.py: device tokens freed during the tool, next turn token-identical to a
+#                never-offloaded twin, prefix reused, stale epoch refused, restore on request, nothing leaked
+#   zero_change  scripts/gpu_zero_change.py: chat answers finish_reason "tool_calls" (forced by
+#                tool_choice "required"), toolkv offloads on it, the next chat turn restores and reuses
+#   load         toolkv bench agent: 48 sessions starting together (tool calls and restores in bunches),
+#                LOAD_S seconds; no crash, no 5xx beyond the documented refusals, every generate answered,
+#                nothing protected or locked at the end, twins token-identical
+#   server_log   no Traceback / AssertionError / out-of-memory in the server log
+# then, once (0.5.16): fuzz  the stateful campaign on CUDA pools (toolkv fuzz --device cuda), steps and violations.
+# $OUT/acceptance.json: the commit, pass/fail per check, the numbers; $OUT/<release>/ keeps every JSON and log.
+# Knobs: RELEASES, LOAD_S (90), FUZZ_EXAMPLES (100), PORT (30000).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"
+BUNDLE=${BUNDLE:-$ROOT/.gpu-bundle}
+OUT=${OUT:-/tmp/toolkv_acceptance}; mkdir -p "$OUT"
+RELEASES=${RELEASES:-0516,0523} LOAD_S=${LOAD_S:-90} PORT=${PORT:-30000}
+URL=http://127.0.0.1:$PORT
+T0=$SECONDS
+log() { echo "[$(( SECONDS - T0 )) s] $*"; }
+
+bash "$BUNDLE/install.sh" "$BUNDLE" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+log "$(tail -1 "$OUT/install.log")"
+# shellcheck source=/dev/null
+source "$BUNDLE/env.sh"
+EP=$STAGE_ROOT/toolkv_ep; toolkv_entry_point "$EP"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
+
+# step NAME CAP_S CMD...: run one check with a time cap, record rc and seconds in $R/steps.tsv
+step() {
+  local name=$1 cap=$2 t=$SECONDS rc; shift 2
+  log "$REL $name (cap ${cap} s)"
+  timeout -k 10 "$cap" "$@" > "$R/$name.log" 2>&1; rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( SECONDS - t ))" >> "$R/steps.tsv"
+  grep -E "^(PASS|FAIL)|TOOLKV_|config=" "$R/$name.log" | tail -n 40
+  log "$REL $name rc=$rc"
+}
+
+serve() {  # launch flags...; exports SERVER, returns non-zero if not healthy in 300 s
+  setsid "$PY" -m sglang.launch_server --model-path "$MODELS/$MODEL" --tokenizer-path "$CHAT_TOKENIZER" \
+    --load-format dummy --attention-backend triton --sampling-backend pytorch --disable-cuda-graph \
+    --enable-hierarchical-cache --hicache-size 16 --mem-fraction-static 0.3 --max-total-tokens 120000 \
+    --context-length 32768 --enable-cache-report --host 127.0.0.1 --port "$PORT" "$@" > "$R/server.log" 2>&1 &
+  SERVER=$!
+  local t=$SECONDS
+  until curl -sf "$URL/health" >/dev/null; do
+    kill -0 "$SERVER" 2>/dev/null || { log "server died at start"; tail -15 "$R/server.log"; return 1; }
+    (( SECONDS - t > 300 )) && { log "server not healthy after 300 s"; return 1; }
+    sleep 2
+  done
+  log "$REL server healthy after $(( SECONDS - t )) s"
+}
+trap '[ -n "${SERVER:-}" ] && stop_group "$SERVER"' EXIT
+
+IFS=, read -ra LIST <<< "$RELEASES"
+for REL in "${LIST[@]}"; do
+  R=$OUT/$REL; mkdir -p "$R"; : > "$R/steps.tsv"
+  use_release "$REL" || continue
+  case $REL in 0516) MODEL=llama-3.1-8b BACKEND=hiradix ;; 0523) MODEL=granite-8b BACKEND=unified ;; esac
+  export PYTHONPATH=$ROOT:$EP:$TOOLKV_DEPS:$PYTHONPATH
+  export TOOLKV_ENABLE=1 TOOLKV_ZERO_CHANGE=1 TOOLKV_RESTORE_ON_REQUEST=1 TOOLKV_TTL_S=120
+  GRAMMAR=xgrammar
+  if ! serve --constrained-json-disable-any-whitespace; then
+    # without a grammar backend the server can still take every check but zero-change
+    printf 'server_xgrammar\t1\t0\n' >> "$R/steps.tsv"; stop_group "$SERVER"; GRAMMAR=none
+    cp "$R/server.log" "$R/server_xgrammar_failed.log"
+    serve --grammar-backend none || { printf 'server\t1\t0\n' >> "$R/steps.tsv"; stop_group "$SERVER"; continue; }
+  fi
+  step e2e 150 "$PY" "$ROOT/scripts/gpu_e2e.py" --url "$URL" --pid "$SERVER" --out "$R/e2e.json" --backend "$BACKEND"
+  if [ "$GRAMMAR" = xgrammar ]; then
+    step zero_change 120 "$PY" "$ROOT/scripts/gpu_zero_change.py" --url "$URL" --out "$R/zero_change.json"
+  fi
+  step load $(( LOAD_S + 200 )) "$PY" -m toolkv.tools.agent_bench --url "$URL" --mode explicit --config load48 \
+    --sessions 48 --arrival-rate 0 --turns 6 --first-tokens 3000 --growth 900 --output 32 --max-context 16384 \
+    --duration "$LOAD_S" --warmup 0 --drain 20 --twins 2 --flush --out "$R/load.json"
+  stop_group "$SERVER"; SERVER=
+  BAD=$(grep -c -E "Traceback|AssertionError|out of memory|Out of memory" "$R/server.log")
+  printf 'server_log\t%s\t0\n' "$(( BAD > 0 ))" >> "$R/steps.tsv"
+  log "$REL server log: $BAD error lines"
+done
+
+if [[ ",$RELEASES," == *",0516,"* ]]; then
+  R=$OUT/fuzz; REL=cuda; mkdir -p "$R"; : > "$R/steps.tsv"
+  use_release 0516
+  export PYTHONPATH=$ROOT:$TOOLKV_TEST_DEPS:$TOOLKV_DEPS:$PYTHONPATH OMP_NUM_THREADS=4
+  step fuzz 150 "$PY" -m toolkv.tools.cli fuzz --device cuda --examples "${FUZZ_EXAMPLES:-100}" --steps 60 \
+    --seed 11 --every 25 --out "$R/fuzz_gpu.json"
+fi
+
+COMMIT=${COMMIT:-unknown} "$PY" "$ROOT/scripts/acceptance_summary.py" "$OUT" > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+log "done"
+grep -q "^ACCEPTANCE PASS" "$OUT/summary.txt"

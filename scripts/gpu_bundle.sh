@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Build the offline staging bundle for the GPU machine: sglang 0.5.16 AND 0.5.23 with their pinned
+# dependencies, dummy-model configs, a chat tokenizer, toolkv's runtime and test dependencies. The GPU
+# machine has no internet (CPython 3.12, torch 2.11.0+cu130); this runs where PyPI is reachable.
+#
+#   usage: bash scripts/gpu_bundle.sh [OUTDIR]        (default OUTDIR: .gpu-bundle, git-ignored)
+#
+# OUTDIR is what one GPU call carries (the carry limit is 64 MiB): bundle.tar.xz (+ .sha256), install.sh,
+# env.sh. The two releases share one xz stream (identical wheels stored once, the rest compressed across
+# each other); what is cut from the wheels and why: scripts/stage/repack.py.
+# On the GPU machine:  bash OUTDIR/install.sh OUTDIR && source OUTDIR/env.sh && use_release 0516   (or 0523)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${1:-$ROOT/.gpu-bundle}
+CACHE=${WHEEL_CACHE:-${TMPDIR:-/tmp}/toolkv-gpu-wheels}
+PYHERE=${PYHERE:-$ROOT/.venv/bin/python}   # has tokenizers (for the chat tokenizer) and toolkv's deps
+START=$SECONDS
+mkdir -p "$OUT" "$CACHE"
+OUT=$(cd "$OUT" && pwd)
+STAGE=$(mktemp -d "${TMPDIR:-/tmp}/toolkv-gpu-bundle.XXXXXX")
+trap 'rm -rf "$STAGE"' EXIT
+REQ16=$ROOT/scripts/gpu_bundle_0516.requirements.txt REQ23=$ROOT/scripts/gpu_bundle_0523.requirements.txt
+
+# 1. Pinned wheels for the remote interpreter: CPython 3.12, x86_64, glibc 2.39.
+PLATFORMS=()
+for v in $(seq 39 -1 5); do PLATFORMS+=(--platform "manylinux_2_${v}_x86_64"); done
+PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+echo "[1/5] pip download -> $CACHE"
+for req in "$REQ16" "$REQ23"; do
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PLATFORMS[@]}" -d "$CACHE" -r "$req" --disable-pip-version-check --quiet 2>&1 | grep -v "^WARNING: Location" || true
+done
+# test dependencies of the CUDA fuzz campaign (pure Python, pinned as in the CPU lock; hypothesis is compiled)
+mkdir -p "$STAGE/test_wheels"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${PLATFORMS[@]}" -d "$STAGE/test_wheels" --disable-pip-version-check \
+  attrs==26.1.0 sortedcontainers==2.4.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 hypothesis==6.170.17 \
+  2>&1 | grep -v "^WARNING: Location" || true
+
+# 2. Repack both releases' wheels into one stage.
+echo "[2/5] repack wheels, extract the sgl_kernel subset"
+python3 "$ROOT/scripts/stage/repack.py" "$CACHE" "$STAGE" "site-0516=$REQ16" "site-0523=$REQ23"
+
+# 3. Model configs, the flashinfer stand-in, the chat tokenizer, toolkv's runtime deps.
+echo "[3/5] model configs, tokenizer, toolkv deps"
+cp -r "$ROOT/scripts/stage/model_configs" "$ROOT/scripts/stage/flashinfer_stub" "$STAGE/"
+"$PYHERE" "$ROOT/scripts/stage/make_tokenizer.py" "$STAGE/tokenizer"
+SP=$("$PYHERE" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$STAGE/toolkv_deps"
+cp -r "$SP/transitions" "$SP"/transitions-*.dist-info "$SP/prometheus_client" "$SP"/prometheus_client-*.dist-info \
+  "$STAGE/toolkv_deps/"
+find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
+
+# 4. One deterministic xz stream (wheels sorted by name: the two sglang wheels sit side by side).
+echo "[4/5] tar | xz -9e (a few minutes)"
+tar --sort=name --owner=0 --group=0 --numeric-owner --mtime='2026-01-01 00:00:00Z' -C "$STAGE" -cf - \
+    wheels site-0516.txt site-0523.txt sgl_kernel_subset model_configs flashinfer_stub tokenizer toolkv_deps test_wheels \
+  | xz -9e -T"${XZ_THREADS:-0}" > "$OUT/bundle.tar.xz.part"
+mv "$OUT/bundle.tar.xz.part" "$OUT/bundle.tar.xz"
+(cd "$OUT" && sha256sum bundle.tar.xz > bundle.tar.xz.sha256)
+rm -rf "$OUT/toolkv_deps"  # an older layout kept them beside the archive
+
+cat > "$OUT/install.sh" <<'SH'
+#!/usr/bin/env bash
+# Install the offline bundle (no network), from scratch, under $STAGE_ROOT (default /tmp):
+#   site-0516/ site-0523/  sglang 0.5.16 / 0.5.23 (pip --no-index --no-deps --target), the sgl_kernel subset in both
+#   fi_stub/ models/ tokenizer/ toolkv_deps/ toolkv_test_deps/
+# PY: CPython 3.12 with torch 2.11 and pip (default: the GPU machine's torch venv).
+set -euo pipefail
+B=$(cd "${1:?usage: install.sh BUNDLE_DIR}" && pwd)
+PY=${PY:-/opt/torch/.venv/bin/python3}
+P=${STAGE_ROOT:-/tmp}
+T0=$SECONDS
+(cd "$B" && sha256sum --quiet -c bundle.tar.xz.sha256)
+rm -rf "$P/stage" && mkdir -p "$P/stage"
+tar -C "$P/stage" -xJf "$B/bundle.tar.xz" 2>/dev/null ||
+  "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$B/bundle.tar.xz" "$P/stage"
+PIP=("$PY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check -q)
+for site in site-0516 site-0523; do
+  rm -rf "${P:?}/$site" && mkdir -p "$P/$site"
+  mapfile -t WHEELS < <(sed "s|^|$P/stage/wheels/|" "$P/stage/$site.txt")
+  "${PIP[@]}" --target "$P/$site" "${WHEELS[@]}"
+  cp -r "$P/stage/sgl_kernel_subset/." "$P/$site/"
+done
+rm -rf "$P/toolkv_test_deps" && "${PIP[@]}" --target "$P/toolkv_test_deps" "$P"/stage/test_wheels/*.whl
+for d in fi_stub:flashinfer_stub models:model_configs tokenizer:tokenizer toolkv_deps:toolkv_deps; do
+  rm -rf "${P:?}/${d%%:*}" && cp -r "$P/stage/${d#*:}" "$P/${d%%:*}"
+done
+rm -rf "$P/stage"
+echo "installed sglang 0.5.16 and 0.5.23 under $P in $((SECONDS - T0)) s; models: $(cd "$P/models" && echo */)"
+SH
+cat > "$OUT/env.sh" <<'SH'
+# Source after install.sh, then pick a release:  use_release 0516 | use_release 0523
+# Both launch with triton attention and pytorch sampling, so flashinfer is never called: 0.5.16 imports
+# it at module level (the import-only stand-in answers), 0.5.23 is told it is absent.
+export STAGE_ROOT=${STAGE_ROOT:-/tmp}
+export PY=${PY:-/opt/torch/.venv/bin/python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export SGLANG_IS_FLASHINFER_AVAILABLE=false
+export TOOLKV_DEPS=$STAGE_ROOT/toolkv_deps TOOLKV_TEST_DEPS=$STAGE_ROOT/toolkv_test_deps
+export CHAT_TOKENIZER=$STAGE_ROOT/tokenizer MODELS=$STAGE_ROOT/models
+use_release() {
+  case $1 in
+    0516) export PYTHONPATH=$STAGE_ROOT/fi_stub:$STAGE_ROOT/site-0516 SGLANG_RELEASE=0.5.16
+          unset SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND ;;
+    # sglang-kernel 0.4.5 (0.4.9+ needs torch >= 2.12); toolkv needs the Python tree core
+    0523) export PYTHONPATH=$STAGE_ROOT/site-0523 SGLANG_RELEASE=0.5.23 SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 \
+                 SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python ;;
+    *) echo "use_release 0516|0523" >&2; return 2 ;;
+  esac
+}
+# compatibility with the scripts written for the 0.5.16-only bundle
+use_flashinfer_stub() { use_release 0516; }
+use_release 0516
+SH
+
+# 5. Report; the carried folder must fit the 64 MiB limit.
+BYTES=$(stat -c %s "$OUT/bundle.tar.xz")
+TOTAL=$(du -sb "$OUT" | cut -f1)
+echo "[5/5] bundle.tar.xz: $BYTES bytes ($(python3 -c "print(f'{$BYTES / 2**20:.1f}')") MiB)," \
+     "folder $(python3 -c "print(f'{$TOTAL / 2**20:.1f}')") MiB, built in $((SECONDS - START)) s"
+if (( TOTAL > 64 * 1048576 )); then echo "ERROR: $OUT exceeds the 64 MiB carry limit" >&2; exit 1; fi
