@@ -1,0 +1,123 @@
+"""The L3 storage tier over sglang 0.5.16's REAL file backend (``HiCacheFile``), on CPU: a session's
+KV written to storage on one server is prefetched into another server's host pool and loaded to its
+device, byte for byte (``spec/storage/StorageTier.tla``: ``Demote`` … ``StoreAck`` on server A,
+``ToolEnd``'s prefetch … ``PrefetchAck`` … ``LoadAck`` on server B).
+
+Two :class:`~toolkv.testing.storage_harness.StorageCacheHarness` caches share one HiCacheFile
+directory, as two servers share one L3 (``file`` on a shared path stands in for Mooncake). They
+are built one after the other, because the CPU doubles of the copy engine live in sglang's module
+globals (one CPU harness per process); the second server starting after the first is gone is the
+"its server was drained" case of issue 27.
+
+Nothing of the storage path is doubled or re-implemented: sglang's own ``HiCacheController``
+threads run on CPU. The write to storage is the one HiRadixCache issues itself when a host write is
+acknowledged (``_finish_write_through_ack`` → ``write_backup_storage`` → ``write_storage``; the
+backup thread's ``_page_backup`` → ``HiCacheFile.batch_set``), with sglang's ``protect_host`` on
+the source until the backup ack is drained. The restore is the scheduler's path for a waiting
+request: ``prefetch_from_storage`` (the prefetch thread's hit query, the host allocation in
+``drain_storage_control_queues``, the I/O thread's ``HiCacheFile.get`` per page),
+``check_prefetch_progress`` under the ``wait_complete`` policy (the pages enter the host tree), then
+``init_load_back`` host→device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from _cycle import step, turn
+
+from toolkv.core.manager import ToolKVManager
+from toolkv.testing.harness import HarnessConfig
+from toolkv.testing.storage_harness import StorageCacheHarness
+
+CFG = HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4)
+TOKENS = list(range(1, 97))  # 96 tokens: 24 pages of 4
+
+
+@pytest.fixture
+def shared_l3(tmp_path: Path) -> Iterator[Path]:
+    """The directory both servers' HiCacheFile backends use."""
+    d = tmp_path / "l3"
+    d.mkdir()
+    yield d
+
+
+def offload_to_storage(storage_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """Server A: a session's turn, ``tool_start`` (GPU→host, GPU copy freed at the ack), and the
+    host copy written to storage by sglang's backup thread; then the session closes and server A
+    is drained. Asserts that every page is in storage and that A returned every lock, host
+    reference and slot. Returns the session's KV bytes as computed on A."""
+    with StorageCacheHarness(CFG, storage_dir) as a:
+        initial = a.accounting()
+        m = ToolKVManager(a.tree)
+        kv = turn(a, m, "s", tokens)
+        m.tool_start("s")
+        step(a, m, 0.0, writes=True)
+        assert m.kv_meta("s")["state"] == "Offloaded"
+        assert a.match(tokens).device_indices.numel() == 0, "the GPU copy was freed"
+        assert a.await_store_acks() >= 1, "the host write's ack queued a write to storage"
+        leaf = a.match(tokens).last_host_node
+        chain = leaf.get_prefix_hash_values(leaf)  # the whole path's page keys, root first
+        assert chain == page_keys(a, tokens), "sglang's chained page hashes of the session's tokens"
+        assert set(chain) <= set(a.stored_keys()), "every page of the session is in storage"
+        assert torch.equal(a.host_kv(torch.cat(host_path(a, tokens))), kv), "host copy = offloaded KV"
+        m.close("s")  # the session's next turn goes to another server
+        a.drain()
+        assert a.accounting() == initial, "server A: every lock, host reference and slot returned"
+        return kv
+
+
+def page_keys(h: StorageCacheHarness, tokens: list[int]) -> list[str]:
+    """sglang's storage keys of ``tokens`` from the root: one chained hash per page."""
+    return list(h.controller.get_hash_str(tokens, None, page_size=CFG.page_size))
+
+
+def host_path(h: StorageCacheHarness, tokens: list[int]) -> list[torch.Tensor]:
+    """The host indices of ``tokens``'s path, root first."""
+    node = h.match(tokens).last_host_node
+    out: list[torch.Tensor] = []
+    while node is not h.tree.root_node:
+        out.insert(0, node.host_value)
+        node = node.parent
+    return out
+
+
+def test_a_session_offloaded_to_storage_on_one_server_is_restored_on_another(shared_l3: Path) -> None:
+    kv = offload_to_storage(shared_l3, TOKENS)
+    with StorageCacheHarness(CFG, shared_l3) as b:
+        initial = b.accounting()
+        assert b.match(TOKENS).host_hit_length == 0, "server B starts cold"
+        assert b.storage_hit_tokens(TOKENS) == len(TOKENS)
+        assert b.prefetch("s-turn2", TOKENS) == len(TOKENS), "every token came from storage"
+        m = b.match(TOKENS)
+        assert int(m.host_hit_length) == len(TOKENS), "the prefetched pages are in B's host tree"
+        assert torch.equal(b.host_kv(torch.cat(host_path(b, TOKENS))), kv), "host bytes = offloaded bytes"
+        dev = b.load_to_device(TOKENS)
+        assert dev.numel() == len(TOKENS)
+        assert torch.equal(b.device_kv(dev), kv), "restored device bytes = offloaded bytes"
+        assert not b.tree.ongoing_prefetch and b.controller.prefetch_tokens_occupied == 0
+        b.drain()
+        assert b.accounting() == initial, "server B: every lock, host reference and slot returned"
+
+
+def test_a_page_missing_from_storage_ends_the_restore_at_the_page_before_it(shared_l3: Path) -> None:
+    """The backend evicted one page of the copy (HiCacheFile's LRU evictor, or another tenant):
+    sglang's hit query stops at the first missing page, so B restores exactly the pages before it,
+    with the right bytes, and a session restore must count it as short (spec: ``PrefetchAck``
+    with fewer than ``P`` pages read → ``Lost``), never as whole."""
+    kv = offload_to_storage(shared_l3, TOKENS)
+    with StorageCacheHarness(CFG, shared_l3) as b:
+        initial = b.accounting()
+        keys = page_keys(b, TOKENS)
+        cut = 10  # pages 0..9 stay
+        (shared_l3 / f"{keys[cut]}{b.backend.config_suffix}.bin").unlink()
+        got = b.prefetch("s-turn2", TOKENS)
+        assert got == cut * CFG.page_size < len(TOKENS)
+        dev = b.load_to_device(TOKENS)
+        assert dev.numel() == got
+        assert torch.equal(b.device_kv(dev), kv[:, :, :got]), "the pages that came back are right"
+        b.drain()
+        assert b.accounting() == initial
