@@ -139,11 +139,11 @@ HostAck(s) ==
        ELSE UNCHANGED <<phase, gpu>>
     /\ UNCHANGED <<hostN, hprot, ld, wr, wn, wfail, l3, l3prot, pin, pf, rn, rfail, viaL3, hostFree>>
 
-\* Demote (the policy: a long tool, or the host must make room): write the protected host
-\* copy to storage.  The storage copy is protected from the moment the write is issued, so
-\* that no page already written can be evicted before the last one lands (LateL3Protect
-\* protects it only at the ack).  The host protection stays until the ack.
-Demote(s) ==
+\* Store (the policy demotes the session: a long tool, or the host must make room): write the
+\* protected host copy to storage.  The storage copy is protected from the moment the write is
+\* issued, so that no page already written can be evicted before the last one lands
+\* (LateL3Protect protects it only at the ack).  The host protection stays until the ack.
+Store(s) ==
     /\ phase[s] = "Offloaded"
     /\ ~wr[s]
     /\ phase' = [phase EXCEPT ![s] = "Storing"]
@@ -176,31 +176,35 @@ LoadFromHost(s) ==
     /\ ld' = [ld EXCEPT ![s] = TRUE]
     /\ hprot' = [hprot EXCEPT ![s] = TRUE]
 
-\* tool_end.  From the host copy while there is one (Offloaded, Storing: the write goes on;
-\* Stored with the host copy not yet evicted: re-protected); otherwise prefetch from storage
-\* into freshly allocated host slots, pinning the storage copy.  A prefetch that finds no
-\* host room changes nothing (retried; the TTL bounds the wait).  RestoreBeforeStoreAck
-\* prefetches while the storage write is still in flight.
-ToolEnd(s) ==
-    \/ /\ \/ phase[s] = "Offloaded"
-          \/ phase[s] = "Storing" /\ BUG # "RestoreBeforeStoreAck"
-          \/ phase[s] = "Stored" /\ hostN[s] = P
-       /\ LoadFromHost(s)
-       /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]   \* the session no longer relies on storage
-       /\ UNCHANGED <<gpu, hostN, gw, wr, wn, wfail, l3, pin, pf, rn, rfail, viaL3, hostFree>>
-    \/ /\ \/ phase[s] = "Stored" /\ hostN[s] = 0
-          \/ phase[s] = "Storing" /\ BUG = "RestoreBeforeStoreAck"
-       /\ ~pf[s]
-       /\ hostFree >= P
-       /\ phase' = [phase EXCEPT ![s] = "Prefetching"]
-       /\ pf' = [pf EXCEPT ![s] = TRUE]
-       /\ pin' = [pin EXCEPT ![s] = 1]
-       /\ rn' = [rn EXCEPT ![s] = 0]
-       /\ rfail' = [rfail EXCEPT ![s] = FALSE]
-       /\ hprot' = [hprot EXCEPT ![s] = FALSE]
-       /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
-       /\ hostFree' = hostFree - P
-       /\ UNCHANGED <<gpu, hostN, gw, ld, wr, wn, wfail, l3, viaL3>>
+\* tool_end from the host copy while there is one (Offloaded; Storing: the write goes on;
+\* Stored with the host copy not yet evicted: re-protected).  RestoreBeforeStoreAck goes to
+\* storage instead while the write is still in flight.
+ToolEndFromHost(s) ==
+    /\ \/ phase[s] = "Offloaded"
+       \/ phase[s] = "Storing" /\ BUG # "RestoreBeforeStoreAck"
+       \/ phase[s] = "Stored" /\ hostN[s] = P
+    /\ LoadFromHost(s)
+    /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]   \* the session no longer relies on storage
+    /\ UNCHANGED <<gpu, hostN, gw, wr, wn, wfail, l3, pin, pf, rn, rfail, viaL3, hostFree>>
+
+\* tool_end with the host copy gone: prefetch from storage into freshly allocated host slots,
+\* pinning the storage copy.  No host room: nothing changes (retried; the TTL bounds the wait).
+StoragePrefetch(s) ==
+    /\ \/ phase[s] = "Stored" /\ hostN[s] = 0
+       \/ phase[s] = "Storing" /\ BUG = "RestoreBeforeStoreAck"
+    /\ ~pf[s]
+    /\ hostFree >= P
+    /\ phase' = [phase EXCEPT ![s] = "Prefetching"]
+    /\ pf' = [pf EXCEPT ![s] = TRUE]
+    /\ pin' = [pin EXCEPT ![s] = 1]
+    /\ rn' = [rn EXCEPT ![s] = 0]
+    /\ rfail' = [rfail EXCEPT ![s] = FALSE]
+    /\ hprot' = [hprot EXCEPT ![s] = FALSE]
+    /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
+    /\ hostFree' = hostFree - P
+    /\ UNCHANGED <<gpu, hostN, gw, ld, wr, wn, wfail, l3, viaL3>>
+
+ToolEnd(s) == ToolEndFromHost(s) \/ StoragePrefetch(s)
 
 \* The prefetch ack (check_prefetch_progress, then the manager's hook): the pages read enter
 \* the host tree, the slots of pages not read are freed, the prefetch's pin ends.  A whole
@@ -301,7 +305,7 @@ HostEvict(s) ==
 -----------------------------------------------------------------------------
 Next ==
     \E s \in Sessions :
-        \/ ToolStart(s) \/ HostAck(s) \/ Demote(s) \/ StoreAck(s) \/ ToolEnd(s)
+        \/ ToolStart(s) \/ HostAck(s) \/ Store(s) \/ StoreAck(s) \/ ToolEnd(s)
         \/ PrefetchAck(s) \/ LoadAck(s) \/ Expire(s) \/ Close(s)
         \/ StorePage(s) \/ StoreRefused(s) \/ ReadPage(s) \/ HostEvict(s)
         \/ \E p \in Pg : L3Evict(s, p)
