@@ -15,8 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-STEP_JSON = {"e2e": "e2e.json", "zero_change": "zero_change.json", "load": "load.json", "fuzz": "fuzz_gpu.json"}
-EXPECTED = {"0516": ("e2e", "zero_change", "load", "server_log"), "0523": ("e2e", "zero_change", "load", "server_log")}
+STEP_JSON = {
+    "e2e": "e2e.json",
+    "zero_change": "zero_change.json",
+    "load": "load.json",
+    "fuzz": "fuzz_gpu.json",
+}
+EXPECTED = {
+    "0516": ("e2e", "zero_change", "load", "server_log"),
+    "0523": ("e2e", "zero_change", "load", "server_log"),
+}
 
 
 def read_json(path: Path) -> Any:
@@ -73,7 +81,11 @@ def main() -> int:
         for line in (rdir / "steps.tsv").read_text().splitlines():
             name, rc, secs = line.split("\t")
             data = read_json(rdir / STEP_JSON[name]) if name in STEP_JSON else None
-            steps[name] = {"passed": passed(name, int(rc), data), "rc": int(rc), "seconds": int(secs)} | facts(name, data)
+            steps[name] = {
+                "passed": passed(name, int(rc), data),
+                "rc": int(rc),
+                "seconds": int(secs),
+            } | facts(name, data)
         for name in EXPECTED.get(rdir.name, ("fuzz",) if rdir.name == "fuzz" else ()):
             steps.setdefault(name, {"passed": False, "rc": None, "seconds": 0, "note": "did not run"})
         res["releases"][rdir.name] = steps
@@ -85,7 +97,9 @@ def main() -> int:
     print(f"{'release':8} {'check':14} {'result':6} {'s':>5}  facts")
     for rel, name, s in rows:
         extra = {k: v for k, v in s.items() if k not in ("passed", "rc", "seconds")}
-        print(f"{rel:8} {name:14} {'PASS' if s['passed'] else 'FAIL':6} {s['seconds']:>5}  {json.dumps(extra, default=str)[:160]}")
+        print(
+            f"{rel:8} {name:14} {'PASS' if s['passed'] else 'FAIL':6} {s['seconds']:>5}  {json.dumps(extra, default=str)[:160]}"
+        )
     print("ACCEPTANCE", "PASS" if res["passed"] else "FAIL")
     return 0
 

@@ -35,7 +35,22 @@ TOOL = {
         "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
     },
 }
-WORDS = "agent tool cache offload restore session epoch tier host device pinned radix prefix token".split()
+WORDS = [
+    "agent",
+    "tool",
+    "cache",
+    "offload",
+    "restore",
+    "session",
+    "epoch",
+    "tier",
+    "host",
+    "device",
+    "pinned",
+    "radix",
+    "prefix",
+    "token",
+]
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +105,9 @@ def main() -> int:
         state, rec["offload_seen_s"] = wait_state(c, sid, {"Offloaded"})
         meta = c.kv_meta(sid)
         rec["state_during_tool"], rec["device_tokens_during_tool"], rec["host_tokens_during_tool"] = (
-            state, meta.device_tokens, meta.host_tokens,
+            state,
+            meta.device_tokens,
+            meta.host_tokens,
         )
         tool_msgs = [
             {"role": "assistant", "content": None, "tool_calls": calls},
@@ -105,7 +122,9 @@ def main() -> int:
         checks[f"{sid}: chat answered finish_reason tool_calls"] = ch["finish_reason"] == "tool_calls"
         checks[f"{sid}: the call names run_code"] = bool(calls) and calls[0]["function"]["name"] == "run_code"
         checks[f"{sid}: offloaded on the answer alone"] = state == "Offloaded" and meta.device_tokens == 0
-        checks[f"{sid}: next turn reused the prefix"] = rec["cached_tokens_turn2"] >= rec["prompt_tokens_turn1"] - 8
+        checks[f"{sid}: next turn reused the prefix"] = (
+            rec["cached_tokens_turn2"] >= rec["prompt_tokens_turn1"] - 8
+        )
         sessions.append(rec)
         print(json.dumps(rec, default=str), flush=True)
     for i in range(SESSIONS):

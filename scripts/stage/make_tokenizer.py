@@ -47,11 +47,58 @@ CHAT_TEMPLATE = (
 
 def corpus() -> list[str]:
     """Text whose merges make JSON tool calls and chat turns a few tokens each."""
-    words = (
-        "the a an and or of to in is it for on with as by at from this that be are was name "
-        "parameters arguments function tool call result search query run code python file read "
-        "write user assistant system weather city true false null value id type object array"
-    ).split()
+    words = [
+        "the",
+        "a",
+        "an",
+        "and",
+        "or",
+        "of",
+        "to",
+        "in",
+        "is",
+        "it",
+        "for",
+        "on",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "this",
+        "that",
+        "be",
+        "are",
+        "was",
+        "name",
+        "parameters",
+        "arguments",
+        "function",
+        "tool",
+        "call",
+        "result",
+        "search",
+        "query",
+        "run",
+        "code",
+        "python",
+        "file",
+        "read",
+        "write",
+        "user",
+        "assistant",
+        "system",
+        "weather",
+        "city",
+        "true",
+        "false",
+        "null",
+        "value",
+        "id",
+        "type",
+        "object",
+        "array",
+    ]
     lines = []
     for i, w in enumerate(words):
         lines.append(f'[{{"name": "{w}", "parameters": {{"n": {i}}}}}]')

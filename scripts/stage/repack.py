@@ -41,7 +41,9 @@ PIN = re.compile(r"(\S+)==(\S+)\s+--hash=sha256:([0-9a-f]{64})")
 
 def pins(path: str) -> list[tuple[str, str, str]]:
     out = []
-    for line in open(path):
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
         line = line.split("#", 1)[0].strip()
         if line:
             m = PIN.fullmatch(line)
@@ -104,7 +106,9 @@ def main() -> None:
             base = os.path.basename(path)
             if name == KERNEL:
                 if "kernel" not in done:
-                    print(f"  {name} {version}: kept {kernel_subset(zipfile.ZipFile(path), stage) / 2**20:.1f} MiB")
+                    print(
+                        f"  {name} {version}: kept {kernel_subset(zipfile.ZipFile(path), stage) / 2**20:.1f} MiB"
+                    )
                     done.add("kernel")
                 continue
             files.append(base)
