@@ -1,7 +1,9 @@
 """The L3 storage tier over sglang 0.5.16's REAL file backend (``HiCacheFile``), on CPU: a session's
 KV written to storage on one server is prefetched into another server's host pool and loaded to its
-device, byte for byte (``spec/storage/StorageTier.tla``: ``Demote`` … ``StoreAck`` on server A,
-``ToolEnd``'s prefetch … ``PrefetchAck`` … ``LoadAck`` on server B).
+device, byte for byte (``spec/storage/StorageTier.tla``: ``Store`` … ``StoreAck`` on server A,
+``StoragePrefetch`` … ``PrefetchAck`` … ``LoadAck`` on server B); and the backend's own steps of
+that path (``HiRadixBackend.store`` / ``store_ack`` / ``storage_prefetch`` / ``prefetch_ack``) on
+one server.
 
 Two :class:`~toolkv.testing.storage_harness.StorageCacheHarness` caches share one HiCacheFile
 directory, as two servers share one L3 (``file`` on a shared path stands in for Mooncake). They
@@ -22,14 +24,17 @@ request: ``prefetch_from_storage`` (the prefetch thread's hit query, the host al
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from _cycle import step, turn
 
+from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.manager import ToolKVManager
+from toolkv.core.session import SessionRecord
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
 
@@ -58,7 +63,7 @@ def offload_to_storage(storage_dir: Path, tokens: list[int]) -> torch.Tensor:
         step(a, m, 0.0, writes=True)
         assert m.kv_meta("s")["state"] == "Offloaded"
         assert a.match(tokens).device_indices.numel() == 0, "the GPU copy was freed"
-        assert a.await_store_acks() >= 1, "the host write's ack queued a write to storage"
+        a.await_store_acks()  # the host write's ack queued a write to storage (maybe acked already)
         leaf = a.match(tokens).last_host_node
         chain = leaf.get_prefix_hash_values(leaf)  # the whole path's page keys, root first
         assert chain == page_keys(a, tokens), "sglang's chained page hashes of the session's tokens"
@@ -121,3 +126,123 @@ def test_a_page_missing_from_storage_ends_the_restore_at_the_page_before_it(shar
         assert torch.equal(b.device_kv(dev), kv[:, :, :got]), "the pages that came back are right"
         b.drain()
         assert b.accounting() == initial
+
+
+# ---- the backend's storage steps (toolkv.core.backends.hiradix), one server ---------------------------
+
+
+def offloaded(
+    h: StorageCacheHarness, sid: str = "s"
+) -> tuple[ToolKVManager, HiRadixBackend, SessionRecord, torch.Tensor]:
+    """A session offloaded to host by the manager (``tool_start``, write acked, GPU copy freed), and
+    HiCache's own write of that host copy to storage acknowledged. Returns the manager, its
+    HiRadix backend, the session's record and its KV bytes."""
+    m = ToolKVManager(h.tree)
+    be = m.backend
+    assert isinstance(be, HiRadixBackend)
+    kv = turn(h, m, sid, TOKENS)
+    m.tool_start(sid)
+    step(h, m, 0.0, writes=True)
+    h.await_store_acks()
+    return m, be, m.sessions[sid], kv
+
+
+def until(h: StorageCacheHarness, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Scheduler iterations (``check_hicache_events``, then ``done``) until ``done`` holds: sglang's
+    prefetch threads run on their own time, so the test waits for them as the scheduler does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h.check_events()
+        if done():
+            return
+        assert time.monotonic() < deadline, "sglang's prefetch threads never finished"
+        time.sleep(0.001)
+
+
+def test_the_backend_stores_a_session_and_brings_it_back_through_the_host(shared_l3: Path) -> None:
+    with StorageCacheHarness(CFG, shared_l3) as h:
+        initial = h.accounting()
+        m, be, rec, kv = offloaded(h)
+        for f in shared_l3.iterdir():  # the backend lost HiCache's copy: store must write it all
+            f.unlink()
+        assert be.store(rec) is True
+        assert be.store_ack(rec) is None, "the writes are in flight until the scheduler drains their acks"
+        h.await_store_acks()
+        assert be.store_ack(rec) is True
+        assert rec.protected is None, "the host protection is released: HiCache may evict the copy"
+        assert set(page_keys(h, TOKENS)) <= set(h.stored_keys())
+        h.evict_host(10**6)
+        assert h.match(TOKENS).host_hit_length == 0, "the host copy is gone"
+        assert be.storage_prefetch(rec, "s-restore") == "prefetching"
+        assert be.storage_copies["s"].rid == "s-restore", "the prefetch pins the storage copy"
+        got: list[bool | None] = []
+
+        def acked() -> bool:
+            got.append(be.prefetch_ack(rec))
+            return got[-1] is not None
+
+        until(h, acked)
+        assert got[-1] is True and rec.protected is rec.node and not be.storage_copies
+        assert int(h.match(TOKENS).host_hit_length) == len(TOKENS), "the whole path is back on host"
+        assert be.restore(rec) is False, "loading: pinned until the load is acknowledged"
+        be.start_loads()
+        h.synchronize()
+        h.check_events()
+        be.poll_loads()
+        assert not be.restore_pending(rec)
+        assert torch.equal(h.device_kv(h.match(TOKENS).device_indices), kv), (
+            "restored bytes = offloaded bytes"
+        )
+        m.close("s")
+        h.drain()
+        assert h.accounting() == initial and not h.tree.ongoing_prefetch
+
+
+def test_a_write_the_backend_refuses_keeps_the_session_on_its_host_copy(shared_l3: Path) -> None:
+    """Spec ``StoreRefused`` then a short ``StoreAck``: sglang's backup stops at the refused page and
+    its ack does not say so; ``store_ack`` finds the copy short and keeps the host protection
+    (taking it for whole is mutant ``TrustShortAck``)."""
+    with StorageCacheHarness(CFG, shared_l3) as h:
+        initial = h.accounting()
+        m, be, rec, kv = offloaded(h)
+        keys = page_keys(h, TOKENS)
+        (shared_l3 / f"{keys[5]}{h.backend.config_suffix}.bin").unlink()
+        real_set = h.backend.set
+        refused = keys[5]
+
+        def full(key: str, *a: object, **k: object) -> bool:
+            """HiCacheFile.set when its evictor finds no room for this page."""
+            return False if key == refused else bool(real_set(key, *a, **k))
+
+        h.backend.set = full
+        assert be.store(rec) is True
+        h.await_store_acks()
+        assert be.store_ack(rec) is False
+        assert rec.protected is not None and not be.storage_copies, "still on its protected host copy"
+        h.evict_host(10**6)
+        assert int(h.match(TOKENS).host_hit_length) == len(TOKENS), "the protected host copy stays"
+        assert torch.equal(h.host_kv(torch.cat(host_path(h, TOKENS))), kv)
+        m.close("s")
+        h.drain()
+        assert h.accounting() == initial
+
+
+def test_a_session_closed_while_its_prefetch_reads_keeps_the_pin_until_the_ack(shared_l3: Path) -> None:
+    """Spec ``NeverPinnedAfterClose`` is refuted and ``ReadSourcePresent`` holds: close releases the
+    session's storage protection, but the prefetch's pin on the copy lasts until sglang has read
+    every page (``poll_storage``); dropping it at close is mutant ``ReleaseDropsPin``."""
+    with StorageCacheHarness(CFG, shared_l3) as h:
+        initial = h.accounting()
+        m, be, rec, _ = offloaded(h)
+        assert be.store(rec) is True
+        h.await_store_acks()
+        assert be.store_ack(rec) is True
+        h.evict_host(10**6)
+        assert be.storage_prefetch(rec, "s-restore") == "prefetching"
+        m.close("s")
+        copy = be.storage_copies["s"]
+        assert copy.released and copy.rid == "s-restore", "closed, still pinned by its prefetch"
+        until(h, lambda: be.poll_storage() > 0)
+        assert not be.storage_copies and not h.tree.ongoing_prefetch
+        h.drain()
+        assert h.accounting() == initial

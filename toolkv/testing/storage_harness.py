@@ -135,7 +135,8 @@ class StorageCacheHarness(CacheHarness):
     def await_store_acks(self) -> int:
         """Wait until the backup thread has written every queued write-to-storage operation and
         acknowledged it, then drain the acks (``release_host`` of each source). Returns how many
-        operations were acknowledged."""
+        operations this call saw acknowledged: 0 when the scheduler's last iteration already
+        drained them (the backup thread is fast and runs on its own time)."""
         n = len(self.tree.ongoing_backup)
         self._wait(
             lambda: self.controller.ack_backup_queue.qsize() >= len(self.tree.ongoing_backup),
