@@ -37,6 +37,7 @@ from toolkv.core.manager import ToolKVManager
 from toolkv.core.session import SessionRecord
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
+from toolkv.verify.backend_mutants import ReleaseDropsPinBackend, TrustShortAckBackend
 
 CFG = HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4)
 TOKENS = list(range(1, 97))  # 96 tokens: 24 pages of 4
@@ -132,14 +133,13 @@ def test_a_page_missing_from_storage_ends_the_restore_at_the_page_before_it(shar
 
 
 def offloaded(
-    h: StorageCacheHarness, sid: str = "s"
+    h: StorageCacheHarness, sid: str = "s", backend: type[HiRadixBackend] = HiRadixBackend
 ) -> tuple[ToolKVManager, HiRadixBackend, SessionRecord, torch.Tensor]:
     """A session offloaded to host by the manager (``tool_start``, write acked, GPU copy freed), and
     HiCache's own write of that host copy to storage acknowledged. Returns the manager, its
-    HiRadix backend, the session's record and its KV bytes."""
-    m = ToolKVManager(h.tree)
-    be = m.backend
-    assert isinstance(be, HiRadixBackend)
+    HiRadix backend (``backend``: the fixed one or a mutant), the session's record and its KV."""
+    be = backend(h.tree)
+    m = ToolKVManager(h.tree, be)
     kv = turn(h, m, sid, TOKENS)
     m.tool_start(sid)
     step(h, m, 0.0, writes=True)
@@ -159,6 +159,18 @@ def until(h: StorageCacheHarness, done: Callable[[], bool], timeout_s: float = 3
         time.sleep(0.001)
 
 
+def prefetched(h: StorageCacheHarness, be: HiRadixBackend, rec: SessionRecord) -> bool:
+    """Scheduler iterations until ``prefetch_ack`` answers; returns its answer (whole or short)."""
+    got: list[bool | None] = []
+
+    def acked() -> bool:
+        got.append(be.prefetch_ack(rec))
+        return got[-1] is not None
+
+    until(h, acked)
+    return bool(got[-1])
+
+
 def test_the_backend_stores_a_session_and_brings_it_back_through_the_host(shared_l3: Path) -> None:
     with StorageCacheHarness(CFG, shared_l3) as h:
         initial = h.accounting()
@@ -175,14 +187,7 @@ def test_the_backend_stores_a_session_and_brings_it_back_through_the_host(shared
         assert h.match(TOKENS).host_hit_length == 0, "the host copy is gone"
         assert be.storage_prefetch(rec, "s-restore") == "prefetching"
         assert be.storage_copies["s"].rid == "s-restore", "the prefetch pins the storage copy"
-        got: list[bool | None] = []
-
-        def acked() -> bool:
-            got.append(be.prefetch_ack(rec))
-            return got[-1] is not None
-
-        until(h, acked)
-        assert got[-1] is True and rec.protected is rec.node and not be.storage_copies
+        assert prefetched(h, be, rec) is True and rec.protected is rec.node and not be.storage_copies
         assert int(h.match(TOKENS).host_hit_length) == len(TOKENS), "the whole path is back on host"
         assert be.restore(rec) is False, "loading: pinned until the load is acknowledged"
         be.start_loads()
@@ -198,13 +203,17 @@ def test_the_backend_stores_a_session_and_brings_it_back_through_the_host(shared
         assert h.accounting() == initial and not h.tree.ongoing_prefetch
 
 
-def test_a_write_the_backend_refuses_keeps_the_session_on_its_host_copy(shared_l3: Path) -> None:
+@pytest.mark.parametrize("backend", [HiRadixBackend, TrustShortAckBackend], ids=["fixed", "TrustShortAck"])
+def test_a_write_the_backend_refuses_keeps_the_session_on_its_host_copy(
+    shared_l3: Path, backend: type[HiRadixBackend]
+) -> None:
     """Spec ``StoreRefused`` then a short ``StoreAck``: sglang's backup stops at the refused page and
-    its ack does not say so; ``store_ack`` finds the copy short and keeps the host protection
-    (taking it for whole is mutant ``TrustShortAck``)."""
+    its ack does not say so; ``store_ack`` finds the copy short and keeps the host protection.
+    Mutant ``TrustShortAck`` takes the short copy for whole, and once HiCache evicts the host copy
+    only the pages before the refused one come back."""
     with StorageCacheHarness(CFG, shared_l3) as h:
         initial = h.accounting()
-        m, be, rec, kv = offloaded(h)
+        m, be, rec, kv = offloaded(h, backend=backend)
         keys = page_keys(h, TOKENS)
         (shared_l3 / f"{keys[5]}{h.backend.config_suffix}.bin").unlink()
         real_set = h.backend.set
@@ -217,29 +226,53 @@ def test_a_write_the_backend_refuses_keeps_the_session_on_its_host_copy(shared_l
         h.backend.set = full
         assert be.store(rec) is True
         h.await_store_acks()
-        assert be.store_ack(rec) is False
-        assert rec.protected is not None and not be.storage_copies, "still on its protected host copy"
-        h.evict_host(10**6)
-        assert int(h.match(TOKENS).host_hit_length) == len(TOKENS), "the protected host copy stays"
-        assert torch.equal(h.host_kv(torch.cat(host_path(h, TOKENS))), kv)
+        if backend is TrustShortAckBackend:
+            assert be.store_ack(rec) is True, "the mutant trusts the short write"
+            h.evict_host(10**6)
+            assert be.storage_prefetch(rec, "s-restore") == "prefetching"
+            assert prefetched(h, be, rec) is False, "restoring from a copy never completely written"
+            assert int(h.match(TOKENS).host_hit_length) == 5 * CFG.page_size < len(TOKENS), "KV lost"
+        else:
+            assert be.store_ack(rec) is False
+            assert rec.protected is not None and not be.storage_copies, "still on its protected host copy"
+            h.evict_host(10**6)
+            assert int(h.match(TOKENS).host_hit_length) == len(TOKENS), "the protected host copy stays"
+            assert torch.equal(h.host_kv(torch.cat(host_path(h, TOKENS))), kv)
         m.close("s")
         h.drain()
         assert h.accounting() == initial
 
 
-def test_a_session_closed_while_its_prefetch_reads_keeps_the_pin_until_the_ack(shared_l3: Path) -> None:
+@pytest.mark.parametrize(
+    "backend", [HiRadixBackend, ReleaseDropsPinBackend], ids=["fixed", "ReleaseDropsPin"]
+)
+def test_a_session_closed_while_its_prefetch_reads_keeps_the_pin_until_the_ack(
+    shared_l3: Path, backend: type[HiRadixBackend]
+) -> None:
     """Spec ``NeverPinnedAfterClose`` is refuted and ``ReadSourcePresent`` holds: close releases the
     session's storage protection, but the prefetch's pin on the copy lasts until sglang has read
-    every page (``poll_storage``); dropping it at close is mutant ``ReleaseDropsPin``."""
+    every page and ``poll_storage`` finishes it. Mutant ``ReleaseDropsPin`` drops the pin at
+    close: nothing finishes the prefetch, and sglang's prefetch state, host slots and host
+    protection leak."""
     with StorageCacheHarness(CFG, shared_l3) as h:
         initial = h.accounting()
-        m, be, rec, _ = offloaded(h)
+        m, be, rec, _ = offloaded(h, backend=backend)
         assert be.store(rec) is True
         h.await_store_acks()
         assert be.store_ack(rec) is True
         h.evict_host(10**6)
         assert be.storage_prefetch(rec, "s-restore") == "prefetching"
         m.close("s")
+        if backend is ReleaseDropsPinBackend:
+            op = h.tree.ongoing_prefetch["s-restore"][2]
+            until(
+                h, lambda: op.hash_value != [] and op.completed_tokens == len(op.hash_value) * CFG.page_size
+            )
+            assert be.poll_storage() == 0 and not be.storage_copies, "nobody holds the prefetch any more"
+            h.drain()
+            assert "s-restore" in h.tree.ongoing_prefetch and h.accounting() != initial, "leaked"
+            assert h.tree.check_prefetch_progress("s-restore")  # clean up for the teardown
+            return
         copy = be.storage_copies["s"]
         assert copy.released and copy.rid == "s-restore", "closed, still pinned by its prefetch"
         until(h, lambda: be.poll_storage() > 0)

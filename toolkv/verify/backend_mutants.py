@@ -17,7 +17,7 @@ from functools import cache
 from typing import Any
 
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
-from toolkv.core.backends.hiradix import HiRadixBackend
+from toolkv.core.backends.hiradix import HiRadixBackend, StorageCopy
 from toolkv.core.backends.unified import UnifiedBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
 from toolkv.core.session import SessionRecord
@@ -291,3 +291,25 @@ class RingTwoFreeBackend(HiRadixBackend):
             return False
         self.tree.ready_to_load_host_cache()
         return True
+
+
+# ---- the L3 storage tier (spec/storage/StorageTier.tla; tests/test_l3_file.py) ---------------------
+
+
+class TrustShortAckBackend(HiRadixBackend):
+    """``TrustShortAck``: ``store_ack`` takes a write the storage backend cut short for a whole
+    copy and gives up the host protection, so once HiCache evicts the host copy only the pages
+    before the refused one can come back."""
+
+    def _store_whole(self, copy: StorageCopy) -> bool:
+        return True
+
+
+class ReleaseDropsPinBackend(HiRadixBackend):
+    """``ReleaseDropsPin``: close / the TTL drop the storage record together with the pin of the
+    prefetch that reads it, so nothing finishes that prefetch: sglang's ``ongoing_prefetch`` entry,
+    its host slots and its protection of the last host node are never returned (and a storage
+    backend honouring toolkv's records could delete a page the prefetch has still to read)."""
+
+    def _release_storage(self, rec: SessionRecord) -> None:
+        self._l3.pop(rec.session_id, None)

@@ -414,12 +414,16 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         assert rec.protected is not None
         if any(self._storing(m) for m in path_to(self.tree, rec.protected)):  # lockstep on every rank
             return None
-        if not self.agree.all_true(self._stored_pages(copy.keys) == len(copy.keys)):
+        if not self.agree.all_true(self._store_whole(copy)):
             del self._l3[rec.session_id]
             return False
         copy.whole = True
         self._release_protection(rec)
         return True
+
+    def _store_whole(self, copy: StorageCopy) -> bool:
+        """Every page of the copy is in storage (the check ``TrustShortAck`` leaves out)."""
+        return self._stored_pages(copy.keys) == len(copy.keys)
 
     def storage_prefetch(self, rec: SessionRecord, rid: str) -> Literal["host", "prefetching", "refused"]:
         """Spec ``ToolEnd`` of a stored session. ``"host"`` (``ToolEndFromHost``): HiCache has not
