@@ -22,7 +22,7 @@ OUT=${OUT:-/tmp/toolkv_agent_out}; RUN=$OUT/${RUN_NAME:-$MODE}; mkdir -p "$RUN"
 source "$BUNDLE/env.sh"; use_flashinfer_stub
 SRC=${TOOLKV_SRC:-$ROOT} EPV=${TOOLKV_EP:-toolkv.sglang.plugin:register}
 EP=$STAGE_ROOT/toolkv_ep_$$; toolkv_entry_point "$EP" "$EPV"
-export PYTHONPATH=$SRC:$EP:$TOOLKV_DEPS:$PYTHONPATH
+export PYTHONPATH=$SRC:$EP:$STAGED_DEPS:$PYTHONPATH
 if [ "$MODE" = stock ]; then export TOOLKV_ENABLE=0; else export TOOLKV_ENABLE=1; fi
 export TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_RESTORE_ON_REQUEST=1
 PORT=30000 LOG=$RUN/server.log

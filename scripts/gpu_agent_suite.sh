@@ -43,7 +43,7 @@ RELEASE=${RELEASE:-0516}; use_release "$RELEASE" || exit 2
 case $RELEASE in 0516) MODEL=llama-3.1-8b ;; 0523) MODEL=granite-8b ;; esac
 EP=$STAGE_ROOT/toolkv_ep_suite; toolkv_entry_point "$EP"
 SRC=${TOOLKV_SRC:-$ROOT}
-export PYTHONPATH=$SRC:$EP:$TOOLKV_DEPS:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
+export PYTHONPATH=$SRC:$EP:$STAGED_DEPS:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1
 PORT=30000 FAIL=0
 
 serve() {  # $1 name, rest: launch flags

@@ -98,7 +98,7 @@ export STAGE_ROOT=${STAGE_ROOT:-/tmp}
 export PY=${PY:-/opt/torch/.venv/bin/python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export SGLANG_IS_FLASHINFER_AVAILABLE=false
-export TOOLKV_DEPS=$STAGE_ROOT/toolkv_deps TOOLKV_TEST_DEPS=$STAGE_ROOT/toolkv_test_deps
+export STAGED_DEPS=$STAGE_ROOT/toolkv_deps STAGED_TEST_DEPS=$STAGE_ROOT/toolkv_test_deps
 export CHAT_TOKENIZER=$STAGE_ROOT/tokenizer MODELS=$STAGE_ROOT/models
 use_release() {
   case $1 in

@@ -26,7 +26,7 @@ source "$ROOT/scripts/gpu_lib.sh"
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"; use_flashinfer_stub
 EP=$STAGE_ROOT/toolkv_ep_cal; toolkv_entry_point "$EP"
-export PYTHONPATH=$ROOT:$EP:$TOOLKV_DEPS:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_TTL_S=600
+export PYTHONPATH=$ROOT:$EP:$STAGED_DEPS:$PYTHONPATH TOOLKV_ENABLE=1 TOOLKV_TTL_S=600
 PORT=30000 LOG=$RES/server.log
 setsid "$PY" -m sglang.launch_server --model-path "$STAGE_ROOT/models/llama-3.1-8b" --load-format dummy \
   --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch --grammar-backend none \

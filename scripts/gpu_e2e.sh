@@ -34,7 +34,7 @@ MODEL=$STAGE_ROOT/models/$CFG PORT=${PORT:-30000}
 # toolkv from the checkout, its dependency from the bundle, and a dist-info carrying the entry point:
 # importlib.metadata.entry_points() scans every sys.path entry for *.dist-info/entry_points.txt.
 toolkv_entry_point "$STAGE_ROOT/toolkv_ep"; EP=$STAGE_ROOT/toolkv_ep
-export PYTHONPATH=$ROOT:$EP:$TOOLKV_DEPS:$PYTHONPATH
+export PYTHONPATH=$ROOT:$EP:$STAGED_DEPS:$PYTHONPATH
 export TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
 "$PY" - <<'PY' || exit 1
 import importlib.metadata as md

@@ -16,7 +16,7 @@ bash "$BUNDLE/install.sh" "$BUNDLE" > "$OUT/install.log" 2>&1 || { tail -20 "$OU
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"
 use_release 0516
-export PYTHONPATH=$ROOT:$TOOLKV_TEST_DEPS:$TOOLKV_DEPS:$PYTHONPATH OMP_NUM_THREADS=4
+export PYTHONPATH=$ROOT:$STAGED_TEST_DEPS:$STAGED_DEPS:$PYTHONPATH OMP_NUM_THREADS=4
 cd "$ROOT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PY" -c "import torch, sglang; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'sglang', sglang.__version__)" | tee "$OUT/versions.txt"
