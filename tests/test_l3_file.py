@@ -177,6 +177,10 @@ def test_the_backend_stores_a_session_and_brings_it_back_through_the_host(shared
         m, be, rec, kv = offloaded(h)
         for f in shared_l3.iterdir():  # the backend lost HiCache's copy: store must write it all
             f.unlink()
+        evictor = h.backend._evictor
+        evictor._eviction_enabled = True  # HiCacheFile with a size cap: its LRU evictor ignores toolkv
+        assert be.store(rec) is False and not be.storage_copies, "a protection it cannot honour: refused"
+        evictor._eviction_enabled = False
         assert be.store(rec) is True
         assert be.store_ack(rec) is None, "the writes are in flight until the scheduler drains their acks"
         h.await_store_acks()
