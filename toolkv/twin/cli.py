@@ -5,6 +5,10 @@
     toolkv twin sweep --host-gb 8,16,32,64 --configs stock,offload,auto --tool-shapes traces,long
                 [--plot FILE.png] [--out FILE.json]
     toolkv twin speed [--sessions 1000 --duration 3600]       (the twin's own speed)
+    toolkv twin l3 --host-gb 16,32,64,128 [--configs stock,stock-l3,toolkv,toolkv-l3] [--l3-read-gbps 5]
+                [--plot FILE.png] [--out FILE.json]          (one server with an L3 store, long tools)
+    toolkv twin fleet --servers 8,16,32,64 [--drain-share 0.25 --drain-at 300] [--out FILE.json]
+                                                             (N servers sharing one L3, some drained)
 
 The workload options are ``toolkv bench agent``'s (same generator, same seeds).
 """
@@ -21,14 +25,22 @@ from typing import Any
 from toolkv.tools.agent_workload import SHAPES, Workload
 from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
 
-ACTIONS = ("run", "sweep", "speed")
+ACTIONS = ("run", "sweep", "speed", "l3", "fleet")
+# l3 and fleet run the long-tool shape of issue 27 (toolkv.twin.fleet.long_workload); their defaults
+L3_DEFAULTS = {"l3": {"sessions": 8, "duration": 900.0}, "fleet": {"sessions": 6, "duration": 900.0}}
 VALIDATED = "stock,stock-large,offload,auto"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Workload()
-    p.add_argument("action", nargs="?", choices=ACTIONS, default="run", help="run (default), sweep or speed")
-    p.add_argument("--configs", default=VALIDATED, help=f"comma list of {', '.join(CONFIGS)} (or all)")
+    p.add_argument(
+        "action", nargs="?", choices=ACTIONS, default="run", help="run (default), sweep, speed, l3 or fleet"
+    )
+    p.add_argument(
+        "--configs", default=None,
+        help=f"comma list of {', '.join(CONFIGS)} (or all; default {VALIDATED}); l3/fleet: of stock, stock-l3, "
+        "toolkv, toolkv-l3",
+    )  # fmt: skip
     p.add_argument("--regime", choices=sorted(REGIMES), default="constrained", help="device pool size")
     p.add_argument("--device-tokens", type=int, default=None, help="device pool tokens (overrides --regime)")
     p.add_argument(
@@ -41,7 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--opt", action="store_true", help="also compute the optimal-retention bound per configuration"
     )
     p.add_argument("--compare", default=None, help="folder of toolkv bench agent JSON to compare with")
-    p.add_argument("--sessions", type=int, default=d.initial_sessions, help="sessions at the start")
+    p.add_argument(
+        "--sessions", type=int, default=None,
+        help=f"sessions at the start (default {d.initial_sessions}; l3: 8; fleet: 6 per server)",
+    )  # fmt: skip
     p.add_argument("--arrival-rate", type=float, default=None, help="sessions/s after the ramp")
     p.add_argument("--turns", type=int, default=d.turns_median, help="median turns per session")
     p.add_argument("--first-tokens", type=int, default=d.first_tokens)
@@ -50,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
     p.add_argument("--tool-shapes", default="traces,long", help="sweep: comma list of tool shapes")
     p.add_argument(
-        "--duration", type=float, default=45.0, help="seconds of arrivals and turns (the suite's 45)"
-    )
+        "--duration", type=float, default=None,
+        help="seconds of arrivals and turns (default the suite's 45; l3 and fleet: 900)",
+    )  # fmt: skip
     p.add_argument("--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--plot", default=None, help="sweep: write the PNG here")
@@ -61,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run: a folder for one JSON per configuration + report.md; sweep: a JSON file",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--servers", default="8,16,32,64", help="fleet: comma list of server counts")
+    p.add_argument("--drain-share", type=float, default=0.25, help="fleet: share of the servers drained")
+    p.add_argument("--drain-at", type=float, default=300.0, help="fleet: when they are drained (s)")
+    p.add_argument(
+        "--l3-read-gbps", type=float, default=5.0, help="l3/fleet: a server's L3 read GB/s (a parameter)"
+    )
+    p.add_argument("--l3-write-gbps", type=float, default=5.0, help="l3/fleet: a server's L3 write GB/s")
+    p.add_argument("--l3-capacity-gb", type=float, default=4000.0, help="l3/fleet: the shared L3 store's GB")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -195,11 +219,75 @@ def do_speed(a: argparse.Namespace) -> int:
     return 0
 
 
+def do_l3(a: argparse.Namespace) -> int:
+    """One server with an L3 store, host pool sweep (:mod:`toolkv.twin.l3report`)."""
+    from toolkv.twin.l3report import l3_sweep, l3_table
+
+    hosts = [float(x) for x in (a.host_gb or "16,32,64,128").split(",")]
+    rows = l3_sweep(a, hosts)
+    return _l3_out(
+        a, {"kind": "l3", "hosts_gb": hosts, "args": _args(a), "rows": rows}, l3_table(rows), "host_gb"
+    )
+
+
+def do_fleet(a: argparse.Namespace) -> int:
+    """N servers sharing one L3, a share of them drained (:mod:`toolkv.twin.l3report`)."""
+    from toolkv.twin.l3report import fleet_sweep, fleet_table
+
+    ns = [int(x) for x in a.servers.split(",")]
+    rows = fleet_sweep(a, ns)
+    return _l3_out(
+        a, {"kind": "fleet", "servers": ns, "args": _args(a), "rows": rows}, fleet_table(rows), "servers"
+    )
+
+
+def _args(a: argparse.Namespace) -> dict[str, Any]:
+    keep = ("sessions", "duration", "seed", "regime", "device_tokens", "host_gb", "configs", "servers", "drain_share",
+            "drain_at", "l3_read_gbps", "l3_write_gbps", "l3_capacity_gb", "warmup", "profile")  # fmt: skip
+    return {k: getattr(a, k) for k in keep}
+
+
+def _l3_out(a: argparse.Namespace, data: dict[str, Any], text: str, x: str) -> int:
+    from toolkv.twin.l3report import plot
+
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(data, indent=1, default=str))
+    if a.plot:
+        plot(data["rows"], Path(a.plot), x)
+    print(json.dumps(data, indent=1, default=str) if a.json else text)
+    return 0 if all(r["passed"] for r in data["rows"]) else 1
+
+
 def run(a: argparse.Namespace) -> int:
+    d = Workload()
+    extra = L3_DEFAULTS.get(a.action, {})
+    if a.sessions is None:
+        a.sessions = extra.get("sessions", d.initial_sessions)
+    if a.duration is None:
+        a.duration = extra.get("duration", 45.0)
     try:
-        for n in [] if a.configs == "all" else a.configs.split(","):
+        if a.action in L3_DEFAULTS:
+            from toolkv.twin.fleet import fleet_config
+
+            for n in (a.configs or "").split(","):
+                if n.strip():
+                    fleet_config(n.strip())
+            if a.action == "fleet":
+                if a.host_gb:
+                    float(a.host_gb)
+                if any(int(x) < 1 for x in a.servers.split(",")) or not 0 <= a.drain_share < 1:
+                    raise ValueError("--servers must be positive and --drain-share in [0, 1)")
+            for v in (a.l3_read_gbps, a.l3_write_gbps, a.l3_capacity_gb):
+                if v <= 0:
+                    raise ValueError("L3 bandwidths and capacity must be positive")
+            if a.profile and not Path(a.profile).is_file():
+                raise ValueError(f"no such profile file: {a.profile}")
+        elif a.configs is None:
+            a.configs = VALIDATED
+        for n in [] if a.action in L3_DEFAULTS or a.configs == "all" else a.configs.split(","):
             get(n.strip())
-        if a.host_gb and a.action != "sweep":
+        if a.host_gb and a.action not in ("sweep", "l3"):
             float(a.host_gb)
         if a.profile and not Path(a.profile).is_file():
             raise ValueError(f"no such profile file: {a.profile}")
@@ -209,4 +297,4 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"toolkv twin: error: {e}", file=sys.stderr)
         return 2
-    return {"run": do_run, "sweep": do_sweep, "speed": do_speed}[a.action](a)
+    return {"run": do_run, "sweep": do_sweep, "speed": do_speed, "l3": do_l3, "fleet": do_fleet}[a.action](a)

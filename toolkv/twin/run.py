@@ -53,6 +53,7 @@ class Options:
     sample_s: float = 1.0  # occupancy samples, like the benchmark's sampler
     drain_s: float = 5.0  # idle time after the last session (acks land, TTLs fire)
     give_up_s: float = 600.0  # stop this long after the run's end if sessions are still unfinished
+    context_len: int = 65_536 + 64  # the harness's longest request (sessions of 100K tokens need more)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Twin:
         self.now = 0.0
         self.stack: Stack = build(
             cfg, device_tokens=self.opts.device_tokens, kv_bytes_per_token=profile.kv_bytes_per_token,
-            now=lambda: self.now,
+            now=lambda: self.now, max_reqs=self.opts.max_running_requests, context_len=self.opts.context_len,
         )  # fmt: skip
         self.h = self.stack.harness
         self.tk = self.stack.tk

@@ -1,0 +1,184 @@
+"""``toolkv twin l3`` and ``toolkv twin fleet``: the sweeps of issue 27 over the twin, their tables
+and plots.
+
+- ``l3``: one server, the long-tool shape, host pool size x {stock, stock-l3, toolkv, toolkv-l3}:
+  resumed-turn reuse and TTFT against host GB, with the optimal-retention bound on the host alone
+  and on host plus L3 (moves free and never late: :mod:`toolkv.twin.opt`).
+- ``fleet``: N servers behind a session-id router sharing one L3; a share of the servers is drained
+  part-way, so their sessions' next turns land elsewhere: reuse and TTFT of all resumed turns and
+  of the moved ones, against N.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from toolkv.twin.fleet import fleet_config, log, long_workload, progress_line, simulate_fleet
+from toolkv.twin.l3 import L3Config
+from toolkv.twin.run import Options
+
+L3_CONFIGS = "stock,stock-l3,toolkv,toolkv-l3"
+FLEET_CONFIGS = "stock,stock-l3,toolkv-l3"
+
+
+def l3_config(a: argparse.Namespace) -> L3Config:
+    return L3Config(read_gbps=a.l3_read_gbps, write_gbps=a.l3_write_gbps, capacity_gb=a.l3_capacity_gb)
+
+
+def options(a: argparse.Namespace) -> Options:
+    from toolkv.twin.configs import REGIMES
+
+    # 32 request slots are plenty for a handful of sessions a server; the harness sizes its
+    # req_to_token table by them times the context (100K), and a fleet has 64 of them
+    return Options(device_tokens=a.device_tokens or REGIMES[a.regime], context_len=100_000 + 128,
+                   max_running_requests=32)  # fmt: skip
+
+
+def _profile(a: argparse.Namespace) -> Any:
+    from toolkv.twin.profile import TimeProfile, default_profile
+
+    return TimeProfile.load(a.profile) if a.profile else default_profile()
+
+
+def _names(a: argparse.Namespace, default: str) -> list[str]:
+    raw = a.configs if a.configs not in (None, "", "default") else default
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def l3_sweep(a: argparse.Namespace, hosts: list[float]) -> list[dict[str, Any]]:
+    """Host GB x configuration on one server (every run: ``simulate_fleet`` with ``n=1``)."""
+    w = long_workload(a.sessions, a.duration, a.seed)
+    window = (w.ramp_s + a.warmup, w.duration_s)
+    rows = []
+    for gb in hosts:
+        for name in _names(a, L3_CONFIGS):
+            r = simulate_fleet(w, fleet_config(name, gb), _profile(a), options(a), n=1, l3=l3_config(a),
+                               window=window, opt=True)  # fmt: skip
+            rows.append(r)
+            if not a.quiet:
+                log(progress_line(r))
+    return rows
+
+
+def fleet_sweep(a: argparse.Namespace, ns: list[int]) -> list[dict[str, Any]]:
+    """N servers x configuration, ``sessions`` per server, a share drained at ``drain_at``."""
+    rows = []
+    for n in ns:
+        w = long_workload(a.sessions * n, a.duration, a.seed)
+        window = (w.ramp_s + a.warmup, w.duration_s)
+        k = max(1, round(a.drain_share * n)) if a.drain_share > 0 else 0
+        drain = [(a.drain_at, i) for i in range(k)]
+        host = float(a.host_gb) if a.host_gb else 32.0
+        for name in _names(a, FLEET_CONFIGS):
+            r = simulate_fleet(w, fleet_config(name, host), _profile(a), options(a), n=n, l3=l3_config(a),
+                               drain=drain, window=window, tick_s=0.25)  # fmt: skip
+            rows.append(r)
+            if not a.quiet:
+                log(progress_line(r) + f", moved turns {r['moved_turns']}")
+    return rows
+
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def l3_table(rows: list[dict[str, Any]]) -> str:
+    head = ("host GB", "config", "reuse", "TTFT p50 s", "TTFT p90 s", "L3 reads on arrival / ahead",
+            "L3 wait p50 s", "demoted to L3", "opt: host / host+L3", "checks")  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        c = r["counts"]
+        l3 = r["l3"] is not None
+        out.append("| " + " | ".join([
+            f"{r['host_gb']:g}", r["config"], _pct(r["reuse"]), _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]),
+            f"{c['reads_on_arrival']} / {c['reads_ahead']}" if l3 else "-", _f(r["l3_wait_p50_s"]),
+            str(c["demoted_to_l3"]) if l3 else "-",
+            f"{_pct(r.get('opt_reuse'))} / {_pct(r.get('opt_reuse_l3'))}" if l3 else _pct(r.get("opt_reuse")),
+            "pass" if r["passed"] else "FAIL" + (f" ({r['crashed']})" if r["crashed"] else ""),
+        ]) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+def fleet_table(rows: list[dict[str, Any]]) -> str:
+    head = ("servers", "drained", "config", "turns/s", "reuse", "TTFT p50 s", "TTFT p90 s", "moved turns",
+            "moved reuse", "moved TTFT p50 s", "L3 read GB", "checks")  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        gb = r["l3"]["read_tokens"] * 131_072 / 1e9 if r["l3"] else None
+        out.append("| " + " | ".join([
+            str(r["servers"]), str(r["drained"]), r["config"], f"{r['turns_per_s']:.3f}", _pct(r["reuse"]),
+            _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), str(r["moved_turns"]), _pct(r["moved_reuse"]),
+            _f(r["moved_ttft_p50_s"]), _f(gb, "{:,.0f}"),
+            "pass" if r["passed"] else "FAIL" + (f" ({r['crashed']})" if r["crashed"] else ""),
+        ]) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], out: Path, x: str) -> None:
+    """Reuse, TTFT p50 and TTFT p90 against ``x`` (``host_gb`` or ``servers``), a line per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    panels = (("reuse", 100.0, "resumed-turn reuse, %"), ("ttft_p50_s", 1.0, "resumed-turn TTFT p50, s"),
+              ("ttft_p90_s", 1.0, "resumed-turn TTFT p90, s"))  # fmt: skip
+    for c in cfgs:
+        pts = sorted((r[x], r) for r in rows if r["config"] == c)
+        for ax, (key, scale, _) in zip(axes, panels, strict=True):
+            ax.plot([p for p, _ in pts], [scale * (r[key] or 0.0) for _, r in pts], marker="o", label=c)
+    if x == "host_gb":
+        ref = [r for r in rows if r["config"] == cfgs[0]]
+        opt: list[tuple[float, float]] = sorted(
+            (float(r["host_gb"]), float(r["opt_reuse"])) for r in ref if r.get("opt_reuse") is not None
+        )
+        axes[0].plot(
+            [p for p, _ in opt],
+            [100 * y for _, y in opt],
+            "k--",
+            label=f"opt, host only ({cfgs[0]} timeline)",
+        )
+    if x == "servers":
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+    for ax, (_, _, title) in zip(axes, panels, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("host pool, GB" if x == "host_gb" else "servers")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def table_of(path: Path) -> str:
+    """The markdown table of a saved ``toolkv twin l3``/``fleet`` JSON (what docs/benchmarks.md shows)."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    return (l3_table if data["kind"] == "l3" else fleet_table)(data["rows"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkv.twin.l3report FILE.json``: print the table of a saved sweep."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m toolkv.twin.l3report FILE.json", file=sys.stderr)
+        return 2
+    print(table_of(Path(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
