@@ -623,7 +623,7 @@ def test_every_decision_is_one_structured_line(hh: CacheHarness, caplog: pytest.
     lines = _decisions(caplog)
     assert lines[:5] == [
         "toolkv decision op=tool_start session=s1 epoch=1 state=Offloading tokens=41 outcome=ok reason=policy_offload rank=0",
-        "toolkv decision op=tool_end session=s1 epoch=1 state=Offloading tokens=41 outcome=refused reason=stale_epoch rank=0",
+        "toolkv decision op=tool_end session=s1 epoch=1 state=Offloading tokens=41 outcome=refused reason=stale_epoch rank=0 asked=9",
         "toolkv decision op=tool_start session=ghost epoch=- state=- tokens=- outcome=refused reason=unknown_session rank=0",
         "toolkv decision op=auto_offload session=ghost epoch=- state=- tokens=- outcome=skipped reason=skip:disabled rank=0",
         'toolkv decision op=tool_start session="we\\"ird id" epoch=1 state=Offloading tokens=20 outcome=ok reason=policy_offload rank=0',

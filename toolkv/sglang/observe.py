@@ -8,6 +8,8 @@ ends a protection. Each decision is one logfmt line on the ``toolkv`` logger::
     toolkv decision op=tool_start session=agent-7 epoch=3 state=Offloading tokens=2048 outcome=ok reason=- rank=0
 
 ``outcome`` is ``ok``, ``refused`` or ``skipped``; ``reason`` the refusal code or skip reason.
+A ``tool_end`` line also names the epoch the call carried (``asked=``, after ``rank``), so that a
+stale-epoch refusal can be checked (``toolkv trace-check --decisions``, :mod:`toolkv.verify.decisions`).
 TP rank 0 logs at INFO, the other ranks (which take the same decisions) at DEBUG.
 
 Completion times are measured with the local monotonic clock: they are reported, never decided on,
@@ -36,6 +38,9 @@ _INFLIGHT = {
     "Restoring": ("Handover", "restore"),  # readable: handed over to the next request (or already Runnable)
     "Prefetching": ("Kept", "restore"),  # an early restore: done when the KV is readable
 }
+
+
+_ENDED = frozenset({"Expired", "Lost"})  # a protection the TTL sweep or a tree reset ended (a line each)
 
 
 def fmt(value: object) -> str:
@@ -75,9 +80,11 @@ class DecisionLog:
         result: Mapping[str, Any] | None,
         outcome: str,
         reason: str = "",
+        extra: Mapping[str, object] | None = None,
     ) -> None:
         """One decision. ``result`` is the session's kv_meta after an accepted call; its policy
-        reason (why keep / offload / let go) is logged when the caller gives none."""
+        reason (why keep / offload / let go) is logged when the caller gives none. ``extra``:
+        fields appended after ``rank`` (``tool_end``: ``asked``, the epoch the call carried)."""
         m = self.manager
         if not reason and result and isinstance(result.get("reason"), str):
             reason = result["reason"]
@@ -86,10 +93,12 @@ class DecisionLog:
         epoch = result.get("epoch") if result else (rec.epoch if rec is not None else None)
         tokens = result.get("tokens") if result else (len(rec.tokens) if rec is not None else None)
         if log.isEnabledFor(self.level):
+            more = "".join(f" {k}={fmt(v)}" for k, v in extra.items()) if extra else ""
             log.log(
                 self.level,
-                "toolkv decision op=%s session=%s epoch=%s state=%s tokens=%s outcome=%s reason=%s rank=%d",
+                "toolkv decision op=%s session=%s epoch=%s state=%s tokens=%s outcome=%s reason=%s rank=%d%s",
                 op, fmt(session_id), fmt(epoch), fmt(state), fmt(tokens), outcome, fmt(reason), self.tp_rank,
+                more,
             )  # fmt: skip
         if self.metrics is not None:
             self.metrics.decision(op, "ok" if outcome == "ok" else reason or outcome)
@@ -136,7 +145,9 @@ class DecisionLog:
             if rec is not None and rec.epoch == epoch and rec.state == state:
                 continue  # still copying
             del self._inflight[sid]
-            if rec is None or rec.state not in HOLDING:
+            # an in-flight copy ended by the TTL or a flush (Expired, Lost) stays for _log_ended,
+            # which writes its line in this same tick; without this its protection ended unlogged
+            if rec is None or rec.state not in HOLDING | _ENDED:
                 self._protecting.discard(sid)
             done, kind = _INFLIGHT[state]
             finished = rec is not None and (

@@ -296,23 +296,24 @@ class SchedulerToolKV:
         sid = body.get("session_id")
         sid = sid if isinstance(sid, str) else None
         logged = op in _DECISIONS
+        extra = {"asked": body.get("epoch")} if op == "tool_end" else None  # the epoch the call carried
         try:
             out = self._dispatch(op, body)
         except ToolKVError as e:
             if logged:
-                self.decisions.decided(op, sid, None, "refused", e.code)
+                self.decisions.decided(op, sid, None, "refused", e.code, extra)
             return e.http_status, _jsonable(e.to_dict())
         except Exception as e:  # never take the scheduler loop down for a control call
             log.exception("toolkv op %s failed", op)
             if logged:
-                self.decisions.decided(op, sid, None, "refused", "internal")
+                self.decisions.decided(op, sid, None, "refused", "internal", extra)
             return 500, {"error": "internal", "message": f"{type(e).__name__}: {e}"}
         if logged:
             skipped = out.get("skipped")
             if isinstance(skipped, str):
-                self.decisions.decided(op, sid, None, "skipped", skipped)
+                self.decisions.decided(op, sid, None, "skipped", skipped, extra)
             else:
-                self.decisions.decided(op, sid, out, "ok")
+                self.decisions.decided(op, sid, out, "ok", "", extra)
         return 200, out
 
     def _dispatch(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
