@@ -34,8 +34,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "schemathesis over toolkv's HTTP API of a running server (0 answers >= 500, refusals change nothing)",
     ),
     "trace-check": (
-        "toolkv.verify.tracecheck",
-        "validate JSON-lines traces against the spec's next-state relation",
+        "toolkv.verify.trace_cli",
+        "validate JSON-lines traces against the spec's next-state relation, or (--decisions) a live"
+        " server's decision log against the spec's session table",
     ),
     "diagram": ("toolkv.tools.diagram", "Mermaid state diagrams generated from the lifecycle tables"),
     "bench": (
