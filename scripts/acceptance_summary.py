@@ -2,9 +2,9 @@
 
     COMMIT=<sha> python scripts/acceptance_summary.py OUT
 
-Reads OUT/<release>/steps.tsv (step, exit code, seconds: written by the run) and each step's JSON. A
-check passes when its step exited 0 and its JSON says so; a step that never ran is a failure (a
-missing file is not a pass). Prints "ACCEPTANCE PASS" or "ACCEPTANCE FAIL" last.
+Reads OUT/<release>/steps.tsv (step, exit code, seconds: written by the run), asked.txt (the checks
+the run was asked for; default: all) and each step's JSON. A check passes when its step exited 0 and
+its JSON says so; an asked check that never ran is a failure (a missing file is not a pass). Prints "ACCEPTANCE PASS" or "ACCEPTANCE FAIL" last.
 """
 
 from __future__ import annotations
@@ -86,7 +86,13 @@ def main() -> int:
                 "rc": int(rc),
                 "seconds": int(secs),
             } | facts(name, data)
-        for name in EXPECTED.get(rdir.name, ("fuzz",) if rdir.name == "fuzz" else ()):
+        asked = rdir / "asked.txt"
+        expected = (
+            tuple(asked.read_text().strip().split(","))
+            if asked.exists()
+            else EXPECTED.get(rdir.name, ("fuzz",) if rdir.name == "fuzz" else ())
+        )
+        for name in expected:
             steps.setdefault(name, {"passed": False, "rc": None, "seconds": 0, "note": "did not run"})
         res["releases"][rdir.name] = steps
         rows += [(rdir.name, n, s) for n, s in steps.items()]

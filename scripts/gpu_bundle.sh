@@ -44,7 +44,7 @@ python3 "$ROOT/scripts/stage/repack.py" "$CACHE" "$STAGE" "site-0516=$REQ16" "si
 
 # 3. Model configs, the flashinfer stand-in, the chat tokenizer, toolkv's runtime deps.
 echo "[3/5] model configs, tokenizer, toolkv deps"
-cp -r "$ROOT/scripts/stage/model_configs" "$ROOT/scripts/stage/flashinfer_stub" "$STAGE/"
+cp -r "$ROOT/scripts/stage/model_configs" "$STAGE/"
 "$PYHERE" "$ROOT/scripts/stage/make_tokenizer.py" "$STAGE/tokenizer"
 SP=$("$PYHERE" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 mkdir -p "$STAGE/toolkv_deps"
@@ -55,11 +55,14 @@ find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
 # 4. One deterministic xz stream (wheels sorted by name: the two sglang wheels sit side by side).
 echo "[4/5] tar | xz -9e (a few minutes)"
 tar --sort=name --owner=0 --group=0 --numeric-owner --mtime='2026-01-01 00:00:00Z' -C "$STAGE" -cf - \
-    wheels site-0516.txt site-0523.txt sgl_kernel_subset model_configs flashinfer_stub tokenizer toolkv_deps test_wheels \
+    wheels site-0516.txt site-0523.txt sgl_kernel_subset model_configs tokenizer toolkv_deps test_wheels \
   | xz -9e -T"${XZ_THREADS:-0}" > "$OUT/bundle.tar.xz.part"
 mv "$OUT/bundle.tar.xz.part" "$OUT/bundle.tar.xz"
 (cd "$OUT" && sha256sum bundle.tar.xz > bundle.tar.xz.sha256)
-rm -rf "$OUT/toolkv_deps"  # an older layout kept them beside the archive
+rm -rf "$OUT/toolkv_deps" "$OUT/flashinfer_stub"  # an older layout kept toolkv_deps beside the archive
+# a few plain Python files, beside the archive so that they can change without rebuilding it
+cp -r "$ROOT/scripts/stage/flashinfer_stub" "$OUT/"
+find "$OUT/flashinfer_stub" -name __pycache__ -prune -exec rm -rf {} +
 
 cat > "$OUT/install.sh" <<'SH'
 #!/usr/bin/env bash
@@ -84,9 +87,10 @@ for site in site-0516 site-0523; do
   cp -r "$P/stage/sgl_kernel_subset/." "$P/$site/"
 done
 rm -rf "$P/toolkv_test_deps" && "${PIP[@]}" --target "$P/toolkv_test_deps" "$P"/stage/test_wheels/*.whl
-for d in fi_stub:flashinfer_stub models:model_configs tokenizer:tokenizer toolkv_deps:toolkv_deps; do
+for d in models:model_configs tokenizer:tokenizer toolkv_deps:toolkv_deps; do
   rm -rf "${P:?}/${d%%:*}" && cp -r "$P/stage/${d#*:}" "$P/${d%%:*}"
 done
+rm -rf "$P/fi_stub" && cp -r "$B/flashinfer_stub" "$P/fi_stub"
 rm -rf "$P/stage"
 echo "installed sglang 0.5.16 and 0.5.23 under $P in $((SECONDS - T0)) s; models: $(cd "$P/models" && echo */)"
 SH

@@ -1,7 +1,7 @@
 """toolkv end-to-end checks against a live sglang server (run by scripts/gpu_e2e.sh on the GPU box).
 
-Per session: turn 1 -> tool_start -> wait Offloaded (device tokens freed) -> tool_end -> wait
-Runnable -> turn 2. The same two turns were first run as a "twin" that is never offloaded; the
+Per session: turn 1 -> tool_start -> wait Offloaded (device tokens freed) -> tool_end -> wait until
+the load is done (Handover: the restored KV stays pinned until the next request holds it) -> turn 2. The same two turns were first run as a "twin" that is never offloaded; the
 offloaded session's turn 2 must produce the same tokens (temperature 0) and report its prefix as
 cached. One session skips tool_end: its next request must restore it (restore on request). At the
 end every session is closed and nothing may stay locked or protected. Writes JSON to --out.
@@ -76,11 +76,19 @@ def generate(url: str, ids: list[int], sid: str) -> tuple[list[int], int]:
     return list(out["output_ids"]), int(out.get("meta_info", {}).get("cached_tokens") or 0)
 
 
-def wait_state(c: ToolKVClient, sid: str, want: str, limit_s: float = 60) -> tuple[KVMeta, float]:
+# After tool_end the load runs (Restoring); once it is acknowledged the session is handed over
+# (Handover) until its next request is admitted, or Runnable when the hand-over has ended.
+RESTORED = ("Handover", "Runnable")
+
+
+def wait_state(
+    c: ToolKVClient, sid: str, want: str | tuple[str, ...], limit_s: float = 60
+) -> tuple[KVMeta, float]:
+    wanted = (want,) if isinstance(want, str) else want
     t0 = time.perf_counter()
     while True:
         m = c.kv_meta(sid)
-        if m.state == want:
+        if m.state in wanted:
             return m, time.perf_counter() - t0
         if time.perf_counter() - t0 > limit_s:
             raise TimeoutError(f"{sid} stuck in {m.state} (wanted {want})")
@@ -143,7 +151,8 @@ def main() -> int:
         if not implicit:
             ended = c.tool_end(sid, started.epoch)
             rec["tool_end_state"] = ended.state
-            _, rec["restore_s"] = wait_state(c, sid, "Runnable")
+            restored, rec["restore_s"] = wait_state(c, sid, RESTORED)
+            rec["state_after_load"] = restored.state
         t = time.perf_counter()
         out2, cached2 = generate(url, p + out1 + tool_result(i), sid)
         rec["turn2_latency_s"] = time.perf_counter() - t
@@ -165,7 +174,7 @@ def main() -> int:
     except Exception as e:
         checks["stale epoch refused"] = getattr(e, "http_status", 0) == 409
     c.tool_end("s0", m.epoch)
-    wait_state(c, "s0", "Runnable")
+    wait_state(c, "s0", RESTORED)
 
     # 4. no leak once everything is closed
     for i in range(SESSIONS):

@@ -3,7 +3,9 @@ offloads the session on that answer alone, and the next chat request (carrying t
 restores it and reuses the prefix.
 
 The server must run with a tokenizer and a chat template (dummy weights: scripts/stage/make_tokenizer.py),
-the xgrammar grammar backend, ``--constrained-json-disable-any-whitespace``, ``--enable-cache-report``,
+the xgrammar grammar backend, a tool-call parser (sglang parses a chat answer into ``tool_calls`` only
+when one is set; ``pythonic`` constrains a required call to sglang's JSON-array schema on both 0.5.16
+and 0.5.23), ``--constrained-json-disable-any-whitespace``, ``--enable-cache-report``,
 and toolkv with ``TOOLKV_ZERO_CHANGE=1`` and ``TOOLKV_RESTORE_ON_REQUEST=1``. Dummy weights cannot choose
 to call a tool, so the request forces one with sglang's own constrained decoding: ``tool_choice
 "required"`` with ``parallel_tool_calls`` false compiles a JSON schema of exactly one call; the tool takes
@@ -60,7 +62,7 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return out
 
 
-def user_text(i: int, words: int = 1500) -> str:
+def user_text(i: int, words: int = 400) -> str:
     rng = random.Random(i)
     return f"session {i}: " + " ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(words))
 
@@ -100,6 +102,7 @@ def main() -> int:
         ch = r1["choices"][0]
         calls = ch["message"].get("tool_calls") or []
         rec["finish_reason"] = ch["finish_reason"]
+        rec["content"] = (ch["message"].get("content") or "")[:200]
         rec["tool_calls"] = calls
         rec["prompt_tokens_turn1"] = r1["usage"]["prompt_tokens"]
         state, rec["offload_seen_s"] = wait_state(c, sid, {"Offloaded"})

@@ -2,7 +2,7 @@
 
 The GPU runs launch sglang with ``--attention-backend triton --sampling-backend pytorch`` and
 ``SGLANG_IS_FLASHINFER_AVAILABLE=false``, so no flashinfer kernel is ever called; but sglang 0.5.16
-imports ``flashinfer`` and ``flashinfer.prefill`` at module level on CUDA, and the real package (with
+imports ``flashinfer.sampling`` and ``flashinfer.prefill`` at module level on CUDA, and the real package (with
 its JIT toolchain) does not fit the staging size limit next to two sglang releases. Every name here
 raises if it is called, so a launch that would use it fails loudly instead of computing garbage.
 """
