@@ -302,3 +302,17 @@ def test_l3_and_fleet_command_lines_refuse_bad_arguments(capsys: pytest.CaptureF
     assert main(["l3", "--l3-read-gbps", "0"]) == 2
     assert main(["fleet", "--drain-share", "1.0"]) == 2
     assert "unknown L3/fleet configuration 'nope'" in capsys.readouterr().err
+
+
+def test_l3_and_fleet_tables_in_the_docs_are_the_jsons() -> None:
+    """docs/benchmarks.md and docs/twin.md show the tables ``python -m toolkv.twin.l3report`` prints
+    from docs/results/twin/l3.json and fleet.json, unedited."""
+    from pathlib import Path
+
+    from toolkv.twin.l3report import table_of
+
+    root = Path(__file__).resolve().parent.parent
+    for name in ("l3", "fleet"):
+        table = table_of(root / "docs" / "results" / "twin" / f"{name}.json")
+        for doc in ("benchmarks.md", "twin.md"):
+            assert table in (root / "docs" / doc).read_text(), (name, doc)

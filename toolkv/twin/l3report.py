@@ -20,6 +20,7 @@ from toolkv.twin.l3 import L3Config
 from toolkv.twin.run import Options
 
 L3_CONFIGS = "stock,stock-l3,toolkv,toolkv-l3"
+COLORS = {"stock": "tab:blue", "stock-l3": "tab:orange", "toolkv": "tab:green", "toolkv-l3": "tab:red"}
 FLEET_CONFIGS = "stock,stock-l3,toolkv-l3"
 
 
@@ -128,13 +129,18 @@ def plot(rows: list[dict[str, Any]], out: Path, x: str) -> None:
     import matplotlib.pyplot as plt
 
     cfgs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    panels = (("reuse", 100.0, "resumed-turn reuse, %"), ("ttft_p50_s", 1.0, "resumed-turn TTFT p50, s"),
-              ("ttft_p90_s", 1.0, "resumed-turn TTFT p90, s"))  # fmt: skip
+    panels: tuple[tuple[str, float, str], ...] = (
+        ("reuse", 100.0, "resumed-turn reuse, %"), ("ttft_p50_s", 1.0, "resumed-turn TTFT p50, s"),
+        ("ttft_p90_s", 1.0, "resumed-turn TTFT p90, s"),
+    )  # fmt: skip
+    if x == "servers":
+        panels += (("moved_reuse", 100.0, "reuse of turns that moved server, %"),)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
     for c in cfgs:
         pts = sorted((r[x], r) for r in rows if r["config"] == c)
         for ax, (key, scale, _) in zip(axes, panels, strict=True):
-            ax.plot([p for p, _ in pts], [scale * (r[key] or 0.0) for _, r in pts], marker="o", label=c)
+            ax.plot([p for p, _ in pts], [scale * (r[key] or 0.0) for _, r in pts], marker="o", label=c,
+                    color=COLORS.get(c))  # fmt: skip
     if x == "host_gb":
         ref = [r for r in rows if r["config"] == cfgs[0]]
         opt: list[tuple[float, float]] = sorted(
