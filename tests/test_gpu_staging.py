@@ -110,3 +110,25 @@ def test_acceptance_fails_on_a_check_that_never_ran_or_whose_json_says_fail(
     res = _run_summary(tmp_path, monkeypatch, capsys)
     assert res["passed"] is False and res["releases"]["0516"]["zero_change"]["note"] == "did not run"
     assert res["commit"] == "c0ffee"
+
+
+def test_the_acceptance_table_in_the_docs_is_the_recorded_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/testing.md quotes ``acceptance_summary.py docs/results/acceptance`` verbatim: a stale
+    figure is a bug."""
+    import re
+    import shutil
+
+    rec = ROOT / "docs" / "results" / "acceptance"
+    work = tmp_path / "acceptance"
+    shutil.copytree(rec, work)
+    commit = json.loads((rec / "acceptance.json").read_text())["commit"]
+    mod = _summary_module()
+    monkeypatch.setattr(sys, "argv", ["acceptance_summary.py", str(work)])
+    monkeypatch.setenv("COMMIT", commit)
+    mod.main()
+    printed = capsys.readouterr().out.rstrip("\n")
+    doc = (ROOT / "docs" / "testing.md").read_text()
+    block = re.search(r"<!-- BEGIN acceptance -->\n```\n(.*?)\n```\n<!-- END acceptance -->", doc, re.S)
+    assert block is not None and block.group(1) == printed
