@@ -27,6 +27,8 @@ CONSTANTS
     MaxEpoch,   \* bound on offloads per session (epochs are 1..MaxEpoch)
     MaxTime,    \* the clock saturates here; deadlines are clamped to it
     TTL,        \* ticks a protection may live without a ToolEnd
+    KeepTTL,    \* ticks a GPU pin of the policy (Keep, an early restore once loaded) may wait for its
+                \* ToolEnd; never more than TTL (the implementation's keep_ttl_s, clipped to ttl_s)
     MaxResets,  \* bound on flush_cache / tree resets
     EnvLocks,   \* BOOLEAN: model other requests locking shared prefixes
     EnvWrites,  \* BOOLEAN: model HiCache's own write-through backups
@@ -40,11 +42,11 @@ Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "StaleNode", "NoTtl", "FreeBeforeAck", "EarlyRunnable",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
          "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
-         "EarlyRelease", "RoomIgnored", "RoomEvictsProtected"}
+         "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
-       /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ MaxResets \in Nat
+       /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ KeepTTL \in Nat /\ MaxResets \in Nat
        /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
        /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0) /\ Policy \in BOOLEAN
        /\ BUG \in Bugs
@@ -205,6 +207,15 @@ StartLoad(who) == /\ ring' = Append(ring, [who |-> who, keys |-> queued])
 Rec(a, t) == IF Hist THEN act' = a /\ tgt' = t ELSE UNCHANGED <<act, tgt>>
 
 Min(a, b) == IF a < b THEN a ELSE b
+
+\* The keep TTL: a pin the policy chose holds device memory nobody else can use, so a client that
+\* vanished mid-call must not hold it for the whole TTL.  Keep arms it (KeepFullTtl: the full TTL);
+\* an early restore that becomes Kept keeps the sooner of its deadline and the keep TTL
+\* (WarmFullTtl: it keeps the offload's full-TTL deadline).  The sweep ends it as any deadline.
+KeepFor == Min(KeepTTL, TTL)
+KeepDeadline == Min(now + IF BUG = "KeepFullTtl" THEN TTL ELSE KeepFor, MaxTime)
+WarmDeadline(d) == IF BUG = "WarmFullTtl" THEN d
+                   ELSE IF d < now THEN now ELSE Min(d, now + KeepFor)
 
 -----------------------------------------------------------------------------
 Init ==
@@ -395,7 +406,9 @@ LoadAck(k) ==
                                        ELSE IF s \in Warm THEN "Kept" ELSE phase[s]]
        /\ prot' = [s \in Sessions |-> IF s \in Done \cup Warm THEN NoNode ELSE prot[s]]
        /\ hostRef' = [m \in Nodes |-> hostRef[m] - Cardinality({s \in Done \cup Warm : prot[s] = m})]
-       /\ deadline' = [s \in Sessions |-> IF s \in Done THEN Min(now + TTL, MaxTime) ELSE deadline[s]]
+       /\ deadline' = [s \in Sessions |-> IF s \in Done THEN Min(now + TTL, MaxTime)
+                                          ELSE IF s \in Warm THEN WarmDeadline(deadline[s])
+                                          ELSE deadline[s]]
        /\ UNCHANGED <<status, parent, dev, host, writeKey, extLock, devFree, hostFree,
                       queued, ring, ref, epoch, envVars>>
        /\ Rec(<<"LoadAck", k>>, {ref[s] : s \in Done \cup Warm})
@@ -441,14 +454,14 @@ TtlSweep ==
    leaves every choice open, so each of them is checked. *)
 
 \* tool_start, keep: the session's KV stays on the GPU.  Its path must be resident and readable;
-\* the session pins it (one path lock) until tool_end, the TTL or close.
+\* the session pins it (one path lock) until tool_end, the keep TTL or close.
 Keep(s) ==
     LET n == ref[s] IN
     /\ Policy /\ phase[s] = "Running" /\ n # NoNode /\ epoch[s] < MaxEpoch
     /\ PathValid(n)
     /\ lockRef' = IF BUG = "KeepNoPin" THEN lockRef ELSE Locked(lockRef, {n}, 1)
     /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
-    /\ deadline' = [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)]
+    /\ deadline' = [deadline EXCEPT ![s] = KeepDeadline]
     /\ phase' = [phase EXCEPT ![s] = "Kept"]
     /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
                    hostFree, queued, ring, ref, prot, envVars>>
@@ -475,7 +488,8 @@ Demote(s) ==
 \* Early restore: before tool_end, load the evicted part of an offloaded session's path (as
 \* ToolEnd does; refused, i.e. not taken, when it does not fit).  The session pins the path and
 \* keeps its protection until the load is acknowledged, then it is Kept until its tool_end; the
-\* TTL still applies, so an early restore never outlives its tool call.
+\* TTL still applies, so an early restore never outlives its tool call, and once Kept it waits at
+\* most the keep TTL, as a kept session does.
 Prefetch(s) ==
     LET n == ref[s]
         C == {m \in Path(n) : ~dev[m]}
@@ -497,7 +511,8 @@ Prefetch(s) ==
     /\ IF Ring = 0 \/ C = {} THEN UNCHANGED <<queued, ring>>
        ELSE /\ queued' = queued \cup {n}
             /\ UNCHANGED ring
-    /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, deadline, envVars>>
+    /\ deadline' = IF ready THEN [deadline EXCEPT ![s] = WarmDeadline(@)] ELSE deadline
+    /\ UNCHANGED <<status, parent, host, writeKey, extLock, hostFree, ref, epoch, envVars>>
     /\ Rec(<<"Prefetch", s>>, {n})
 
 \* tool_start found the host short of free slots for the session's unbacked path, but HiCache can
@@ -806,6 +821,11 @@ RingBounded ==
 \* Policy: a kept session's whole path is resident and readable (its pin keeps it so); an early
 \* restore is Kept only once its load is acknowledged.
 KeptIsResident == \A s \in Sessions : phase[s] = "Kept" => PathValid(ref[s])
+
+\* Policy: a GPU pin that waits for its tool_end (Kept) is due within the keep TTL, not the TTL of
+\* a host protection (KeepFullTtl, WarmFullTtl: armed with the full TTL).  The sweep releases it
+\* once due (PinReleased).
+KeptWithinKeepTTL == \A s \in Sessions : phase[s] = "Kept" => deadline[s] <= now + KeepFor
 
 \* Hand-over: a session whose tool call is over keeps its whole path resident and readable until
 \* its next request holds it (EarlyRelease, the old manager, lets sglang evict it meanwhile).

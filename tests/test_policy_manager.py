@@ -177,6 +177,42 @@ def test_a_gpu_pin_waits_at_most_the_keep_ttl(h: CacheHarness) -> None:
     assert h.accounting() == initial
 
 
+def test_every_gpu_pin_waiting_for_its_tool_end_is_due_within_the_keep_ttl(h: CacheHarness) -> None:
+    """Spec ``KeepTTL`` (invariant ``KeptWithinKeepTTL``), whoever took the pin and under either
+    policy: a client's explicit keep (kv_hints' retain), an early restore that needed no load, and
+    one whose load was acknowledged. Before, the first two kept the full TTL of a host protection
+    and the third was re-armed only under ``policy="auto"``."""
+    initial = h.accounting()
+    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=600.0, keep_ttl_s=20.0))
+    a, b, c = list(range(1, 201)), list(range(1000, 1200)), list(range(3000, 3200))
+    for sid, toks in (("a", a), ("b", b), ("c", c)):
+        turn(h, m, sid, toks)
+    m.tick(1.0)
+    assert m.keep("a")["deadline"] == 21.0, "an explicit keep: the keep TTL"
+    held = h.match(b).last_device_node  # another request holds b's prefix: its GPU copy stays
+    h.tree.inc_lock_ref(held)
+    m.tool_start("b")
+    step(h, m, 1.0, writes=True)
+    assert m.kv_meta("b")["state"] == "Offloaded" and m.kv_meta("b")["deadline"] == 601.0
+    m.tick(2.0)
+    meta = m.prefetch("b")
+    assert meta["state"] == "Kept" and meta["deadline"] == 22.0, "an early restore with nothing to load"
+    h.tree.dec_lock_ref(held)
+    m.tool_start("c")
+    step(h, m, 2.0, writes=True)
+    assert m.prefetch("c")["state"] == "Prefetching"
+    step(h, m, 3.0, loads=True)
+    meta = m.kv_meta("c")
+    assert meta["state"] == "Kept" and meta["deadline"] == 23.0, "re-armed at the load ack (policy offload)"
+    m.tick(23.0)
+    assert [m.kv_meta(x)["state"] for x in "abc"] == ["Expired"] * 3
+    assert locks_on(h, a) == [0] and locks_on(h, b) == [0] and locks_on(h, c) == [0]
+    for x in "abc":
+        m.close(x)
+    h.drain()
+    assert h.accounting() == initial
+
+
 def test_the_ttl_bounds_a_kept_and_a_prefetching_session(h: CacheHarness) -> None:
     initial = h.accounting()
     m = auto(h, ttl_s=5.0, restore_tokens_per_s=1000.0)

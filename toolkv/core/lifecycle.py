@@ -38,7 +38,7 @@ SESSION_STATES: tuple[str, ...] = (
     "Lost",  # the tree was reset while the session was offloaded: the KV is gone
     "Closed",  # the client closed the session
     # the per-call policy (docs/policy.md)
-    "Kept",  # tool_start kept the KV on the GPU: the session pins its path until tool_end or the TTL
+    "Kept",  # tool_start kept the KV on the GPU: the session pins its path until tool_end or the keep TTL
     "Prefetching",  # an early restore is loading the offloaded KV before tool_end
     "Released",  # nothing is held: the policy let the KV go, or demoted it from the host
     # the hand-over

@@ -62,8 +62,9 @@ class ManagerConfig:
     # the restore rate the policy assumes until it has measured one (tokens per second)
     restore_tokens_per_s: float = 200_000.0
     prefetch: bool = True  # with policy "auto": restore early, before the tool is expected back
-    # with policy "auto": how long a pin on the GPU (a kept or early-restored session) may wait for
-    # its tool_end before the TTL releases it (never longer than ttl_s)
+    # how long a pin on the GPU that waits for its tool_end (a kept session, or an early restore
+    # once loaded: spec Kept) may live before the sweep releases it (never longer than ttl_s;
+    # spec KeepTTL)
     keep_ttl_s: float = 30.0
     # how long a restored (or kept) session stays pinned waiting for its next request to be
     # admitted (spec Handover); never longer than ttl_s. Under load the next request can queue
@@ -352,9 +353,10 @@ class ToolKVManager:
 
     def _kept(self, rec: SessionRecord, tool: str | None, d: Decision | None) -> None:
         rec.epoch += 1
-        # A pin chosen by the policy holds device memory nobody else can use: bounded by the
-        # shorter keep TTL (a client that crashed mid-call must not pin the GPU for the full TTL).
-        self._arm_deadline(rec, None if d is None else self._keep_ttl())
+        # A pin holds device memory nobody else can use: bounded by the shorter keep TTL (a client
+        # that crashed mid-call must not pin the GPU for the full TTL). Spec Keep arms KeepTTL,
+        # whether the policy chose it or a client asked for it (kv_hints' retain).
+        self._arm_deadline(rec, self._keep_ttl())
         fire(rec, "keep", "Kept")
         self.counters["kept"] += 1
         if d is not None:
@@ -438,9 +440,11 @@ class ToolKVManager:
             kept = rec.pinned is not None or (rec.node is not None and self.backend.keep(rec, rec.node))
             assert kept, "a restored path must be resident"
             fire(rec, "prefetch", "Kept")
+            self._arm_warm(rec)
         elif self._prefetch_readable(rec):  # never, with a load in flight (restore pinned the path)
             self.backend.release_protection(rec)
             fire(rec, "prefetch", "Kept")
+            self._arm_warm(rec)
         else:
             fire(rec, "prefetch", "Prefetching")
             self._prefetching[session_id] = rec
@@ -655,12 +659,16 @@ class ToolKVManager:
             del self._prefetching[rec.session_id]
             fire(rec, "load_ack", "Kept")
             self._measured_restore(rec)
-            if self.config.policy == "auto":  # the pin is bounded like a kept session's
-                self._arm_deadline(rec, min(self._keep_ttl(), max(0.0, rec.deadline - self.now)))
+            self._arm_warm(rec)
         return len(done) + len(warm)
 
     def _keep_ttl(self) -> float:
         return min(self.config.ttl_s, self.config.keep_ttl_s)
+
+    def _arm_warm(self, rec: SessionRecord) -> None:
+        """An early restore became ``Kept``: its pin waits for tool_end at most the keep TTL, as a
+        kept session's does, and never past the offload's own deadline (spec ``WarmDeadline``)."""
+        self._arm_deadline(rec, min(self._keep_ttl(), max(0.0, rec.deadline - self.now)))
 
     def _prefetch_readable(self, rec: SessionRecord) -> bool:
         """An early restore is done when no load into the session's path is in flight (caveat 7's
@@ -859,6 +867,7 @@ class ToolKVManager:
                 continue
             del self._prefetching[rec.session_id]
             fire(rec, "load_ack", "Kept")
+            self._arm_warm(rec)
 
     # ---- Tick -----------------------------------------------------------------------------------------
     def set_clock(self, now: float) -> None:

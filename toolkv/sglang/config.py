@@ -124,7 +124,7 @@ class ToolKVConfig:
     policy: str = "offload"  # TOOLKV_POLICY: offload (every tool_start) or auto (per call)
     prefetch: bool = True  # TOOLKV_PREFETCH: with policy auto, restore before the tool is expected back
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
-    keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: with policy auto, the longest a GPU pin waits for tool_end
+    keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: the longest a GPU pin (kept, or restored early) waits for tool_end
     # TOOLKV_HANDOVER_TTL_S: the longest a restored session stays pinned waiting for its next request
     handover_ttl_s: float = 30.0
     # TOOLKV_IDLE_TTL_S: a session holding nothing, with no turn or call for this long, is forgotten

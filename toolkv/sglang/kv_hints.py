@@ -224,9 +224,14 @@ def _tool_start(tk: SchedulerToolKV, sid: str, action: HintAction) -> tuple[int,
 def _ttl_clip(tk: SchedulerToolKV, action: HintAction, meta: Mapping[str, Any]) -> str:
     """Why the hold is shorter than asked, or "": a protection lasts at most the TTL, so a tool
     expected back later will find its KV released (the TTL, not the hint, bounds what a client
-    can hold)."""
-    if action.expected_s is not None and meta.get("state") in HOLDING and action.expected_s > tk.config.ttl_s:
-        return f"ttl: held at most {tk.config.ttl_s:g}s, expected_s is {action.expected_s:g}s"
+    can hold). A GPU pin waiting for tool_end (``Kept``) lasts at most the keep TTL."""
+    if action.expected_s is None or meta.get("state") not in HOLDING:
+        return ""
+    kept = meta.get("state") == "Kept"
+    bound = min(tk.config.ttl_s, tk.config.keep_ttl_s) if kept else tk.config.ttl_s
+    if action.expected_s > bound:
+        which = " (keep TTL)" if kept else ""
+        return f"ttl: held at most {bound:g}s{which}, expected_s is {action.expected_s:g}s"
     return ""
 
 

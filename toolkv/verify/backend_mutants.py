@@ -102,6 +102,22 @@ class EarlyKeptManager(ToolKVManager):
         return True
 
 
+class KeepFullTtlManager(ToolKVManager):
+    """``KeepFullTtl`` (keep TTL): a kept session is armed with the full TTL of a host protection,
+    so a client that vanished mid-call pins the GPU for the TTL, not the keep TTL."""
+
+    def _keep_ttl(self) -> float:
+        return self.config.ttl_s
+
+
+class WarmFullTtlManager(ToolKVManager):
+    """``WarmFullTtl`` (keep TTL): an early restore that becomes Kept keeps the offload's full-TTL
+    deadline instead of the keep TTL."""
+
+    def _arm_warm(self, rec: SessionRecord) -> None:
+        return None
+
+
 class EarlyReleaseManager(ToolKVManager):
     """``EarlyRelease`` (the manager before the hand-over): a restored or kept session lets go of
     its pin at the load ack / tool_end, so while its next request waits in sglang's queue the KV
@@ -184,6 +200,8 @@ MANAGER_MUTANTS: dict[str, type[ToolKVManager]] = {
     "DemoteKeepsRef": DemoteKeepsRefManager,
     "EarlyKept": EarlyKeptManager,
     "EarlyRelease": EarlyReleaseManager,
+    "KeepFullTtl": KeepFullTtlManager,
+    "WarmFullTtl": WarmFullTtlManager,
 }
 
 # backend class -> defect -> the mixin that seeds it there

@@ -21,6 +21,7 @@ so that an action the graph never enables, or the replay never reached, shows.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import time
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkv.core.treeops import attached, walk
+from toolkv.errors import ToolKVError
 from toolkv.verify import specstep
 from toolkv.verify.pathcover import Cover, Edge
 from toolkv.verify.refinement import HISTORY, NO_NODE, Bounds, check_invariants, check_step
@@ -194,6 +196,7 @@ def radix_shares(u: Mapping[str, Any], v: Mapping[str, Any], b: Bounds) -> str |
 @dataclass
 class CoverReport:
     backend: str = "hiradix"
+    policy: str = "offload"
     states: int = 0
     edges: int = 0  # distinct edges of the graph
     todo: int = 0  # edges this replay had to take (all, or the focus)
@@ -206,6 +209,7 @@ class CoverReport:
     walks: int = 0
     steps: int = 0
     idle_ticks: int = 0  # start_loads probed where the spec's StartLoads is not enabled (Ring > 0)
+    refusals: int = 0  # policy auto: calls probed where the spec does not enable them (must stutter)
     rounds: int = 0
     seconds: float = 0.0
     by_action: dict[str, list[int]] = field(default_factory=dict)  # action -> [edges in todo, covered]
@@ -222,6 +226,7 @@ class CoverReport:
     def summary(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
+            "policy": self.policy,
             "states": self.states,
             "edges": self.edges,
             "todo": self.todo,
@@ -234,6 +239,7 @@ class CoverReport:
             "walks": self.walks,
             "steps": self.steps,
             "idle_ticks": self.idle_ticks,
+            "refusals": self.refusals,
             "seconds": round(self.seconds, 1),
             "steps_per_s": round(self.edges_per_s),
             "by_action": self.by_action,
@@ -255,10 +261,14 @@ def replay_graph(
     progress: Callable[[CoverReport], None] | None = None,
     fresh_every: int = 2000,
     hi_backend: Callable[[Any], Any] | None = None,
+    policy: str = "offload",
 ) -> CoverReport:
     """Replay every edge of ``graph`` (or, with ``focus``, every edge of those actions and every
     edge leaving their targets) on a real ``backend`` stack, comparing states after every step.
     ``hi_backend`` replaces the HiRadixCache backend (a seeded defect in a backend subclass).
+    ``policy="auto"`` (HiRadixCache, a graph with ``Policy``): the spec's ``ToolStart``, ``Keep``
+    and ``LetGo`` of a running session are the production ``tool_start``, whose choice may be
+    other spec steps than the edge's (``PolicyChose``: checked, and the edge left to another walk).
 
     Stops at the first mismatch. Edges that fail as unrealizable (or not shareable at run time) are
     re-planned along other walks for ``rounds`` rounds, then counted as unrealizable."""
@@ -272,6 +282,7 @@ def replay_graph(
             seed=seed,
             fill=False,
             hi_backend=hi_backend,
+            policy=policy,
         )
 
     r = stack(seed)
@@ -279,7 +290,7 @@ def replay_graph(
     states = graph.states
     label = {sid: str(st["act"][0]) for sid, st in states.items()}
     all_edges = {(u, v) for u, v, _ in graph.edges}
-    rep = CoverReport(backend=backend, states=len(states), edges=len(all_edges))
+    rep = CoverReport(backend=backend, states=len(states), edges=len(all_edges), policy=policy)
     allowed = set(all_edges)
     if backend != "hiradix":
         for u, v in all_edges:
@@ -304,6 +315,7 @@ def replay_graph(
     keys = [k for k in states[next(iter(graph.initial))] if k not in HISTORY]
     failures: Counter[Edge] = Counter()
     reasons: dict[Edge, str] = {}
+    probed: set[int] = set()
     done: set[Edge] = set()
     try:
         for rnd in range(rounds):
@@ -321,7 +333,7 @@ def replay_graph(
                 else:
                     r.restart()
                 rep.walks += 1
-                if not _walk(r, walk_states, states, keys, bounds, rep, done, failures, reasons):
+                if not _walk(r, walk_states, states, keys, bounds, rep, done, failures, reasons, probed):
                     return _finish(rep, t0)
                 if progress is not None:
                     progress(rep)
@@ -347,8 +359,11 @@ def _walk(
     done: set[Edge],
     failures: Counter[Edge],
     reasons: dict[Edge, str],
+    probed: set[int] | None = None,
 ) -> bool:
-    """Execute one walk; False on a mismatch (the replay stops there)."""
+    """Execute one walk; False on a mismatch (the replay stops there). ``probed``: the states whose
+    refused calls were probed already (policy ``auto``)."""
+    probed = probed if probed is not None else set()
     hi = r.backend_name == "hiradix"
     first = states[walk_states[0]]
     if not _matches(r, first, keys, b, rep, None, walk_states[:1]):
@@ -371,9 +386,63 @@ def _walk(
             return False
         if hi and not _idle_tick_stutters(r, states[v], keys, b, rep, walk_states[: i + 2]):
             return False
+        if hi and r.policy == "auto" and b.policy and v not in probed:
+            probed.add(v)
+            if not _refusals_stutter(r, states[v], keys, b, rep, walk_states[: i + 2]):
+                return False
         if res.error is not None and act[0] not in ("ToolStart", "ToolEnd", "Close"):
             rep.violations.append({"edge": [u, v], "action": act, "error": res.error})
         done.add((u, v))
+    return True
+
+
+#: policy auto: the calls probed in each state where the spec does not enable them
+REFUSED_CALLS = ("Keep", "LetGo", "Demote", "Prefetch", "ToolStart")
+
+
+def _refusals_stutter(
+    r: Replayer,
+    spec: Mapping[str, Any],
+    keys: list[str],
+    b: Bounds,
+    rep: CoverReport,
+    walk_states: list[int],
+) -> bool:
+    """Policy ``auto``: in every state reached (once per state), each of the policy's calls for each
+    session that the spec does not enable there — ``keep``, ``let_go``, ``demote``, ``prefetch``,
+    and ``tool_start`` outside ``Running`` — must be refused and change nothing (a stuttering
+    step), whatever the policy's candidate lists would admit. ``prefetch`` of an offloaded session
+    is left out: its refusal is the spec's ``DevFits``, and device room is sized to the spec only
+    at the steps that need it. False (and a mismatch) if a refused call moved the state."""
+    rules = b.rules()
+    mgr = r.mgr
+
+    def tool_start(s: str) -> dict[str, object]:
+        return mgr.tool_start(s, expected_s=0.0)
+
+    calls: dict[str, Callable[[str], dict[str, object]]] = {
+        "Keep": mgr.keep,
+        "LetGo": mgr.let_go,
+        "Demote": mgr.demote,
+        "Prefetch": mgr.prefetch,
+        "ToolStart": tool_start,
+    }
+    for s in b.sessions:
+        phase = spec["phase"][s]
+        for name in REFUSED_CALLS:
+            if name == "Prefetch" and phase == "Offloaded":
+                continue
+            if name == "ToolStart" and phase == "Running":
+                continue
+            if name in ("Keep", "LetGo") and spec["epoch"][s] >= b.max_epoch:
+                continue  # the model's bound on tool calls, not a refusal
+            if specstep.successor(spec, [name, s], rules) is not None:
+                continue
+            with contextlib.suppress(ToolKVError):
+                calls[name](s)
+            rep.refusals += 1
+            if not _matches(r, spec, keys, b, rep, [f"refused {name}", s], walk_states):
+                return False
     return True
 
 
@@ -433,6 +502,12 @@ class GraphConfig:
     cfg: str
     constants: tuple[tuple[str, str], ...]
     backends: tuple[str, ...]
+    policies: tuple[str, ...] = ("offload",)  # "auto": on the HiRadixCache only (replay_graph)
+
+    def cases(self) -> list[tuple[str, str]]:
+        """(backend, policy) pairs to replay: every backend with ``offload``, ``auto`` on the
+        HiRadixCache (the pressure it reads is HiCache's)."""
+        return [(b, p) for b in self.backends for p in self.policies if p == "offload" or b == "hiradix"]
 
     def cfg_text(self, spec_dir: Path) -> str:
         return with_constants((spec_dir / self.cfg).read_text(), dict(self.constants))
@@ -449,7 +524,10 @@ def load_conformance(spec_dir: Path) -> tuple[list[GraphConfig], dict[str, str]]
         if unknown:
             raise ValueError(f"conformance {raw['name']}: unknown backends {sorted(unknown)}")
         consts = tuple((str(k), str(v)) for k, v in raw.get("constants", {}).items())
-        out.append(GraphConfig(str(raw["name"]), str(raw["cfg"]), consts, backends))
+        policies = tuple(str(x) for x in raw.get("policies", ["offload"]))
+        if set(policies) - {"offload", "auto"}:
+            raise ValueError(f"conformance {raw['name']}: unknown policies {sorted(set(policies))}")
+        out.append(GraphConfig(str(raw["name"]), str(raw["cfg"]), consts, backends, policies))
     pending = {str(k): str(v) for k, v in data.get("conformance_pending", {}).items()}
     return out, pending
 

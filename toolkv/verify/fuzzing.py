@@ -95,6 +95,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     page_size: ClassVar[int] = 1
     trace_dir: ClassVar[Path | None] = None
     ttl: ClassVar[int] = 4
+    keep_ttl: ClassVar[int] = 2  # spec KeepTTL: a kept pin is due before a host protection
     policy: ClassVar[str] = "offload"  # "auto": tool_start is the per-call policy's choice
     examples: ClassVar[int] = 0  # examples built by this class (names the trace files)
 
@@ -116,6 +117,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             max_epoch=BIG,
             max_resets=BIG,
             policy=True,
+            keep_ttl=self.keep_ttl,
         )
         unit = 4 * max(16, self.page_size)
         self.r = Replayer(
@@ -601,6 +603,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             "nodes": list(self.bounds.nodes),
             "sessions": list(SESSIONS),
             "ttl": self.ttl,
+            "keep_ttl": self.keep_ttl,
             "caveats": sorted(self.caveats),
             "policy": True,
         }

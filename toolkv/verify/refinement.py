@@ -57,6 +57,12 @@ class Bounds:
     ring: int = 0
     sys_loads: bool = False
     policy: bool = False
+    keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
+
+    @property
+    def keep_for(self) -> int:
+        """Spec ``KeepFor``: the keep TTL, never more than the TTL."""
+        return self.ttl if self.keep_ttl is None else min(self.keep_ttl, self.ttl)
 
     @classmethod
     def from_cfg(cls, consts: Mapping[str, Any]) -> Bounds:
@@ -77,6 +83,7 @@ class Bounds:
             ring=int(consts.get("Ring", 0)),
             sys_loads=bool(consts.get("SysLoads", False)),
             policy=bool(consts.get("Policy", False)),
+            keep_ttl=int(consts["KeepTTL"]) if "KeepTTL" in consts else None,
         )
 
     def rules(self, *, bug: str = "none", fits: bool | None = None, slots: bool = True) -> Rules:
@@ -95,6 +102,7 @@ class Bounds:
             ring=self.ring,
             sys_loads=self.sys_loads,
             policy=self.policy,
+            keep_ttl=self.keep_ttl,
             bug=bug,
             fits=fits,
             slots=slots,
@@ -367,6 +375,10 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
             break
     if b.ring > 0 and not ring_bounded(st, b.ring):
         bad.append("RingBounded")
+    for s in sess:  # the keep TTL: a pin waiting for its tool_end is due within KeepTTL
+        if st["phase"][s] == "Kept" and st["deadline"][s] > st["now"] + b.keep_for:
+            bad.append("KeptWithinKeepTTL")
+            break
     for s in sess:  # the hand-over
         r = st["ref"][s]
         if st["phase"][s] == "Handover" and not (

@@ -76,6 +76,13 @@ class NotApplicable(Exception):
     """The backend does not share this spec step (a plain RadixCache has no host tier)."""
 
 
+class PolicyChose(Unrealizable):
+    """Policy ``auto``: the production ``tool_start`` took other spec steps than the edge's (the
+    spec leaves the choice among ``ToolStart``, ``Keep`` and ``LetGo``, and the demotions for room,
+    open). The steps it took were checked: each is enabled in the spec and together they lead to
+    the implementation's state. The walk cannot follow the edge from there."""
+
+
 class UnknownAction(KeyError):
     """A spec action without an executor: add one to the table of its cache kind."""
 
@@ -119,6 +126,7 @@ class Replayer:
         device: str = "cpu",
         io_backend: str = "direct",
         ttl: float | None = None,
+        keep_ttl: float | None = None,
         kv_shape: tuple[int, int, int] = (2, 2, 4),
         dtype: torch.dtype = torch.float32,
         fill: bool = True,
@@ -148,6 +156,9 @@ class Replayer:
         self.ps = page_size
         self.fill = fill
         self.ttl = float(ttl if ttl is not None else bounds.ttl)
+        # spec KeepTTL: how long a pin waits for its tool_end (Keep, an early restore once loaded)
+        keep = keep_ttl if keep_ttl is not None else bounds.keep_ttl
+        self.keep_ttl = float(keep if keep is not None else self.ttl)
         # "auto": tool_start is the per-call policy's choice among ToolStart, Keep and LetGo (and
         # Demote of others); the caller maps the outcome onto spec steps (the fuzz campaign does)
         self.policy = policy
@@ -200,12 +211,13 @@ class Replayer:
         self.mgr = mutant_manager(
             tree,
             backend,
-            # every pin (kept, early-restored, handed over) lives as long as the spec's TTL; early
-            # restores are drawn as spec Prefetch steps, never started by the tick behind a step
+            # a hand-over lives as long as the spec's TTL, a pin waiting for its tool_end as long as
+            # its KeepTTL; early restores are drawn as spec Prefetch steps, never started by the
+            # tick behind a step
             config=ManagerConfig(
                 ttl_s=self.ttl,
                 handover_ttl_s=self.ttl,
-                keep_ttl_s=self.ttl,
+                keep_ttl_s=self.keep_ttl,
                 policy=self.policy,
                 prefetch=False,
                 idle_ttl_s=float("inf"),  # the spec closes sessions only when told to
@@ -493,17 +505,100 @@ def hi_tool_start(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         if len(w) > pre["hostFree"]:
             room = r.mgr.backend.host_evictable_tokens()  # type: ignore[attr-defined]
             r.host_free_exactly(sum(len(m.key) for m in w) - r.ps - room)
-    _tool_start(r, a[0])
+    _tool_start(r, a[0], pre)
 
 
-def _tool_start(r: Replayer, s: str) -> None:
-    """Spec ``ToolStart``. A conformance replay (``capacity="spec"``) runs exactly it, the
-    manager's ``offload``; elsewhere (fuzzing, traces) the production ``tool_start``, whose
+def _tool_start(r: Replayer, s: str, pre: Mapping[str, Any] | None = None) -> None:
+    """Spec ``ToolStart``. A conformance replay (``capacity="spec"``) with ``policy="offload"`` runs
+    exactly it, the manager's ``offload``; with ``policy="auto"`` the production ``tool_start``
+    (:func:`policy_tool_start`); elsewhere (fuzzing, traces) the production ``tool_start``, whose
     demotions for room and policy choices the caller maps onto spec steps."""
-    if r.capacity == "spec":
-        r.mgr.offload(s)
-    else:
+    if r.capacity != "spec":
         r.mgr.tool_start(s)
+    elif r.policy == "auto" and pre is not None and r.h.is_hi:
+        policy_tool_start(r, "ToolStart", s, pre)
+    else:
+        r.mgr.offload(s)
+
+
+#: policy auto, conformance replay: the client's ``expected_s`` per spec action. Keep: a short tool;
+#: ToolStart and LetGo: a long one, longer for each later session, so that an earlier session may
+#: demote a later one (predicted back after it) and never the other way round.
+AUTO_SHORT_S = 0.0
+AUTO_LONG_S = 10.0
+
+
+def _auto_hint(r: Replayer, label: str, s: str) -> float:
+    if label == "Keep":
+        return AUTO_SHORT_S
+    i = r.b.sessions.index(s) if s in r.b.sessions else 0
+    return AUTO_LONG_S * 100.0**i
+
+
+def policy_steps(
+    pre: Mapping[str, Any], post: Mapping[str, Any], s: str, sessions: Sequence[str]
+) -> list[list[Any]]:
+    """The spec steps one production ``tool_start`` of ``s`` stands for, read off the states before
+    and after: the sessions it demoted for host room (``Demote``, they commute), the host copies
+    sglang freed for it (``HostRoom``, leaves first), then its choice: ``Keep`` (the session is
+    kept), ``LetGo`` (released) or ``ToolStart`` (offloaded, or a refusal that changed nothing)."""
+    main: list[Any] = ["ToolStart", s]
+    if pre["phase"][s] == "Running" and post["phase"][s] == "Kept":
+        main = ["Keep", s]
+    elif pre["phase"][s] == "Running" and post["phase"][s] == "Released":
+        main = ["LetGo", s]
+    demoted = [
+        x for x in sessions if x != s and pre["phase"][x] == "Offloaded" and post["phase"][x] == "Released"
+    ]
+    gone = [
+        n
+        for n, h in pre["host"].items()
+        if h and not post["host"].get(n, False) and post["status"].get(n) == "Gone"
+    ]
+
+    def depth(n: str) -> int:
+        k = 0
+        while n != ROOT:
+            n, k = pre["parent"][n], k + 1
+        return k
+
+    rooms = [["HostRoom", s, n] for n in sorted(gone, key=depth, reverse=True)]
+    return [*(["Demote", x] for x in sorted(demoted)), *rooms, main]
+
+
+def policy_tool_start(r: Replayer, label: str, s: str, pre: Mapping[str, Any]) -> None:
+    """Policy ``auto`` in a conformance replay: the spec's ``ToolStart``, ``Keep`` and ``LetGo`` of a
+    running session are all the production ``tool_start`` — ``decide`` on the pressure the backend
+    reads off the pools (sized as the spec state says), the demotion candidates when the host is
+    full — steered towards the edge by the client's hint (:func:`_auto_hint`) and, for ``LetGo``,
+    by a host with no free room. Where the policy takes the edge's step, the walk compares the
+    state as usual. Where it takes other spec steps (:func:`policy_steps`), each must be enabled
+    in the spec and together lead to the implementation's state: then :class:`PolicyChose` (the
+    edge is left to another walk); otherwise the comparison with the edge's target reports it.
+
+    Demotions are checked at node granularity, which the host ballast of ``hi_tool_start`` (one
+    page short) matches while a refused path is at most one node short of room, as it is with one
+    host slot."""
+    if label == "LetGo":
+        r.host_free_exactly(0)  # the host cannot take it (its evictable copies still count)
+    try:
+        r.mgr.tool_start(s, expected_s=_auto_hint(r, label, s))
+    finally:
+        r._release_ballast()
+    post = r.abstract()
+    chain = policy_steps(pre, post, s, r.b.sessions)
+    if chain == [[label, s]]:
+        return
+    st: Mapping[str, Any] | None = pre
+    rules = r.b.rules()
+    for a in chain:
+        st = specstep.successor(st, a, rules) if st is not None else None
+    keys = [k for k in post if k not in ("act", "tgt")]
+    if st is None or any(st[k] != post[k] for k in keys):
+        return  # not the spec's steps: the state comparison reports the divergence
+    rec = r.mgr.sessions.get(s)
+    why = rec.reason if rec is not None else "-"
+    raise PolicyChose(f"{label}: tool_start took {' '.join(str(a[0]) for a in chain)} ({why})")
 
 
 def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -519,9 +614,21 @@ def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
 
 
 def hi_write_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``WriteAck(k)``: sglang retires the write of ``k`` and the manager reacts.
+
+    ``writing_check`` retires every finished ack at the front of the queue in one call. On a GPU
+    the copies queued behind this one finish on their own (the CUDA campaign saw one call retire
+    three), while the spec's step retires one: the writes behind it are the environment's later
+    ``WriteAck`` steps, so they are held back from this call and put back, in order, after it."""
     tree = r.h.tree
-    _complete_ack(r, tree.cache_controller.ack_write_queue, a[0])
-    tree.writing_check()
+    queue = tree.cache_controller.ack_write_queue
+    _complete_ack(r, queue, a[0])
+    held = queue[1:]
+    del queue[1:]
+    try:
+        tree.writing_check()
+    finally:
+        queue.extend(held)
     r.mgr.process_write_acks()
 
 
@@ -643,11 +750,23 @@ def close(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
 
 # the per-call policy: the manager's spec actions (tool_start's choice among them is the policy's)
 def keep(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
-    r.mgr.keep(a[0])
+    if _auto_choice(r, a[0], pre):
+        policy_tool_start(r, "Keep", a[0], pre)
+    else:
+        r.mgr.keep(a[0])
 
 
 def let_go(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
-    r.mgr.let_go(a[0])
+    if _auto_choice(r, a[0], pre):
+        policy_tool_start(r, "LetGo", a[0], pre)
+    else:
+        r.mgr.let_go(a[0])
+
+
+def _auto_choice(r: Replayer, s: str, pre: Mapping[str, Any]) -> bool:
+    """Whether this Keep/LetGo is the auto policy's tool_start (conformance replay, running session);
+    elsewhere the explicit call (a refusal in any other phase is checked as a stutter)."""
+    return r.policy == "auto" and r.capacity == "spec" and r.h.is_hi and pre["phase"].get(s) == "Running"
 
 
 def demote(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:

@@ -58,6 +58,22 @@ class Rules:
     bug: str = "none"
     fits: bool | None = None  # HostFits/DevFits decided by the implementation (None: the spec's)
     slots: bool = True  # False: InsertFits, WriteFits, SplitFits are TRUE (token pools decide)
+    keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
+
+    @property
+    def keep_for(self) -> int:
+        """Spec ``KeepFor``: the keep TTL, never more than the TTL."""
+        return self.ttl if self.keep_ttl is None else min(self.keep_ttl, self.ttl)
+
+    def keep_deadline(self, now: int) -> int:
+        """Spec ``KeepDeadline``: what Keep arms."""
+        return min(now + (self.ttl if self.bug == "KeepFullTtl" else self.keep_for), self.max_time)
+
+    def warm_deadline(self, now: int, d: int) -> int:
+        """Spec ``WarmDeadline``: an early restore that becomes Kept."""
+        if self.bug == "WarmFullTtl":
+            return d
+        return now if d < now else min(d, now + self.keep_for)
 
     @classmethod
     def from_cfg(cls, c: Mapping[str, Any]) -> Rules:
@@ -76,6 +92,7 @@ class Rules:
             sys_loads=bool(c.get("SysLoads", False)),
             policy=bool(c.get("Policy", False)),
             bug=str(c.get("BUG", "none")),
+            keep_ttl=int(c["KeepTTL"]) if "KeepTTL" in c else None,
         )
 
 
@@ -337,6 +354,7 @@ def load_ack(st: State, r: Rules, k: str) -> State | None:
     for x in warm:
         s["phase"][x] = "Kept"
         s["prot"][x] = NO
+        s["deadline"][x] = r.warm_deadline(st["now"], st["deadline"][x])
     both = done + warm
     s["hostRef"] = {m: st["hostRef"][m] - sum(1 for x in both if st["prot"][x] == m) for m in st["hostRef"]}
     s["tgt"] = sorted({st["ref"][x] for x in both})
@@ -452,7 +470,7 @@ def keep(st: State, r: Rules, sid: str) -> State | None:
     if r.bug != "KeepNoPin":
         s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
     s["epoch"][sid] += 1
-    s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
+    s["deadline"][sid] = r.keep_deadline(st["now"])
     s["phase"][sid] = "Kept"
     s["tgt"] = [n]
     return s
@@ -503,6 +521,7 @@ def prefetch(st: State, r: Rules, sid: str) -> State | None:
     s["prot"][sid] = NO if ready else n
     if ready:
         s["hostRef"][n] -= 1
+        s["deadline"][sid] = r.warm_deadline(st["now"], st["deadline"][sid])
     if r.ring > 0 and c:
         s["queued"] = sorted({*st["queued"], n})
     s["tgt"] = [n]

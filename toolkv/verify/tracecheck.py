@@ -181,6 +181,7 @@ TraceNext == TNext \\/ Done
     MaxEpoch = {header.get("max_epoch", big)}
     MaxTime = {header.get("max_time", big)}
     TTL = {header["ttl"]}
+    KeepTTL = {header.get("keep_ttl", header["ttl"])}
     MaxResets = {big}
     EnvLocks = TRUE
     EnvWrites = TRUE
