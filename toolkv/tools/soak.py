@@ -492,6 +492,9 @@ class SoakConfig:
     repopulate_p: float = 0.1  # per tool call (pin/shadow): another request re-inserts the branch
     http_share: float = 0.25  # sessions whose calls go through the FastAPI routes (the rest: the channel)
     closed_history: int = 10_000  # closed sessions the manager remembers (TOOLKV_CLOSED_HISTORY)
+    idle_ttl_s: float = (
+        3600.0  # a session holding nothing and silent this long is forgotten (TOOLKV_IDLE_TTL_S)
+    )
     flush_every: int = 2_500  # tool calls between deferred /flush_cache?timeout requests
     sample_every: int = 250  # iterations between samples
     progress: bool = False
@@ -949,6 +952,7 @@ class Soak:
                     fallback="shadow" if cfg.stack == "shadow" else "pin",
                     sweep_every=1,
                     closed_history=cfg.closed_history,
+                    idle_ttl_s=cfg.idle_ttl_s,
                 )
                 clock = AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
                 self.tk = SchedulerToolKV(h.tree, config=tk_cfg, clock=clock)
