@@ -29,7 +29,10 @@ class TimedCopies:
             2 * harness.cfg.layers * harness.cfg.heads * harness.cfg.head_dim * kv.store_dtype.itemsize
         )
         self.streams: list[tuple[Any, str]] = []
-        if ctrl is not None:
+        if ctrl is not None and hasattr(ctrl, "l2_transfer_engine"):  # sglang 0.5.21+ (l2_transfer.py)
+            eng = ctrl.l2_transfer_engine
+            self.streams = [(eng.device_to_host_stream, "d2h"), (eng.host_to_device_stream, "h2d")]
+        elif ctrl is not None:
             self.streams = [(ctrl.write_stream, "d2h"), (ctrl.load_stream, "h2d")]
         self.finish: dict[int, list[float]] = {id(s): [] for s, _ in self.streams}
         self.tokens_moved = {"d2h": 0.0, "h2d": 0.0}

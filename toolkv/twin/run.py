@@ -97,7 +97,12 @@ class Twin:
         self.tk = self.stack.tk
         self.agents = Agents(self.sessions, cfg.mode, cfg.send_tool)
         self.copies = TimedCopies(self.h, profile)
-        self.sched = TwinScheduler(
+        sched_cls: type[TwinScheduler] = TwinScheduler
+        if self.stack.unified:
+            from toolkv.twin.scheduler_0523 import TwinScheduler0523
+
+            sched_cls = TwinScheduler0523
+        self.sched = sched_cls(
             self.h, chunked_prefill_size=self.opts.chunked_prefill_size,
             max_prefill_tokens=self.opts.max_prefill_tokens, max_running_requests=self.opts.max_running_requests,
             on_admitted=self._admitted, on_first_token=self._first_token, on_finished=self._finished,

@@ -1,7 +1,13 @@
-"""Build one configuration's server-side stack: sglang 0.5.16's real cache (CPU harness, tiny
-tensors, real token counts) with toolkv's real scheduler side attached the way the plugin
-attaches it (``cache_finished_req`` wrapped by ``around_cache_finished_req``, the tick on an
-agreed clock that reads the simulated time)."""
+"""Build one configuration's server-side stack: the installed sglang's real cache (CPU harness,
+tiny tensors, real token counts) with toolkv's real scheduler side attached the way the plugin
+attaches it, the tick on an agreed clock that reads the simulated time.
+
+- sglang 0.5.16: ``HiRadixCache`` / ``RadixCache`` (:mod:`toolkv.testing.harness`),
+  ``cache_finished_req`` wrapped by ``around_cache_finished_req``;
+- sglang 0.5.21 and later (0.5.23 pinned): ``UnifiedRadixCache`` with or without HiCache
+  (:mod:`toolkv.testing.unified_harness`), ``checkpoint`` followed by ``after_checkpoint`` (the
+  plugin's AFTER hook on ``UnifiedRadixCache.checkpoint``). Chosen as ``make_backend`` chooses
+  its ``unified`` backend: by the installed sglang (:func:`unified`)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any
 
 from toolkv.twin.configs import TwinConfig
@@ -20,6 +27,11 @@ class Stack:
     tk: Any  # toolkv.sglang.scheduler_side.SchedulerToolKV
     device_tokens: int
     host_tokens: int
+    unified: bool = False  # sglang 0.5.21+: UnifiedRadixCache, the 0.5.23 scheduler
+
+    @property
+    def sglang(self) -> str:
+        return version("sglang")
 
     def close(self) -> None:
         self.harness.close()
@@ -29,6 +41,14 @@ def quiet() -> None:
     """sglang logs every retraction and toolkv every decision: millions of lines in an hour."""
     for name in ("sglang", "toolkv"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def unified() -> bool:
+    """True when the installed sglang builds ``UnifiedRadixCache`` (0.5.21+): the twin then runs
+    over :mod:`toolkv.testing.unified_harness` and :mod:`toolkv.twin.scheduler_0523`."""
+    from toolkv.testing.unified_harness import has_unified_radix_cache
+
+    return has_unified_radix_cache()
 
 
 def build(
@@ -42,23 +62,44 @@ def build(
 
     from toolkv.core.backends.base import LocalAgreement
     from toolkv.sglang.config import ToolKVConfig
-    from toolkv.sglang.plugin import around_cache_finished_req
+    from toolkv.sglang.plugin import after_checkpoint, around_cache_finished_req
     from toolkv.sglang.scheduler_side import SchedulerToolKV
     from toolkv.sglang.tp import AgreedClock
-    from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     quiet()
     torch.set_num_threads(1)  # tiny tensors: threads only contend (and the machine is shared)
     host_tokens = cfg.host_tokens(kv_bytes_per_token)
     # the harness sizes the host pool as int(device * ratio) + 1 page (pool_host/base.py)
     ratio = (host_tokens - 1 + 0.5) / device_tokens if host_tokens else 2.0
-    h = CacheHarness(
-        HarnessConfig(
-            kind="hiradix" if cfg.cache == "hiradix" else "radix", page_size=1, device_tokens=device_tokens,
-            host_ratio=ratio, layers=1, heads=1, head_dim=1, dtype=torch.float16, max_reqs=max_reqs,
-            context_len=context_len,
+    is_unified = unified()
+    if is_unified and cfg.cache != "hiradix":
+        # toolkv's unified backend drives only a UnifiedRadixCache with a host tier
+        # (core/backends/unified.py ``check_tree``): a 0.5.23 server without
+        # --enable-hierarchical-cache does not start with toolkv, so there is nothing to model
+        raise ValueError(
+            f"{cfg.name}: sglang {version('sglang')} without HiCache is not supported by toolkv "
+            "(UnifiedRadixCache without a host tier); the radix and pin configurations need sglang 0.5.16"
         )
-    )  # fmt: skip
+    h: Any
+    if is_unified:
+        from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
+
+        h = UnifiedCacheHarness(
+            UnifiedHarnessConfig(
+                page_size=1, device_tokens=device_tokens, host_ratio=ratio, layers=1, heads=1, head_dim=1,
+                dtype=torch.float16, max_reqs=max_reqs, context_len=context_len, hicache=cfg.cache == "hiradix",
+            )
+        )  # fmt: skip
+    else:
+        from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+        h = CacheHarness(
+            HarnessConfig(
+                kind="hiradix" if cfg.cache == "hiradix" else "radix", page_size=1, device_tokens=device_tokens,
+                host_ratio=ratio, layers=1, heads=1, head_dim=1, dtype=torch.float16, max_reqs=max_reqs,
+                context_len=context_len,
+            )
+        )  # fmt: skip
     budget = int(cfg.pin_budget_share * device_tokens) if cfg.pin_budget_share is not None else None
     tcfg = ToolKVConfig(
         enable=True, ttl_s=cfg.ttl_s, host_budget_tokens=budget, restore_on_request=True, policy=cfg.policy
@@ -70,7 +111,18 @@ def build(
     # sglang prints the whole tree before raising "Out of memory" (alloc_token_slots): an
     # hour-long tree on stdout would bury the report; the twin records the error instead
     h.tree.pretty_print = lambda: None
-    h.tree.cache_finished_req = functools.partial(
-        around_cache_finished_req, type(h.tree).cache_finished_req, h.tree
-    )
-    return Stack(h, tk, device_tokens, int(h.host_pool.size) if h.host_pool is not None else 0)
+    if is_unified:
+        # the plugin's AFTER hook on UnifiedRadixCache.checkpoint (release_kv_cache, common.py)
+        checkpoint = h.tree.checkpoint
+
+        def checkpoint_then_record(req: Any, *args: Any, **kwargs: Any) -> None:
+            checkpoint(req, *args, **kwargs)
+            after_checkpoint(None, h.tree, req, *args, **kwargs)
+
+        h.tree.checkpoint = checkpoint_then_record
+    else:
+        h.tree.cache_finished_req = functools.partial(
+            around_cache_finished_req, type(h.tree).cache_finished_req, h.tree
+        )
+    host = int(h.host_pool.size) if h.host_pool is not None else 0
+    return Stack(h, tk, device_tokens, host, is_unified)
