@@ -113,6 +113,10 @@ class ToolKVManager:
         self._offloading: dict[str, SessionRecord] = {}
         self._restoring: dict[str, SessionRecord] = {}
         self._prefetching: dict[str, SessionRecord] = {}
+        # the L3 storage tier (spec/storage/StorageTier.tla): stores and prefetches in flight
+        self._storing: dict[str, SessionRecord] = {}
+        self._fetching: dict[str, SessionRecord] = {}
+        self._poll_storage: Callable[[], int] | None = getattr(self.backend, "poll_storage", None)
         self._prefetch_due: list[tuple[float, int, str]] = []  # (when, seq, session id), lazy deletion
         self.durations = DurationModel(self.config.policy_config)
         self.restore_rate = self.config.restore_tokens_per_s  # EWMA of measured restores
@@ -193,6 +197,9 @@ class ToolKVManager:
         self._offloading.pop(rec.session_id, None)
         self._restoring.pop(rec.session_id, None)
         self._prefetching.pop(rec.session_id, None)
+        self._storing.pop(rec.session_id, None)
+        self._fetching.pop(rec.session_id, None)
+        rec.l3 = rec.l3_then = ""
         rec.prefetch_at = float("inf")
 
     # ---- Insert ---------------------------------------------------------------------------------------
@@ -302,7 +309,10 @@ class ToolKVManager:
         demotable = sum(
             r.offload_tokens
             for r in self.sessions.values()
-            if r.state == "Offloaded" and r.session_id != session_id and self._predicted_end(r) > back
+            if r.state == "Offloaded"
+            and not r.l3  # a copy in L3 holds no host protection (or is already on its way there)
+            and r.session_id != session_id
+            and self._predicted_end(r) > back
         )
         if not demotable:
             return p
@@ -407,7 +417,7 @@ class ToolKVManager:
         ``Offloaded`` sessions: one with a copy in flight is never demoted."""
         cands = []
         for r in self.sessions.values():
-            if r.state != "Offloaded" or r.session_id == but:
+            if r.state != "Offloaded" or r.l3 or r.session_id == but:
                 continue
             end = self._predicted_end(r)
             if end > returns_at:
@@ -434,6 +444,8 @@ class ToolKVManager:
             raise WrongState(
                 f"prefetch needs an Offloaded session; {session_id!r} is {rec.state}", state=rec.state
             )
+        if rec.l3 and self._l3_prefetch(rec):
+            return self._meta(rec)
         runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         rec.prefetch_at = float("inf")
         if runnable:  # nothing to load: the path is resident; pin it (the pin backend's offload pin is it)
@@ -466,7 +478,7 @@ class ToolKVManager:
                 self._seq += 1
                 heapq.heappush(heap, (rec.prefetch_at, self._seq, sid))
                 break
-            if not self.backend.worth_prefetching(rec):
+            if not rec.l3 and not self.backend.worth_prefetching(rec):
                 continue
             try:
                 if not self._spare_for(rec):
@@ -524,7 +536,7 @@ class ToolKVManager:
                 victims = self._demotion_candidates(session_id, returns_at) if demote else []
                 if not victims:
                     raise
-                self.demote(victims[0])
+                self._yield_host(victims[0])
         rec.epoch += 1
         self._arm_deadline(rec)
         if self._free_at_tool_start(clean):
@@ -545,6 +557,180 @@ class ToolKVManager:
         in flight (caveat 7: a GPU copy is freed only after its write is acknowledged; otherwise
         ``process_write_acks`` frees it once sglang has retired the ack)."""
         return clean
+
+    # ---- the L3 storage tier (spec/storage/StorageTier.tla) ---------------------------------------------
+    # An Offloaded session's copy can go down to sglang's storage backend (--hicache-storage-backend)
+    # instead of being dropped when the host must make room. The session stays ``Offloaded`` (the
+    # main model's phase: a protected copy below the GPU, left by tool_end, the TTL, close or a
+    # tree reset) and ``rec.l3`` says where that copy is: "storing" (spec Store: the host copy is
+    # still protected), "stored" (StoreAck whole: host protection released, the copy protected in
+    # L3), "fetching" (StoragePrefetch: the copy pinned by sglang's prefetch). Every answer read
+    # off an asynchronous event is agreed across TP ranks inside the backend (``store_ack`` and
+    # ``prefetch_ack`` read sglang's lockstep queues, drained with an all-reduce MIN, and agree on
+    # what they find), and the calls run in the same order on every rank.
+    def _storage_on(self) -> bool:
+        enabled = getattr(self.backend, "storage_enabled", None)
+        return bool(enabled is not None and enabled())
+
+    def _yield_host(self, session_id: str) -> None:
+        """Make host room with one victim: with a storage tier, Store its host copy to L3 (the host
+        copy goes only after the StoreAck; if sglang holds every page already the ack comes at
+        once); else, or if the backend refuses or cuts the write short, ``demote`` (drop) it."""
+        rec = self.sessions[session_id]
+        if self._storage_on() and self._store(rec) and rec.l3:
+            return
+        self.demote(session_id)
+
+    def _store(self, rec: SessionRecord) -> bool:
+        """Spec ``Store`` (then ``StoreAck`` at once if nothing is in flight). False: refused,
+        nothing changed."""
+        if not self.backend.store(rec):  # type: ignore[attr-defined]
+            self.counters["l3_store_refused"] += 1
+            return False
+        rec.l3 = "storing"
+        self._storing[rec.session_id] = rec
+        self.counters["l3_store"] += 1
+        self._store_ack(rec)
+        return True
+
+    def _store_ack(self, rec: SessionRecord) -> bool | None:
+        """Spec ``StoreAck``: whole → the copy lives in L3 (``stored``); short → the session stays
+        on its protected host copy (never restored from an incomplete write). None: in flight."""
+        got: bool | None = self.backend.store_ack(rec)  # type: ignore[attr-defined]
+        if got is None:
+            return None
+        del self._storing[rec.session_id]
+        if got:
+            rec.l3 = "stored"
+            self.counters["demoted_l3"] += 1
+            self.counters["l3_stored_tokens"] += rec.offload_tokens
+            log.debug("session %s demoted to L3", rec.session_id)
+        else:
+            rec.l3 = ""
+            self.counters["l3_store_short"] += 1
+        return got
+
+    def _fetch(self, rec: SessionRecord, then: str) -> str:
+        """Spec ``ToolEnd`` of a stored session (``then`` = "tool_end") or an early restore of one
+        ("prefetch"): ``storage_prefetch``. "host": the host copy was still there and is protected
+        again (the caller restores from it); "prefetching": sglang reads it into the host pool,
+        :meth:`process_storage_acks` goes on at its ack; "refused": retried at the next tick."""
+        self._seq += 1
+        rid = f"toolkv-l3:{rec.session_id}:{rec.epoch}:{self._seq}"  # the same on every rank
+        got: str = self.backend.storage_prefetch(rec, rid)  # type: ignore[attr-defined]
+        rec.l3_then = then
+        if got == "host":
+            rec.l3 = rec.l3_then = ""
+            self._fetching.pop(rec.session_id, None)
+            self.counters["l3_from_host"] += 1
+            return got
+        self._fetching[rec.session_id] = rec  # "refused" stays "stored": retried by the tick
+        if got == "prefetching":
+            rec.l3 = "fetching"
+            rec.restore_started_at = self.now
+            self.counters["l3_prefetch"] += 1
+        else:
+            self.counters["l3_prefetch_refused"] += 1
+        return got
+
+    def _tool_end_l3(self, rec: SessionRecord) -> bool:
+        """tool_end of a session with an L3 copy. True: handled here (the restore goes on at the
+        prefetch's ack); False: the host copy is protected, restore from it as usual."""
+        if rec.l3 == "storing":  # ToolEndFromHost: the host copy is protected; the store is let go
+            self.backend.drop_storage(rec)  # type: ignore[attr-defined]
+            self._storing.pop(rec.session_id, None)
+            rec.l3 = ""
+            return False
+        if rec.l3_then == "tool_end":  # this call's tool_end was accepted already
+            raise WrongState(
+                f"tool_end already accepted; {rec.session_id!r} is being restored from L3", state=rec.state
+            )
+        if rec.l3 == "fetching":  # an early restore from L3 is reading: it becomes the restore
+            rec.l3_then = "tool_end"
+        elif self._fetch(rec, "tool_end") == "host":
+            return False
+        self._observe_call(rec)
+        self.counters["tool_end"] += 1
+        self.counters["tool_end_l3"] += 1
+        return True
+
+    def _l3_prefetch(self, rec: SessionRecord) -> bool:
+        """The early restore (spec ``Prefetch``) of a session with an L3 copy. True: handled here
+        (a storage prefetch, then the host→GPU prefetch at its ack)."""
+        if rec.l3 == "storing":  # the host copy is still protected: prefetch from it
+            self.backend.drop_storage(rec)  # type: ignore[attr-defined]
+            self._storing.pop(rec.session_id, None)
+            rec.l3 = ""
+            return False
+        if rec.l3 == "fetching" or rec.l3_then:
+            raise WrongState(f"session {rec.session_id!r} is being read from L3 already", state=rec.state)
+        return self._fetch(rec, "prefetch") != "host"
+
+    def process_storage_acks(self) -> int:
+        """Once per tick on every rank: ``StoreAck`` of the stores in flight, ``PrefetchAck`` of the
+        prefetches (then the host→GPU restore, or the early restore), and the prefetches of
+        released sessions (``poll_storage``: their pins end at their own acks). Returns how many
+        acks were taken."""
+        n = 0
+        for rec in list(self._storing.values()):
+            if self._store_ack(rec) is not None:
+                n += 1
+        for rec in list(self._fetching.values()):
+            if rec.l3 == "stored":  # sglang refused the prefetch last time: ask again
+                then = rec.l3_then
+                if self._fetch(rec, then) == "host":
+                    self._after_fetch(rec, then)
+                continue
+            got = self.backend.prefetch_ack(rec)  # type: ignore[attr-defined]
+            if got is None:
+                continue
+            n += 1
+            then = rec.l3_then
+            del self._fetching[rec.session_id]
+            rec.l3 = rec.l3_then = ""
+            if got:
+                self.counters["l3_restored"] += 1
+            else:  # a page was missing: restore what came back, the next turn recomputes the rest
+                self.counters["l3_prefetch_short"] += 1
+                if not self.backend.protect_host_prefix(rec):  # type: ignore[attr-defined]
+                    self._nothing_came_back(rec, then)
+                    continue
+            self._after_fetch(rec, then)
+        assert self._poll_storage is not None
+        n += self._poll_storage()
+        return n
+
+    def _after_fetch(self, rec: SessionRecord, then: str) -> None:
+        """The session's copy is on host again, protected: restore it to the GPU (tool_end), or
+        start the early restore (prefetch). A device that cannot take it leaves the session
+        Offloaded on its protected host copy: the early restore is tried again later; the
+        tool_end's restore is left to sglang's own load-back of the next request or the TTL."""
+        whole = rec.offload_tokens
+        try:
+            if then == "tool_end":
+                self._restore_from_host(rec)
+                if rec.restore:
+                    rec.recompute_tokens = max(rec.recompute_tokens, whole - self._path_tokens(rec))
+            else:
+                self.prefetch(rec.session_id)
+        except DeviceMemoryFull:
+            if then != "tool_end":
+                self.counters["prefetch_deferred"] += 1
+                rec.prefetch_at = self.now + 0.25
+                self._seq += 1
+                heapq.heappush(self._prefetch_due, (rec.prefetch_at, self._seq, rec.session_id))
+
+    def _path_tokens(self, rec: SessionRecord) -> int:
+        return sum(len(m.key) for m in path_to(self.tree, rec.node)) if rec.node is not None else 0
+
+    def _nothing_came_back(self, rec: SessionRecord, then: str) -> None:
+        """A prefetch that read no page: nothing is held; the next turn recomputes it all."""
+        self.backend.release(rec)
+        self._settle(rec)
+        fire(rec, "demote", "Released")
+        if then == "tool_end":
+            fire(rec, "tool_end", "Running")
+        rec.recompute_tokens, rec.restored_tokens, rec.restore = rec.offload_tokens, 0, "recompute"
 
     # ---- WriteAck -------------------------------------------------------------------------------------
     def process_write_acks(self) -> int:
@@ -592,6 +778,18 @@ class ToolKVManager:
             return self._meta(rec)
         if rec.state not in ("Offloading", "Offloaded"):
             return self._tool_end_not_offloaded(rec)
+        if rec.l3 and self._tool_end_l3(rec):
+            return self._meta(rec)
+        self._restore_from_host(rec)
+        self._observe_call(rec)
+        self.counters["tool_end"] += 1
+        return self._meta(rec)
+
+    def _restore_from_host(self, rec: SessionRecord) -> None:
+        """Spec ``ToolEnd`` from a protected host copy: the host→GPU load, or the hand-over at once
+        when nothing is to load. Raises ``DeviceMemoryFull`` (nothing changed) when the device
+        cannot take it."""
+        session_id = rec.session_id
         try:
             self._check_pin_room(rec)
             runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
@@ -599,7 +797,6 @@ class ToolKVManager:
             self._restore_refused(rec)
             raise
         self._offloading.pop(session_id, None)
-        self._observe_call(rec)
         if runnable:  # nothing to load: pin what is resident until the next request holds it
             self._settle(rec)
             self._pin_for_handover(rec)
@@ -608,12 +805,10 @@ class ToolKVManager:
             fire(rec, "tool_end", "Restoring")
             self._restoring[session_id] = rec
             rec.restore_started_at = self.now
-        self.counters["tool_end"] += 1
         self.counters["restored_tokens"] += rec.restored_tokens
         if rec.recompute_tokens:  # nothing worth loading: the next request recomputes the suffix
             self.counters["restore_below_threshold"] += 1
         log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
-        return self._meta(rec)
 
     def _observe_call(self, rec: SessionRecord) -> None:
         """The tool call is over (tool_end accepted): feed its duration (agreed clock) to the
@@ -729,7 +924,7 @@ class ToolKVManager:
         rec = self.sessions.get(session_id)
         if rec is None:
             return False
-        if rec.state == "Restoring":
+        if rec.state == "Restoring" or (rec.l3 == "fetching" and rec.l3_then == "tool_end"):
             rec.admit_pending = True
             return False
         if rec.state != "Handover":
@@ -836,6 +1031,8 @@ class ToolKVManager:
         self._offloading.clear()
         self._restoring.clear()
         self._prefetching.clear()
+        self._storing.clear()
+        self._fetching.clear()
 
     def _take_retired_acks(self) -> None:
         """Spec ``WriteAck``/``LoadAck`` (and ``Admit``) for the copies sglang retired before a
@@ -881,6 +1078,8 @@ class ToolKVManager:
         self.set_clock(now)
         if self._offloading:
             self.process_write_acks()
+        if self._poll_storage is not None:  # the L3 tier: store and prefetch acks, released prefetches
+            self.process_storage_acks()
         if self._prefetch_due and self._prefetch_due[0][0] <= now:
             self.run_prefetches()
         if self._restoring or self._prefetching or self.backend.loads_in_flight():
@@ -907,6 +1106,10 @@ class ToolKVManager:
             out.update(tier="Evicted", tokens=0, device_tokens=0, host_tokens=0)
         else:
             out.update(self.backend.describe(rec))
+        if rec.l3:  # an Offloaded session's L3 sub-phase; its tier is l3 once the copy lives there
+            out["l3"] = rec.l3
+            if rec.l3 != "storing":
+                out["tier"] = "l3"
         if rec.reason:  # the per-call policy's last decision
             out.update(
                 decision=rec.decision or None, reason=rec.reason, tool=rec.tool, expected_s=rec.expected_s

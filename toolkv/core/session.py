@@ -50,4 +50,9 @@ class SessionRecord:
     restore_started_at: float = 0.0  # agreed clock when the last load was queued (restore rate)
     admit_pending: bool = False  # the next request was admitted while the load was in flight
     last_active: float = 0.0  # agreed clock of the session's last turn or call (idle expiry)
+    # the L3 storage tier (an ``Offloaded`` session's sub-phase, spec/storage/StorageTier.tla):
+    # "" (none), "storing" (Store, host copy still protected), "stored" (StoreAck whole: the copy
+    # lives in L3, host protection released), "fetching" (StoragePrefetch, the copy pinned)
+    l3: str = ""
+    l3_then: str = ""  # what a fetch leads to at its ack: "tool_end" (restore) or "prefetch" (early)
     target: str | None = None  # used by lifecycle.fire while a transition runs

@@ -501,6 +501,26 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         rec.protected = leaf
         self._ledger.take(rec.session_id, path_to(self.tree, leaf))
 
+    def drop_storage(self, rec: SessionRecord) -> None:
+        """The session is restored from its host copy while a store was in flight or done (spec
+        ``ToolEndFromHost``: the storage protection is dropped; the host protection stays)."""
+        self._release_storage(rec)
+
+    def protect_host_prefix(self, rec: SessionRecord) -> int:
+        """After a short ``prefetch_ack``: protect the part of the session's path that is on host
+        (the pages read before the missing one), so that it can be restored like a whole copy;
+        ``rec.node`` becomes its last node. Returns its tokens (0: nothing came back, nothing
+        protected). The rest is left to the next request to recompute."""
+        node, _ = walk(self.tree, rec.tokens, rec.extra_key)
+        root = self.tree.root_node
+        while node is not root and node.host_value is None:
+            node = node.parent
+        tokens = _ntok(path_to(self.tree, node)) if node is not root else 0
+        if not self.agree.all_true(tokens > 0):
+            return 0
+        self._protect_host_path(rec, node)
+        return tokens
+
     def _release_storage(self, rec: SessionRecord) -> None:
         """Close or the TTL: the session's storage protection ends. A prefetch reading the copy
         keeps its pin until its own ack (``poll_storage``): dropping it now is mutant
