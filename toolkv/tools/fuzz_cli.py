@@ -41,6 +41,16 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
         frozenset(),
         "hand-over: pin released before the next request",
     ),
+    "KeepFullTtl": (
+        frozenset({"KeepFullTtl"}),
+        frozenset(),
+        "keep TTL: a kept session armed with the full TTL",
+    ),
+    "WarmFullTtl": (
+        frozenset({"WarmFullTtl"}),
+        frozenset(),
+        "keep TTL: an early restore kept with its offload's full TTL",
+    ),
 }
 
 
