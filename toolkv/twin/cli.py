@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--opt", action="store_true", help="also compute the optimal-retention bound per configuration"
     )
-    p.add_argument("--compare", default=None, help="folder of toolkv bench agent JSON to compare with")
+    p.add_argument(
+        "--compare", default=None,
+        help="folder of toolkv bench agent JSON to compare with (matched by label), or one such JSON (matched by "
+        "the agents' mode)",
+    )  # fmt: skip
     p.add_argument(
         "--sessions", type=int, default=None,
         help=f"sessions at the start (default {d.initial_sessions}; l3: 8; fleet: 6 per server)",
@@ -62,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-tokens", type=int, default=d.first_tokens)
     p.add_argument("--growth", type=int, default=d.growth_per_turn)
     p.add_argument("--output", type=int, default=d.output_tokens)
+    p.add_argument(
+        "--max-context", type=int, default=d.max_context,
+        help="a session ends before its prompt + answer would exceed this (toolkv bench agent's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ttl", type=float, default=None, help="TOOLKV_TTL_S of the toolkv configurations (default theirs)"
+    )
     p.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
     p.add_argument("--tool-shapes", default="traces,long", help="sweep: comma list of tool shapes")
     p.add_argument(
@@ -91,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def workload(a: argparse.Namespace, tool_shape: str | None = None, **over: Any) -> Workload:
     kw: dict[str, Any] = dict(
         initial_sessions=a.sessions, arrival_rate=a.arrival_rate, turns_median=a.turns, first_tokens=a.first_tokens,
-        growth_per_turn=a.growth, output_tokens=a.output, tool_shape=tool_shape or a.tool_shape,
+        growth_per_turn=a.growth, output_tokens=a.output, max_context=getattr(a, "max_context", Workload().max_context),
+        tool_shape=tool_shape or a.tool_shape,
         duration_s=a.duration, seed=a.seed,
     )  # fmt: skip
     kw.update(over)
@@ -105,6 +118,8 @@ def configs(a: argparse.Namespace, host_gb: float | None) -> list[TwinConfig]:
         c = get(n)
         if host_gb is not None and c.cache == "hiradix" and c.host_gb == 16.0:
             c = c.with_host_gb(host_gb)
+        if getattr(a, "ttl", None) is not None and c.mode != "stock":
+            c = replace(c, ttl_s=a.ttl)
         out.append(c)
     return out
 

@@ -39,6 +39,12 @@ def metrics(res: dict[str, Any]) -> dict[str, float]:
 
 
 def load_gpu(root: Path) -> dict[str, dict[str, Any]]:
+    """The GPU results by label: every JSON of a folder, or one JSON file. A single file (a run
+    whose label is no configuration's, e.g. ``load48`` of the acceptance run) is also offered to
+    every twin configuration whose agents run its mode (see :func:`compare`)."""
+    if root.is_file():
+        r = json.loads(root.read_text())
+        return {r["config"]: r | {"_by_mode": True}}
     return {r["config"]: r for r in (json.loads(p.read_text()) for p in sorted(root.glob("*.json")))}
 
 
@@ -46,6 +52,8 @@ def compare(twins: list[dict[str, Any]], gpu: dict[str, dict[str, Any]]) -> list
     rows = []
     for t in twins:
         g = gpu.get(t.get("gpu_label", t["config"]))
+        if g is None:  # a single GPU file: the configurations whose agents ran its mode
+            g = next((r for r in gpu.values() if r.get("_by_mode") and r.get("mode") == t.get("mode")), None)
         if g is None:
             continue
         mt, mg = metrics(t), metrics(g)
