@@ -306,8 +306,8 @@ def run(a: argparse.Namespace) -> int:
             float(a.host_gb)
         if a.profile and not Path(a.profile).is_file():
             raise ValueError(f"no such profile file: {a.profile}")
-        if a.compare and not Path(a.compare).is_dir():
-            raise ValueError(f"no such results folder: {a.compare}")
+        if a.compare and not Path(a.compare).exists():
+            raise ValueError(f"no such results folder or file: {a.compare}")
         workload(a)
     except ValueError as e:
         print(f"toolkv twin: error: {e}", file=sys.stderr)
