@@ -77,7 +77,7 @@ def demote_a(h: StorageCacheHarness, m: ToolKVManager) -> None:
         False,
     )
     assert m.counters["demoted_l3"] == 1 and m.counters["demoted"] == 0, "stored, not dropped"
-    step(h, m, 1.0, writes=True)
+    step(h, m, m.now + 1.0, writes=True)
     assert m.kv_meta("b")["state"] == "Offloaded"
     h.evict_host(10**6)
     assert h.match(A).host_hit_length == 0, "a's host copy is gone: only L3 holds it"
@@ -265,5 +265,95 @@ def test_an_early_restore_from_l3_is_on_the_gpu_before_tool_end(tmp_path: Path) 
         dev = h.match(A).device_indices
         assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv)
         assert m.tool_end("a", epoch)["state"] == "Handover"
+        settle(h, m)
+        assert h.accounting() == initial
+
+
+def test_the_predicted_return_restores_an_l3_session_early(tmp_path: Path) -> None:
+    """Policy ``auto``: ``a``'s tool is predicted long, so its early restore is scheduled from the
+    predicted return; once its copy lives in L3 the restore starts sooner by the L3 read's time
+    and reads storage → host → GPU before the tool_end."""
+    with StorageCacheHarness(CFG, tmp_path / "l3") as h:
+        initial = h.accounting()
+        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto", l3_read_tokens_per_s=10.0)
+        m = ToolKVManager(h.tree, HiRadixBackend(h.tree, host_budget_tokens=BUDGET), config=cfg)
+        kv = turn(h, m, "a", A)
+        meta = m.tool_start("a", tool="crawl", expected_s=60.0)
+        assert meta["decision"] == "offload", meta
+        epoch = int(meta["epoch"])  # type: ignore[call-overload]
+        due = m.sessions["a"].prefetch_at
+        assert 0 < due < 60.0
+        step(h, m, 0.0, writes=True)
+        h.await_store_acks()
+        turn(h, m, "b", B)
+        assert m.tool_start("b", tool="grep", expected_s=20.0)["decision"] == "offload"
+        assert m.kv_meta("a")["l3"] == "stored"
+        assert m.sessions["a"].prefetch_at == max(0.0, due - len(A) / 10.0), "sooner by the L3 read"
+        step(h, m, 1.0, writes=True)
+        h.evict_host(10**6)
+        assert h.match(A).host_hit_length == 0
+        m.tick(m.sessions["a"].prefetch_at)
+        assert m.kv_meta("a")["l3"] == "fetching", "the early restore reads L3"
+        until(h, m, lambda: m.kv_meta("a")["state"] == "Kept")
+        dev = h.match(A).device_indices
+        assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv)
+        assert m.tool_end("a", epoch)["state"] == "Handover"
+        settle(h, m)
+        assert h.accounting() == initial
+
+
+def test_l3_off_drops_as_without_a_storage_tier(tmp_path: Path) -> None:
+    with StorageCacheHarness(CFG, tmp_path / "l3") as h:
+        initial = h.accounting()
+        be = HiRadixBackend(h.tree, host_budget_tokens=BUDGET)
+        m = ToolKVManager(h.tree, be, config=ManagerConfig(host_budget_tokens=BUDGET, l3=False))
+        turn(h, m, "a", A)
+        m.tool_start("a")
+        step(h, m, 0.0, writes=True)
+        h.await_store_acks()
+        turn(h, m, "b", B)
+        m.tool_start("b", expected_s=0.0)
+        assert m.kv_meta("a")["state"] == "Released" and "l3" not in m.kv_meta("a")
+        assert m.counters["demoted"] == 1 and not be.storage_copies
+        settle(h, m)
+        assert h.accounting() == initial
+
+
+def test_the_l3_variables_are_validated_at_start_up() -> None:
+    from toolkv.sglang.config import ToolKVConfig
+
+    assert ToolKVConfig.from_env({}).manager_config().l3 is True
+    cfg = ToolKVConfig.from_env({"TOOLKV_L3": "0", "TOOLKV_L3_READ_TOKENS_PER_S": "5e4"}).manager_config()
+    assert (cfg.l3, cfg.l3_read_tokens_per_s) == (False, 5e4)
+    for bad in ({"TOOLKV_L3": "maybe"}, {"TOOLKV_L3_READ_TOKENS_PER_S": "0"}, {"TOOLKV_L3_READ_TOKENS": "1"}):
+        with pytest.raises(ValueError, match="TOOLKV_L3"):
+            ToolKVConfig.from_env(bad)
+    with pytest.raises(ValueError, match="l3_read_tokens_per_s"):
+        ManagerConfig(l3_read_tokens_per_s=float("inf"))
+
+
+def test_restore_on_request_reads_an_l3_session_back_once(tmp_path: Path) -> None:
+    """The session's next request is its tool's end (``TOOLKV_RESTORE_ON_REQUEST``): the first one
+    starts the L3 read, a second one while it reads changes nothing (no second tool_end)."""
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.scheduler_side import SchedulerToolKV
+
+    with StorageCacheHarness(CFG, tmp_path / "l3") as h:
+        initial = h.accounting()
+        tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=TTL, host_budget_tokens=BUDGET))
+        m = tk.manager
+        kv = turn(h, m, "a", A)
+        m.tool_start("a")
+        step(h, m, m.now, writes=True)
+        h.await_store_acks()
+        turn(h, m, "b", B)
+        demote_a(h, m)
+        tk.on_request("a")
+        assert m.kv_meta("a")["l3"] == "fetching" and m.counters["tool_end_l3"] == 1
+        tk.on_request("a")
+        assert m.counters["tool_end_l3"] == 1 and m.counters["tool_end"] == 1
+        until(h, m, lambda: m.kv_meta("a")["state"] == "Handover")
+        dev = h.match(A).device_indices
+        assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv)
         settle(h, m)
         assert h.accounting() == initial

@@ -74,6 +74,12 @@ class ManagerConfig:
     # Close): agents that end without close (zero-change mode never calls it) must not grow the
     # table for ever. inf: never.
     idle_ttl_s: float = 3600.0
+    # With an L3 storage tier (sglang's --hicache-storage-backend): a host that must make room
+    # stores an offloaded session's copy to L3 instead of dropping it. False: drop, as without one.
+    l3: bool = True
+    # the rate the early restore assumes for reading a session back from L3 (tokens per second):
+    # a session's early restore starts that much earlier once its copy lives in L3
+    l3_read_tokens_per_s: float = 100_000.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -86,6 +92,8 @@ class ManagerConfig:
             raise ValueError("idle_ttl_s must be a number of seconds > 0 (inf: never)")
         if not (self.restore_tokens_per_s > 0 and self.restore_tokens_per_s < float("inf")):
             raise ValueError("restore_tokens_per_s must be a positive number")
+        if not (self.l3_read_tokens_per_s > 0 and self.l3_read_tokens_per_s < float("inf")):
+            raise ValueError("l3_read_tokens_per_s must be a positive number")
 
 
 POLICIES = ("offload", "auto")
@@ -570,7 +578,7 @@ class ToolKVManager:
     # what they find), and the calls run in the same order on every rank.
     def _storage_on(self) -> bool:
         enabled = getattr(self.backend, "storage_enabled", None)
-        return bool(enabled is not None and enabled())
+        return bool(self.config.l3 and enabled is not None and enabled())
 
     def _yield_host(self, session_id: str) -> None:
         """Make host room with one victim: with a storage tier, Store its host copy to L3 (the host
@@ -604,6 +612,11 @@ class ToolKVManager:
             rec.l3 = "stored"
             self.counters["demoted_l3"] += 1
             self.counters["l3_stored_tokens"] += rec.offload_tokens
+            if rec.prefetch_at != float("inf"):  # the early restore now reads L3 first: start sooner
+                lead = rec.offload_tokens / self.config.l3_read_tokens_per_s
+                rec.prefetch_at = max(self.now, rec.prefetch_at - lead)
+                self._seq += 1
+                heapq.heappush(self._prefetch_due, (rec.prefetch_at, self._seq, rec.session_id))
             log.debug("session %s demoted to L3", rec.session_id)
         else:
             rec.l3 = ""

@@ -124,11 +124,17 @@ class ToolKVConfig:
     policy: str = "offload"  # TOOLKV_POLICY: offload (every tool_start) or auto (per call)
     prefetch: bool = True  # TOOLKV_PREFETCH: with policy auto, restore before the tool is expected back
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
-    keep_ttl_s: float = 30.0  # TOOLKV_KEEP_TTL_S: the longest a GPU pin (kept, or restored early) waits for tool_end
+    # TOOLKV_KEEP_TTL_S: the longest a GPU pin (kept, or restored early) waits for tool_end
+    keep_ttl_s: float = 30.0
     # TOOLKV_HANDOVER_TTL_S: the longest a restored session stays pinned waiting for its next request
     handover_ttl_s: float = 30.0
     # TOOLKV_IDLE_TTL_S: a session holding nothing, with no turn or call for this long, is forgotten
     idle_ttl_s: float = 3600.0
+    # TOOLKV_L3: with sglang's --hicache-storage-backend, a full host stores an offloaded session
+    # to L3 instead of dropping it (0: drop, as without a storage backend)
+    l3: bool = True
+    # TOOLKV_L3_READ_TOKENS_PER_S: the L3 read rate the early restore of a session in L3 assumes
+    l3_read_tokens_per_s: float = 100_000.0
 
     @classmethod
     def variables(cls) -> frozenset[str]:
@@ -204,6 +210,8 @@ class ToolKVConfig:
             keep_ttl_s=_float(e, "TOOLKV_KEEP_TTL_S", cls.keep_ttl_s, lo=0.0),
             handover_ttl_s=_float(e, "TOOLKV_HANDOVER_TTL_S", cls.handover_ttl_s, lo=0.0),
             idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, lo=1.0),
+            l3=_bool(e, "TOOLKV_L3", True),
+            l3_read_tokens_per_s=_float(e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, lo=1.0),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -223,4 +231,6 @@ class ToolKVConfig:
             keep_ttl_s=self.keep_ttl_s,
             handover_ttl_s=self.handover_ttl_s,
             idle_ttl_s=self.idle_ttl_s,
+            l3=self.l3,
+            l3_read_tokens_per_s=self.l3_read_tokens_per_s,
         )

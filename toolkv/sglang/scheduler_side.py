@@ -430,6 +430,8 @@ class SchedulerToolKV:
         ):
             return
         assert rec is not None
+        if rec.l3_then == "tool_end":  # its tool_end was accepted: being read back from L3 already
+            return
         try:
             meta = self.manager.tool_end(sid, rec.epoch)
         except DeviceMemoryFull:
