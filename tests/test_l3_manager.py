@@ -302,6 +302,33 @@ def test_the_predicted_return_restores_an_l3_session_early(tmp_path: Path) -> No
         assert h.accounting() == initial
 
 
+def test_a_tool_end_before_the_predicted_return_takes_over_the_early_restore(tmp_path: Path) -> None:
+    """The tool returns before its early restore was due: the tool_end's read is the only one,
+    and the early restore's due time passing while it reads does nothing."""
+    with StorageCacheHarness(CFG, tmp_path / "l3") as h:
+        initial = h.accounting()
+        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto")
+        m = ToolKVManager(h.tree, HiRadixBackend(h.tree, host_budget_tokens=BUDGET), config=cfg)
+        kv = turn(h, m, "a", A)
+        epoch = int(m.tool_start("a", tool="crawl", expected_s=60.0)["epoch"])  # type: ignore[call-overload]
+        step(h, m, 0.0, writes=True)
+        h.await_store_acks()
+        turn(h, m, "b", B)
+        m.tool_start("b", tool="grep", expected_s=20.0)
+        assert m.kv_meta("a")["l3"] == "stored"
+        m.tick(2.0)
+        h.evict_host(10**6)
+        assert m.tool_end("a", epoch)["l3"] == "fetching"
+        m.tick(59.99)  # past the early restore's due time, the read still in flight
+        assert m.kv_meta("a")["l3"] == "fetching" and len(h.tree.ongoing_prefetch) == 1
+        until(h, m, lambda: m.kv_meta("a")["state"] == "Runnable" or m.kv_meta("a")["state"] == "Handover")
+        dev = h.match(A).device_indices
+        assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv)
+        assert m.counters["prefetched"] == 0 and m.counters["l3_prefetch"] == 1
+        settle(h, m)
+        assert h.accounting() == initial
+
+
 def test_l3_off_drops_as_without_a_storage_tier(tmp_path: Path) -> None:
     with StorageCacheHarness(CFG, tmp_path / "l3") as h:
         initial = h.accounting()

@@ -481,6 +481,8 @@ class ToolKVManager:
             rec = self.sessions.get(sid)
             if rec is None or rec.prefetch_at != when or rec.state not in ("Offloading", "Offloaded"):
                 continue
+            if rec.l3 == "fetching" or rec.l3_then:  # being read back from L3 already
+                continue
             if rec.state == "Offloading":  # its writes are still in flight: look again shortly
                 rec.prefetch_at = self.now + 0.05
                 self._seq += 1
@@ -632,6 +634,7 @@ class ToolKVManager:
         rid = f"toolkv-l3:{rec.session_id}:{rec.epoch}:{self._seq}"  # the same on every rank
         got: str = self.backend.storage_prefetch(rec, rid)  # type: ignore[attr-defined]
         rec.l3_then = then
+        rec.prefetch_at = float("inf")  # the read is the early restore, or tool_end came first
         if got == "host":
             rec.l3 = rec.l3_then = ""
             self._fetching.pop(rec.session_id, None)
