@@ -730,6 +730,7 @@ class ToolKVManager:
             else:
                 self.prefetch(rec.session_id)
         except DeviceMemoryFull:
+            rec.admit_pending = False  # nothing to hand over: the request runs on what sglang has
             if then != "tool_end":
                 self.counters["prefetch_deferred"] += 1
                 rec.prefetch_at = self.now + 0.25
@@ -743,6 +744,7 @@ class ToolKVManager:
         """A prefetch that read no page: nothing is held; the next turn recomputes it all."""
         self.backend.release(rec)
         self._settle(rec)
+        rec.admit_pending = False
         fire(rec, "demote", "Released")
         if then == "tool_end":
             fire(rec, "tool_end", "Running")
