@@ -384,3 +384,54 @@ def test_restore_on_request_reads_an_l3_session_back_once(tmp_path: Path) -> Non
         assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv)
         settle(h, m)
         assert h.accounting() == initial
+
+
+def test_the_decision_log_of_an_l3_round_trip_is_a_spec_behaviour(tmp_path: Path) -> None:
+    """Through the scheduler side's logged calls: a session demoted to L3, its ``tool_end``
+    accepted while it stays ``Offloaded`` (``l3=fetching``: the read runs first), then restored
+    and handed over without a line. ``toolkv trace-check --decisions`` must accept the log; and a
+    copy where the session jumps to Restoring without having asked stays refused."""
+    import logging
+
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.scheduler_side import SchedulerToolKV
+    from toolkv.verify.decisions import check_logs
+
+    log_path = tmp_path / "server.log"
+    handler = logging.FileHandler(log_path, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("[%(asctime)s TP0] %(message)s"))
+    logger = logging.getLogger("toolkv")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with StorageCacheHarness(CFG, tmp_path / "l3") as h:
+            tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=TTL, host_budget_tokens=BUDGET))
+            m = tk.manager
+            turn(h, m, "a", A)
+            epoch = int(tk.handle("tool_start", {"session_id": "a"})[1]["epoch"])
+            step(h, m, m.now, writes=True)
+            h.await_store_acks()
+            turn(h, m, "b", B)
+            tk.handle("tool_start", {"session_id": "b", "expected_s": 0.0})  # a yields to L3
+            assert m.kv_meta("a")["l3"] == "stored"
+            step(h, m, m.now + 1.0, writes=True)
+            h.evict_host(10**6)  # HiCache takes back a's host copy, which nothing protects now
+            ended = tk.handle("tool_end", {"session_id": "a", "epoch": epoch})[1]
+            assert (ended["state"], ended["l3"]) == ("Offloaded", "fetching")
+            until(h, m, lambda: m.kv_meta("a")["state"] == "Handover")
+            tk.handle("close", {"session_id": "a"})
+            tk.handle("close", {"session_id": "b"})
+            settle(h, m)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+    text = log_path.read_text()
+    assert "l3=fetching" in text, text
+    res = check_logs([log_path])
+    assert res.ok, res.to_json()
+    # the same log without the L3 field reads as a tool_end that left the session Offloaded: illegal
+    bad = tmp_path / "bad.log"
+    bad.write_text(text.replace(" l3=fetching", ""))
+    assert not check_logs([bad]).ok

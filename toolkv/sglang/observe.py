@@ -84,7 +84,8 @@ class DecisionLog:
     ) -> None:
         """One decision. ``result`` is the session's kv_meta after an accepted call; its policy
         reason (why keep / offload / let go) is logged when the caller gives none. ``extra``:
-        fields appended after ``rank`` (``tool_end``: ``asked``, the epoch the call carried)."""
+        fields appended after ``rank`` (``tool_end``: ``asked``, the epoch the call carried); a
+        session whose copy is in L3 also gets ``l3=`` (``storing``, ``stored``, ``fetching``)."""
         m = self.manager
         if not reason and result and isinstance(result.get("reason"), str):
             reason = result["reason"]
@@ -93,7 +94,10 @@ class DecisionLog:
         epoch = result.get("epoch") if result else (rec.epoch if rec is not None else None)
         tokens = result.get("tokens") if result else (len(rec.tokens) if rec is not None else None)
         if log.isEnabledFor(self.level):
-            more = "".join(f" {k}={fmt(v)}" for k, v in extra.items()) if extra else ""
+            fields: dict[str, object] = dict(extra or {})
+            if rec is not None and rec.l3:  # the session's copy is in L3: storing, stored, fetching
+                fields["l3"] = rec.l3
+            more = "".join(f" {k}={fmt(v)}" for k, v in fields.items())
             log.log(
                 self.level,
                 "toolkv decision op=%s session=%s epoch=%s state=%s tokens=%s outcome=%s reason=%s rank=%d%s",

@@ -169,6 +169,7 @@ class Decision:
     reason: str
     rank: int
     asked: int | str | None = None  # tool_end: the epoch the call carried
+    l3: str | None = None  # the session's copy in L3: storing, stored, fetching
     text: str = ""
 
     def key(self) -> tuple[Any, ...]:
@@ -238,6 +239,7 @@ def parse_line(text: str, file: str = "", line: int = 0) -> Decision | None:
         reason=f.get("reason") or "",
         rank=_int(f.get("rank")) or 0,
         asked=asked,
+        l3=f.get("l3"),
         text=text.rstrip("\r\n"),
     )
 
@@ -394,6 +396,19 @@ def step(sess: _Session, d: Decision) -> tuple[Violation, str] | None:
     triggers = OP_TRIGGERS.get(d.op)
     if triggers is None:
         return Violation.UNKNOWN_OP, f"op {d.op!r} is not a decision the checker knows"
+    if d.op in ("tool_end", "restore_on_request") and d.state == "Offloaded" and d.l3 == "fetching":
+        # A copy in L3 is read back to the host first: the call is accepted and the session stays
+        # Offloaded until the read's ack, when the manager starts the host->GPU restore at a tick
+        # (no line). So the session is either still reading, or already where the call leads.
+        if seen not in here:
+            return Violation.TRANSITION, (
+                f"accepted {d.op} of a session read back from L3 leaves it {d.state} epoch {d.epoch}; it"
+                f" was {sess.last()} (reachable without a line: {_fmt_states(here)})"
+            )
+        if d.op == "tool_end" and isinstance(d.asked, int) and d.asked != d.epoch:
+            return Violation.EPOCH, f"tool_end accepted epoch {d.asked}; the session's epoch is {d.epoch}"
+        sess.configs = frozenset({seen}) | apply({seen}, triggers)
+        return None
     after = apply(here, triggers)
     # the line is written right after the call: the one step a call takes after its own is the
     # admission of a request that was admitted while the load ran (ToolKVManager._hand_over)
