@@ -20,7 +20,9 @@ SERVING_STACK = {
     "torch",
     "sglang",
     "uvloop",
-}  # uvloop: sglang's HTTP server (a stand-in imports it if present)
+    "transformers",
+}  # uvloop: sglang's HTTP server (a stand-in imports it if present); transformers: sglang's tokenizer
+# loader (the GPU staging's tokenizer test loads the built tokenizer the way sglang does)
 
 
 def _third_party_imports(paths: list[Path]) -> set[str]:

@@ -181,6 +181,21 @@ def campaign(
     }
 
 
+def kill_table(results: list[dict[str, Any]]) -> str:
+    """The kill table of ``docs/caveats.md``, as Markdown rows, from ``--mutants --out``'s JSON:
+    the doc quotes this output, and a test keeps the two equal."""
+    rows = []
+    for r in results:
+        failure = r.get("failure") or ""
+        if len(failure) > 110:
+            failure = failure[:110] + "…"
+        killed = "yes" if r.get("killed", r.get("failure") is not None) else "NO"
+        rows.append(
+            f"| `{r['label']}` | {r['caveat']} | {killed} | {r.get('examples_to_kill') or '-'} | {failure} |"
+        )
+    return "\n".join(rows)
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import logging
