@@ -22,7 +22,7 @@
 # $OUT/acceptance.json: the commit, pass/fail per check, the numbers; $OUT/summary.txt the same as a table;
 # $OUT/runs.tar.gz every JSON and log (per release: steps.tsv, e2e/zero_change/load JSON, server.log).
 # Knobs: RELEASES, CHECKS_0516 / CHECKS_0523 (default e2e,zero_change,load), LOAD_S (90), FUZZ_EXAMPLES (100),
-# FUZZ_S (90), PORT (30000), DEADLINE_S (560: no step runs past it).
+# FUZZ_S (90), PORT (30000), DEADLINE_S (560: no step runs past it), SKIP_INSTALL=1.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/gpu_lib.sh
@@ -36,8 +36,10 @@ URL=http://127.0.0.1:$PORT
 T0=$SECONDS
 log() { echo "[$(( SECONDS - T0 )) s] $*"; }
 
-bash "$BUNDLE/install.sh" "$BUNDLE" > "$WORK/install.log" 2>&1 || { tail -20 "$WORK/install.log"; exit 1; }
-log "$(tail -1 "$WORK/install.log")"
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then  # SKIP_INSTALL=1: the bundle is installed already (an earlier script of the call)
+  bash "$BUNDLE/install.sh" "$BUNDLE" > "$WORK/install.log" 2>&1 || { tail -20 "$WORK/install.log"; exit 1; }
+  log "$(tail -1 "$WORK/install.log")"
+fi
 # shellcheck source=/dev/null
 source "$BUNDLE/env.sh"
 EP=$STAGE_ROOT/toolkv_ep; toolkv_entry_point "$EP"
