@@ -193,6 +193,35 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return t, box
 
 
+class Watcher:
+    """Polls a session's ``kv_meta`` from a thread and keeps each state it saw, in order: on a live
+    server this is how a row knows which interleaving it met."""
+
+    def __init__(self, live: Live, sid: str) -> None:
+        self.states: list[str] = []
+        self._stop = threading.Event()
+        self._live, self._sid = live, sid
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        http = httpx.Client(base_url=self._live.url, timeout=30)
+        while not self._stop.is_set():
+            try:
+                state = str(
+                    http.get("/session/kv_meta", params={"session_id": self._sid}).json().get("state")
+                )
+            except (httpx.HTTPError, ValueError):
+                continue
+            if not self.states or self.states[-1] != state:
+                self.states.append(state)
+
+    def stop(self) -> None:
+        time.sleep(0.05)
+        self._stop.set()
+        self._t.join(10)
+
+
 class Faults:
     """The rows, in order; each one is independent (its own session ids and conversations)."""
 
@@ -314,33 +343,56 @@ class Faults:
         row.leaks = self.leaks(sid)
         row.passed = equal and cached >= self.prefix(sid) and row.leaks.startswith("none")
 
+    def start_racing(self, sid: str, then: Callable[[], Any]) -> tuple[int, dict[str, Any], Any, list[str]]:
+        """``tool_start`` and, 3 ms after it was sent, ``then()`` (the session's next request, a
+        flush): on a GPU the write of a few thousand tokens is acknowledged within milliseconds, so
+        only a call already on its way meets the session Offloading. Returns tool_start's answer,
+        ``then()``'s result and the states a watcher saw."""
+        watch = Watcher(self.s, sid)
+        ts, sbox = in_thread(lambda: self.s.call("tool_start", session_id=sid))
+        time.sleep(0.003)
+        result = then()
+        ts.join(60)
+        watch.stop()
+        st, body = sbox[0]
+        return int(st), dict(body), result, watch.states
+
     def abort_offloading(self, row: Row) -> None:
-        sid = "abort-offloading"
-        self.turn1(sid)
-        c = self.convs[sid]
-        st, body = self.s.call("tool_start", session_id=sid)
-        assert st == 200, body
-        seen = body["state"]
-        t, box = in_thread(lambda: self.s.generate(c.p2, sid, rid="abort-offloading-r"))
-        time.sleep(0.005)
-        ab = self.s.abort("abort-offloading-r")
-        t.join(60)
-        got = box[0] if box else None
-        st2, body2 = self.s.call("tool_end", session_id=sid, epoch=int(body["epoch"]))
-        state_now = self.s.meta(sid)["state"]
-        end = self.s.wait_state(sid, ("Runnable", "Running"), self.handover_ttl_s + 20)
-        equal, cached = self.turn2(sid)
+        for attempt in range(3):  # until the request met the session Offloading
+            sid = f"abort-offloading-{attempt}"
+            self.turn1(sid)
+            c = self.convs[sid]
+            rid = f"{sid}-r"
+
+            def request_then_abort() -> tuple[Any, int]:
+                t, box = in_thread(lambda: self.s.generate(c.p2, sid, rid=rid))  # noqa: B023
+                time.sleep(0.005)
+                ab = self.s.abort(rid)  # noqa: B023
+                t.join(60)
+                return (box[0] if box else None), ab
+
+            st, body, (got, ab), seen = self.start_racing(sid, request_then_abort)
+            assert st == 200, body
+            st2, body2 = self.s.call("tool_end", session_id=sid, epoch=int(body["epoch"]))
+            end = self.s.wait_state(sid, ("Runnable", "Running"), self.handover_ttl_s + 20)
+            seen = [*seen, *([end] if not seen or end != seen[-1] else [])]
+            equal, cached = self.turn2(sid)
+            leaks = self.leaks(sid)
+            if body["state"] == "Offloading" and "Offloaded" not in seen:
+                break
         reason = got[2] if isinstance(got, tuple) else repr(got)
-        row.client_saw = (f"`tool_start` 200 `{seen}`; the request: abort {ab}, finish `{reason or 'error'}`; "
-                          f"late `tool_end` {st2} `{body2.get('error', body2.get('state'))}`")  # fmt: skip
+        row.injected += f" (attempt {attempt + 1}: the first whose `tool_start` answered before its write was acknowledged)"
+        row.client_saw = (f"`tool_start` 200 `{body['state']}`; the request: abort {ab}, finish `{reason or 'error'}`; "
+                          f"late `tool_end` {st2} `{body2.get('error') or body2.get('state')}`")  # fmt: skip
         row.state_after = (
-            f"{state_now} -> {end} (hand-over TTL {self.handover_ttl_s:g} s); the retry -> Running"
+            " -> ".join(seen) + f" (hand-over TTL {self.handover_ttl_s:g} s); the retry -> Running"
         )
         row.checked = f"retry tokens equal the twin's: {equal}; cached {cached:,} tokens"
-        row.leaks = self.leaks(sid)
+        row.leaks = leaks
         row.passed = (
-            equal and cached >= self.prefix(sid) and row.leaks.startswith("none") and st2 in (200, 409)
-        )
+            body["state"] == "Offloading" and "Offloaded" not in seen
+            and equal and cached >= self.prefix(sid) and leaks.startswith("none") and st2 == 409
+        )  # fmt: skip
 
     def abort_restoring(self, row: Row) -> None:
         sid = "abort-restoring"
@@ -481,23 +533,30 @@ class Faults:
         row.passed = s1 == "Lost" and out == c.out2 and st == 409 and row.leaks.startswith("none")
 
     def deferred_flush_offloading(self, row: Row) -> None:
-        sid = "deferred-flush"
-        self.turn1(sid)
-        c = self.convs[sid]
-        before = self.s.server().get("counters", {})
-        st, body = self.s.call("tool_start", session_id=sid)
-        assert st == 200, body
-        fl = self.s.flush(30)
-        state = self.s.meta(sid)["state"]
-        after = self.s.server().get("counters", {})
-        st2, body2 = self.s.call("tool_end", session_id=sid, epoch=int(body["epoch"]))
-        out, cached, _ = self.s.generate(c.p2, sid)
+        for attempt in range(3):  # until the flush was asked while the write was pending
+            sid = f"deferred-flush-{attempt}"
+            self.turn1(sid)
+            c = self.convs[sid]
+            before = self.s.server().get("counters", {})
+            st, body, fl, seen = self.start_racing(sid, lambda: self.s.flush(30))
+            state = self.s.meta(sid)["state"]
+            after = self.s.server().get("counters", {})
+            st2, body2 = (0, {"error": "-"})
+            if st == 200:
+                st2, body2 = self.s.call("tool_end", session_id=sid, epoch=int(body["epoch"]))
+            out, cached, _ = self.s.generate(c.p2, sid)
+            leaks = self.leaks(sid)
+            if st == 200 and body["state"] == "Offloading":
+                break
         mid = int(after.get("reset_mid_copy", 0)) - int(before.get("reset_mid_copy", 0))
-        row.client_saw = f"`tool_start` 200 `{body['state']}`; flush {fl}; `tool_end` {st2} `{body2.get('error') or body2.get('state')}`"
-        row.state_after = f"{state}; the next turn -> {self.s.meta(sid)['state']}"
+        row.injected += f" (attempt {attempt + 1}: the first whose `tool_start` answered before its write was acknowledged)"
+        row.client_saw = (f"`tool_start` {st} `{body.get('state') or body.get('error')}`; flush {fl[0]}; "
+                          f"`tool_end` {st2} `{body2.get('error') or body2.get('state')}`")  # fmt: skip
+        row.state_after = " -> ".join(seen) + f"; the next turn -> {self.s.meta(sid).get('state')}"
         row.checked = f"reset_mid_copy +{mid}; the next turn recomputes ({cached} cached) to the twin's tokens: {out == c.out2}"
-        row.leaks = self.leaks(sid)
-        row.passed = state == "Lost" and mid == 0 and out == c.out2 and row.leaks.startswith("none")
+        row.leaks = leaks
+        row.passed = (st == 200 and body["state"] == "Offloading" and state == "Lost" and mid == 0
+                      and out == c.out2 and leaks.startswith("none"))  # fmt: skip
 
     def ttl_under_load(self, row: Row, sid: str, epoch: int, since: float) -> None:
         """The abandoned session offloaded at the start; the other rows were its load."""
@@ -515,7 +574,7 @@ class Faults:
         )
         row.client_saw = f"a late `tool_end` {st} `{body.get('error')}` (`{body.get('state')}`)"
         row.state_after = f"Offloaded -> {state}; protected {m.get('protected')}"
-        row.checked = f"the session's protected tokens: {m.get('protected')}"
+        row.checked = f"the session's host copy still protected: {m.get('protected')}"
         row.leaks = self.leaks(sid)
         row.passed = state == "Expired" and not m.get("protected") and st == 409
 
@@ -613,8 +672,8 @@ def main() -> int:
     try:
         res["healthy_after_s"] = live.start()
         f = Faults(live, float(env.get("TOOLKV_TTL_S", 40)), float(env.get("TOOLKV_HANDOVER_TTL_S", 5)))
-        rowsids = ["ttl", "disconnect", "abort-offloading", "abort-restoring", "race", "locked",
-                   "flush-offloaded", "flush-running", "deferred-flush", "restart",
+        rowsids = ["ttl", "disconnect", "abort-restoring", "race", "locked", "flush-offloaded", "flush-running",
+                   "restart", *(f"abort-offloading-{i}" for i in range(3)), *(f"deferred-flush-{i}" for i in range(3)),
                    *(f"host-{i}" for i in range(12))]  # fmt: skip
         f.twins(rowsids)
         ttl_epoch = f.offloaded("ttl", expected_s=1.0)  # predicted back first: never demoted for another
