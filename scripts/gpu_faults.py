@@ -545,6 +545,7 @@ class Faults:
             if st == 200:
                 st2, body2 = self.s.call("tool_end", session_id=sid, epoch=int(body["epoch"]))
             out, cached, _ = self.s.generate(c.p2, sid)
+            next_state = self.s.meta(sid).get("state")
             leaks = self.leaks(sid)
             if st == 200 and body["state"] == "Offloading":
                 break
@@ -552,7 +553,7 @@ class Faults:
         row.injected += f" (attempt {attempt + 1}: the first whose `tool_start` answered before its write was acknowledged)"
         row.client_saw = (f"`tool_start` {st} `{body.get('state') or body.get('error')}`; flush {fl[0]}; "
                           f"`tool_end` {st2} `{body2.get('error') or body2.get('state')}`")  # fmt: skip
-        row.state_after = " -> ".join(seen) + f"; the next turn -> {self.s.meta(sid).get('state')}"
+        row.state_after = " -> ".join(seen) + f"; the next turn -> {next_state}"
         row.checked = f"reset_mid_copy +{mid}; the next turn recomputes ({cached} cached) to the twin's tokens: {out == c.out2}"
         row.leaks = leaks
         row.passed = (st == 200 and body["state"] == "Offloading" and state == "Lost" and mid == 0
@@ -642,6 +643,11 @@ ORDER: list[tuple[str, str, str]] = [
         "a request holding most of the device pool runs; then `tool_end`; the retry after it ends",
     ),
     (
+        "ttl_under_load",
+        "TTL under load",
+        "a session Offloaded and abandoned at the start while the rows above ran",
+    ),
+    (
         "flush_under_load",
         "flush under load",
         "`/flush_cache?timeout=30` while a request runs, one session Offloaded and one Running",
@@ -651,6 +657,7 @@ ORDER: list[tuple[str, str, str]] = [
         "flush asked during an offload",
         "`tool_start`, then at once `/flush_cache?timeout=30` (deferred while the write is pending)",
     ),
+    ("restart", "server restart", "a session Offloaded; the server stopped and started again"),
 ]
 
 
@@ -661,6 +668,7 @@ def main() -> int:
     ap.add_argument("--out", default="faults.json")
     ap.add_argument("--table", help="print the docs table of this JSON and exit")
     ap.add_argument("--release", default="0.5.16")
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: all, in order)")
     a = ap.parse_args()
     if a.table:
         print(table(json.loads(Path(a.table).read_text())))
@@ -679,13 +687,18 @@ def main() -> int:
         ttl_epoch = f.offloaded("ttl", expected_s=1.0)  # predicted back first: never demoted for another
         f.open.add("ttl")
         ttl_since = time.time()
-        for name, fault, how in ORDER:
-            f.run(getattr(f, name), fault, how)
-        f.run(lambda r: f.ttl_under_load(r, "ttl", ttl_epoch, ttl_since), "TTL under load",
-              "a session Offloaded and abandoned at the start while the rows above ran")  # fmt: skip
-        res["before_restart"] = final_check(live, rowsids)
-        f.run(f.restart, "server restart", "a session Offloaded; the server stopped and started again")
-        res["end"] = final_check(live, ["restart"])
+        rows = [r for r in ORDER if not a.rows or r[0] in a.rows.split(",")]
+        for name, fault, how in rows:
+            if name == "restart":  # the last row: what the first server holds once everything is closed
+                res["before_restart"] = final_check(live, rowsids)
+                f.run(f.restart, fault, how)
+                res["end"] = final_check(live, ["restart"])
+            elif name == "ttl_under_load":  # before any flush: a flush would take its copy (Lost)
+                f.run(lambda r: f.ttl_under_load(r, "ttl", ttl_epoch, ttl_since), fault, how)
+            else:
+                f.run(getattr(f, name), fault, how)
+        if "end" not in res:
+            res["end"] = final_check(live, rowsids)
         res["rows"] = [asdict(r) for r in f.rows]
     except Exception as e:  # what ran is still written
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -694,7 +707,7 @@ def main() -> int:
     finally:
         res["server_starts_s"] = live.starts
         live.stop()
-    ends = [res.get("before_restart", {}), res.get("end", {})]
+    ends = [e for e in (res.get("before_restart"), res.get("end")) if e is not None] or [{}]
     res["leak_free"] = all(
         e.get("protected_tokens") == 0 and e.get("device_locked_tokens") == 0 and e.get("healthy")
         for e in ends

@@ -9,16 +9,19 @@
 # request can hold it) and a host pool twice its size (--hicache-ratio 2, so that a dozen sessions fill it),
 # TOOLKV_TTL_S=40 and TOOLKV_HANDOVER_TTL_S=5 so that the TTL rows end within the run.
 # scripts/gpu_faults.py launches it (the last row restarts it), injects the faults and writes
-# $OUT/faults_<release>.json; then `toolkv trace-check --decisions` replays the server's decision log against
-# the spec ($OUT/decisions_<release>.json). $OUT/server_<release>.log is the server's log.
-# Knobs: RELEASE (0516), PORT (30000), SKIP_INSTALL=1 (the bundle is already installed).
+# $OUT/faults_<release>_<policy>.json; then `toolkv trace-check --decisions` replays the server's decision log
+# against the spec ($OUT/decisions_<release>_<policy>.json). $OUT/server_<release>_<policy>.log is its log.
+# WRITE_POLICY (--hicache-write-policy, default write_back): under sglang's write-through the session's KV is
+# usually on the host already when tool_start comes, so the session is Offloaded at once and no call can meet it
+# Offloading; under write-back tool_start itself writes it, which is the path the Offloading rows need.
+# Knobs: RELEASE (0516), WRITE_POLICY, ROWS (comma-separated, default all), PORT (30000), SKIP_INSTALL=1.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"
 BUNDLE=${BUNDLE:-$ROOT/.gpu-bundle}
 OUT=${OUT:-/tmp/toolkv_faults}; mkdir -p "$OUT"
-RELEASE=${RELEASE:-0516} PORT=${PORT:-30000}
+RELEASE=${RELEASE:-0516} PORT=${PORT:-30000} WRITE_POLICY=${WRITE_POLICY:-write_back}
 T0=$SECONDS
 
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
@@ -32,25 +35,25 @@ case $RELEASE in 0516) MODEL=llama-3.2-1b ;; 0523) MODEL=granite-8b ;; esac
 EP=$STAGE_ROOT/toolkv_ep; toolkv_entry_point "$EP"
 export PYTHONPATH=$ROOT:$EP:$STAGED_DEPS:$PYTHONPATH
 
-LOG=$OUT/server_$RELEASE.log; : > "$LOG"
-"$PY" - "$OUT/launch.json" "$MODELS/$MODEL" "$PORT" <<'PY'
+NAME=${RELEASE}_$WRITE_POLICY LOG=$OUT/server_${RELEASE}_$WRITE_POLICY.log; : > "$LOG"
+"$PY" - "$OUT/launch.json" "$MODELS/$MODEL" "$PORT" "$WRITE_POLICY" <<'PY'
 import json, sys
-out, model, port = sys.argv[1], sys.argv[2], sys.argv[3]
+out, model, port, policy = sys.argv[1:5]
 cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
        "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
        "--grammar-backend", "none", "--disable-cuda-graph", "--mem-fraction-static", "0.3",
        "--max-total-tokens", "16384", "--context-length", "16384", "--page-size", "1",
-       "--enable-hierarchical-cache", "--hicache-ratio", "2", "--host", "127.0.0.1", "--port", port]
+       "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-write-policy", policy, "--host", "127.0.0.1", "--port", port]
 env = {"TOOLKV_ENABLE": "1", "TOOLKV_TTL_S": "40", "TOOLKV_HANDOVER_TTL_S": "5", "TOOLKV_SWEEP_EVERY": "16",
        "TOOLKV_RESTORE_ON_REQUEST": "1"}
 json.dump({"cmd": cmd, "env": env, "url": f"http://127.0.0.1:{port}"}, open(out, "w"), indent=1)
 PY
-"$PY" "$ROOT/scripts/gpu_faults.py" --launch "$OUT/launch.json" --log "$LOG" --out "$OUT/faults_$RELEASE.json" \
-  --release "$SGLANG_RELEASE"
+"$PY" "$ROOT/scripts/gpu_faults.py" --launch "$OUT/launch.json" --log "$LOG" --out "$OUT/faults_$NAME.json" \
+  --release "$SGLANG_RELEASE" --rows "${ROWS:-}"
 RC=$?
-"$PY" -m toolkv.tools.cli trace-check --decisions "$LOG" --json > "$OUT/decisions_$RELEASE.json"
+"$PY" -m toolkv.tools.cli trace-check --decisions "$LOG" --json > "$OUT/decisions_$NAME.json"
 TRC=$?
-echo "trace-check --decisions: rc=$TRC $(head -c 400 "$OUT/decisions_$RELEASE.json")"
+echo "trace-check --decisions: rc=$TRC $(head -c 400 "$OUT/decisions_$NAME.json")"
 BAD=$(grep -c -E "Traceback|AssertionError|out of memory|memory leak" "$LOG")
 echo "server log: $BAD error lines; faults rc=$RC; $(( SECONDS - T0 )) s"
 (( RC == 0 && TRC == 0 && BAD == 0 ))
