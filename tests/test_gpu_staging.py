@@ -112,16 +112,23 @@ def test_acceptance_fails_on_a_check_that_never_ran_or_whose_json_says_fail(
     assert res["commit"] == "c0ffee"
 
 
+@pytest.mark.parametrize(
+    ("folder", "marker"), [("acceptance", "acceptance"), ("acceptance_rerun", "fuzz-rerun")]
+)
 def test_the_acceptance_table_in_the_docs_is_the_recorded_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    folder: str,
+    marker: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """docs/testing.md quotes ``acceptance_summary.py docs/results/acceptance`` verbatim: a stale
+    """docs/testing.md quotes ``acceptance_summary.py docs/results/<folder>`` verbatim: a stale
     figure is a bug."""
     import re
     import shutil
 
-    rec = ROOT / "docs" / "results" / "acceptance"
-    work = tmp_path / "acceptance"
+    rec = ROOT / "docs" / "results" / folder
+    work = tmp_path / folder
     shutil.copytree(rec, work)
     commit = json.loads((rec / "acceptance.json").read_text())["commit"]
     mod = _summary_module()
@@ -130,5 +137,5 @@ def test_the_acceptance_table_in_the_docs_is_the_recorded_runs(
     mod.main()
     printed = capsys.readouterr().out.rstrip("\n")
     doc = (ROOT / "docs" / "testing.md").read_text()
-    block = re.search(r"<!-- BEGIN acceptance -->\n```\n(.*?)\n```\n<!-- END acceptance -->", doc, re.S)
+    block = re.search(rf"<!-- BEGIN {marker} -->\n```\n(.*?)\n```\n<!-- END {marker} -->", doc, re.S)
     assert block is not None and block.group(1) == printed
