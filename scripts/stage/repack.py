@@ -13,9 +13,17 @@ that is safe on our launch flags:
   kernels (``flash_ops`` first, 1.1 GB) are loaded lazily and never with triton attention;
 * xgrammar: its static library and C++ headers (Python loads only its extension module);
 * sglang >= 0.5.21: the Rust extensions of the Rust server, bench, gRPC and multimodal processors,
-  loaded lazily and never by ``python -m sglang.launch_server`` for a text model.
+  loaded lazily and never by ``python -m sglang.launch_server`` for a text model;
+* sglang-router (only in a set that pins it, ``ROUTER=1`` in gpu_bundle.sh): unpacked as a plain
+  tree in STAGE/sglang_router_tree/ with its one Rust extension stripped of its symbol tables
+  (``strip --strip-unneeded`` keeps the dynamic symbols Python imports through; 88 -> 68 MiB, 16 MiB
+  once compressed). A tree rather than a re-zipped wheel because the stripped file no longer
+  matches the wheel's RECORD; ``python -m sglang_router.launch_router`` needs only the package on
+  ``sys.path``. Its Requires-Dist (setproctitle, aiohttp, orjson, uvicorn, fastapi) are in the
+  0.5.16 set or on the GPU machine's image (aiohttp).
 
-STAGE/NAME.txt lists the wheel files of each release, for install.sh.
+STAGE/NAME.txt lists the wheel files of each release, for install.sh (written only for a set that
+has wheels: a set of the router alone has none).
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ import hashlib
 import os
 import re
 import shutil
+import subprocess
 import sys
 import zipfile
 
 KERNEL = "sglang-kernel"
+ROUTER = "sglang-router"
+ROUTER_TREE = "sglang_router_tree"
 KEEP_SO = {"sgl_kernel/sm90/common_ops.abi3.so", "sgl_kernel/spatial_ops.abi3.so"}
 DROP = {
     "xgrammar": ("xgrammar/lib/", "xgrammar/include/"),
@@ -77,6 +88,29 @@ def kernel_subset(src: zipfile.ZipFile, stage: str) -> int:
     return kept
 
 
+def router_tree(src: zipfile.ZipFile, stage: str) -> tuple[int, int]:
+    """Unpack the router wheel into STAGE/ROUTER_TREE, stripping its shared objects. Returns the
+    bytes of the tree before and after stripping. Fails without ``strip``: unstripped, the router
+    alone takes a third of the 64 MiB a GPU call can carry."""
+    strip = shutil.which("strip")
+    if strip is None:
+        sys.exit("repack: `strip` (binutils) is needed to fit sglang-router into the bundle")
+    before = after = 0
+    for info in src.infolist():
+        if info.is_dir():
+            continue
+        dst = f"{stage}/{ROUTER_TREE}/{info.filename}"
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with src.open(info) as fin, open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        os.chmod(dst, 0o755 if info.filename.endswith(".so") else 0o644)
+        before += info.file_size
+        if info.filename.endswith(".so"):
+            subprocess.run([strip, "--strip-unneeded", dst], check=True)
+        after += os.path.getsize(dst)
+    return before, after
+
+
 def restore_stored(src: zipfile.ZipFile, dst_path: str, drop: tuple[str, ...]) -> int:
     dropped = 0
     with zipfile.ZipFile(dst_path, "w", zipfile.ZIP_STORED) as dst:
@@ -111,6 +145,12 @@ def main() -> None:
                     )
                     done.add("kernel")
                 continue
+            if name == ROUTER:
+                if "router" not in done:
+                    before, after = router_tree(zipfile.ZipFile(path), stage)
+                    print(f"  {name} {version}: {before / 2**20:.1f} MiB unpacked, {after / 2**20:.1f} MiB stripped")
+                    done.add("router")
+                continue
             files.append(base)
             if base in done:
                 continue
@@ -118,9 +158,10 @@ def main() -> None:
             dropped = restore_stored(zipfile.ZipFile(path), f"{stage}/wheels/{base}", DROP.get(name, ()))
             if dropped:
                 print(f"  {name} {version}: dropped {dropped / 2**20:.1f} MiB")
-        with open(f"{stage}/{release}.txt", "w") as fh:
-            fh.write("\n".join(files) + "\n")
-        print(f"  {release}: {len(files)} wheels")
+        if files:
+            with open(f"{stage}/{release}.txt", "w") as fh:
+                fh.write("\n".join(files) + "\n")
+            print(f"  {release}: {len(files)} wheels")
     print(f"  {len(os.listdir(f'{stage}/wheels'))} distinct wheels in wheels/")
 
 
