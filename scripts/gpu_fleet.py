@@ -35,8 +35,9 @@ compared token for token. For the same reason the servers run with
 ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``: the router polls ``/health``, and sglang's
 default answers it by generating one token, which could share a batch with a session's turn.
 
-sglang-router 0.3.2 drops ``session_id`` from the bodies it forwards; the run loads a small sglang
-plugin (scripts/stage/fleet_shim) that labels a request with the router's routing key instead.
+sglang-router 0.3.2 drops ``session_id`` from the bodies it forwards; the servers run with
+``TOOLKV_SESSION_HEADER=X-SMG-Routing-Key``, so toolkv labels a request with the router's routing key
+instead (docs/operations.md, "Behind sglang's router").
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ class Fleet:
             # run on toolkv's clock, and two tool_starts one turn apart must see it move
             "TOOLKV_SWEEP_EVERY": "1",
             "TOOLKV_HOST_BUDGET_TOKENS": str(self.args.host_budget),
+            # the router forwards no session_id, only its routing key: the session of a turn
+            "TOOLKV_SESSION_HEADER": ROUTING_HEADER,
             "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.args.l3_dir),
             "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
         }

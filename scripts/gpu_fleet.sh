@@ -45,22 +45,20 @@ log "$(tail -1 "$WORK/install.log")"
 source "$BUNDLE/env.sh"
 use_release 0516 || { FAIL_WHY="sglang 0.5.16 is not in $BUNDLE"; exit 1; }
 
-# toolkv's entry point, and the shim's: sglang-router 0.3.2 drops session_id from the bodies it forwards,
-# the shim labels a request with the router's X-SMG-Routing-Key instead (scripts/stage/fleet_shim)
+# toolkv's entry point. sglang-router 0.3.2 drops session_id from the bodies it forwards: gpu_fleet.py
+# starts the servers with TOOLKV_SESSION_HEADER=X-SMG-Routing-Key, so toolkv labels a request with the
+# router's routing key instead (docs/operations.md, "Behind sglang's router")
 EP=$STAGE_ROOT/toolkv_ep; toolkv_entry_point "$EP"
-SHIM_EP=$STAGE_ROOT/toolkv_fleet_shim_ep
-rm -rf "$SHIM_EP" && mkdir -p "$SHIM_EP/toolkv_fleet_shim-0.1.0.dist-info"
-printf 'Metadata-Version: 2.1\nName: toolkv-fleet-shim\nVersion: 0.1.0\n' > "$SHIM_EP/toolkv_fleet_shim-0.1.0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\nfleet_session_header = toolkv_fleet_shim:register\n' \
-  > "$SHIM_EP/toolkv_fleet_shim-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH=$ROOT:$EP:$SHIM_EP:$ROOT/scripts/stage/fleet_shim:$STAGED_DEPS:$PYTHONPATH
+export PYTHONPATH=$ROOT:$EP:$STAGED_DEPS:$PYTHONPATH
 if ! "$PY" - > "$WORK/preflight.log" 2>&1 <<'PY'
 import importlib.metadata as md
 eps = {e.name: e.value for e in md.entry_points(group="sglang.srt.plugins")}
 assert eps.get("toolkv") == "toolkv.sglang.plugin:register", eps
-assert eps.get("fleet_session_header") == "toolkv_fleet_shim:register", eps
-import sglang_router, sglang_router.sglang_router_rs, toolkv.sglang.plugin, toolkv_fleet_shim, transitions  # noqa: F401
-print("entry points:", eps, "router", sglang_router.__version__)
+import sglang_router, sglang_router.sglang_router_rs, toolkv.sglang.plugin, transitions  # noqa: F401
+from toolkv.sglang.config import ToolKVConfig
+header = ToolKVConfig.from_env({"TOOLKV_SESSION_HEADER": "X-SMG-Routing-Key"}).session_header
+assert header == "x-smg-routing-key", header
+print("entry points:", eps, "router", sglang_router.__version__, "session header", header)
 PY
 then
   cat "$WORK/preflight.log"; FAIL_WHY="preflight failed (preflight.log)"; exit 1

@@ -60,6 +60,15 @@ def test_every_metric_is_documented() -> None:
     assert not [n for n in names if f"`{n}" not in text], sorted(n for n in names if f"`{n}" not in text)
 
 
+def test_every_setting_is_in_the_operations_table() -> None:
+    """A ``TOOLKV_*`` setting (one per config field) has its row in docs/operations.md's table,
+    and the table has no row for a setting that is gone."""
+    from toolkv.sglang.config import ToolKVConfig
+
+    rows = set(re.findall(r"^\| `(TOOLKV_[A-Z0-9_]+)` \|", (DOCS / "operations.md").read_text(), re.M))
+    assert rows == ToolKVConfig.variables(), rows ^ ToolKVConfig.variables()
+
+
 def test_spec_results_table_is_generated_from_spec_check_json() -> None:
     """docs/spec.md's model-checking table is rendered from what `toolkv spec-check --json` wrote
     (regenerate: toolkv spec-check --json > f.json && toolkv docs --spec-check f.json)."""

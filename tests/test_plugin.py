@@ -405,6 +405,43 @@ def test_zero_change_names_the_models_tool_for_the_policy(hh: CacheHarness) -> N
     assert meta["tool"] == "web_search" and meta["decision"] in ("keep", "offload", "let_go")
 
 
+def test_zero_change_offloads_the_session_a_header_labelled(hh: CacheHarness) -> None:
+    """Behind sglang's router the chat body has no ``session_id``; with TOOLKV_SESSION_HEADER the
+    ``GenerateReqInput`` the chat route built was labelled from the header before it was served
+    (tests/test_session_header.py), and the zero-change offload goes to that session."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from starlette.requests import Request
+
+    import toolkv.sglang.plugin as plugin
+
+    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True))
+    hh.tree._toolkv = tk
+    assert finish_turn(hh, "agent", PROMPT, [41])
+    raw = Request({"type": "http", "headers": [(b"x-smg-routing-key", b"agent")]})
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    adapted = GenerateReqInput(input_ids=PROMPT, session_id=chat.session_id)  # as serving_chat builds it
+    channel = LoopbackChannel(tk)
+    plugin._transport, saved = channel, plugin._transport
+    try:
+        response = SimpleNamespace(choices=[SimpleNamespace(finish_reason="tool_calls")])
+
+        async def original(serving: Any, adapted: Any, request: Any, raw: Any) -> Any:
+            assert plugin.label_from_header(adapted, raw, "x-smg-routing-key")  # generate_request's hook
+            return response
+
+        async def run() -> Any:
+            got = await around_chat_non_streaming(original, object(), adapted, chat, raw)
+            await asyncio.sleep(0)
+            return got
+
+        assert asyncio.run(run()) is response
+    finally:
+        plugin._transport = saved
+    assert chat.session_id is None and [r.body for r in channel.sent] == [{"session_id": "agent"}]
+    assert tk.manager.kv_meta("agent")["state"] == "Offloading"
+
+
 # ---- fail-closed start-up, through sglang's real loader -------------------------------------------
 _SCENARIOS = r"""
 import json, os, sys

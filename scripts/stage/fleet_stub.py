@@ -11,7 +11,8 @@ asks sglang and toolkv, with just enough state for the scenario to go through:
   ``cached_tokens`` is the longest prefix of the input this server holds, from its own cache or,
   with ``--storage``, from the L3 directory, one file per token keyed by a chained hash as
   HiCacheFile keys pages; a finished turn is written there. The session is the body's
-  ``session_id``, else the ``X-SMG-Routing-Key`` header (what scripts/stage/fleet_shim does).
+  ``session_id``, else the ``X-SMG-Routing-Key`` header (what toolkv does with
+  ``TOOLKV_SESSION_HEADER=X-SMG-Routing-Key``).
 * ``/session/*``: toolkv's answers, 404 ``unknown_session`` for a session this server never saw;
   ``tool_start`` beyond ``--budget`` protected tokens moves the oldest offloaded session to L3.
 """

@@ -69,6 +69,33 @@ def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int, why
     return v
 
 
+# RFC 9110's ``token``: the characters an HTTP header name may have
+_HEADER_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+# headers that carry credentials: a session id is logged and answered by kv_meta, a credential must not be
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+def _header(env: Mapping[str, str], name: str) -> str:
+    """An HTTP header name, lower-cased (header names are case-insensitive, and sglang's ASGI
+    server hands them over lower-cased); ``""`` when unset or empty.
+
+    Refused: anything that is not a header name (``X-SMG-Routing-Key: abc``, a name with a space),
+    which would never match a header and silently label nothing, and the credential headers, whose
+    value would become a session id that is logged and that ``kv_meta`` answers for."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return ""
+    v = raw.strip()
+    if not set(v) <= _HEADER_CHARS:
+        raise ValueError(
+            f"{name}={raw!r}: expected an HTTP header name (letters, digits and !#$%&'*+-.^_`|~), "
+            "e.g. X-SMG-Routing-Key"
+        )
+    if v.lower() in _SECRET_HEADERS:
+        raise ValueError(f"{name}={raw!r}: a credential header cannot be a session id (it would be logged)")
+    return v.lower()
+
+
 # ``TOOLKV_*`` names that are not server settings: the test suite's and the tools' own knobs. A
 # server launched from a developer's shell may carry them; they are neither read here nor refused.
 TOOLING_VARIABLES = frozenset(
@@ -110,7 +137,16 @@ def _unknown_message(found: list[tuple[str, str | None]]) -> str:
 
 @dataclass(frozen=True)
 class ToolKVConfig:
-    """Everything the plugin reads from the environment (see ``docs/operations.md``)."""
+    """Everything the plugin reads from the environment (see ``docs/operations.md``).
+
+    ``session_header`` (``TOOLKV_SESSION_HEADER``) is off unless named. A request's session is the
+    ``session_id`` of its body; behind sglang's router that field is dropped (the router re-serialises
+    the body from its own types), and the header it routes by is what reaches the server. Reading
+    that header as the session is opt-in because a routing key is not necessarily a session id: an
+    operator may route by user, tenant or prefix, and then every conversation of that key would be
+    one toolkv session, each finished turn replacing the last one's record, so a ``tool_start``
+    would protect whichever conversation happened to finish last. Only the operator knows what the
+    key means, so only the operator can say it is a session."""
 
     enable: bool = False  # TOOLKV_ENABLE: nothing is hooked unless set
     ttl_s: float = 600.0  # TOOLKV_TTL_S: protection lifetime without a tool_end
@@ -135,6 +171,9 @@ class ToolKVConfig:
     l3: bool = True
     # TOOLKV_L3_READ_TOKENS_PER_S: the L3 read rate the early restore of a session in L3 assumes
     l3_read_tokens_per_s: float = 100_000.0
+    # TOOLKV_SESSION_HEADER: an HTTP header whose value labels a request that has no session_id in
+    # its body (lower-cased; "" = off): X-SMG-Routing-Key behind sglang's router
+    session_header: str = ""
 
     @classmethod
     def variables(cls) -> frozenset[str]:
@@ -212,6 +251,7 @@ class ToolKVConfig:
             idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, lo=1.0),
             l3=_bool(e, "TOOLKV_L3", True),
             l3_read_tokens_per_s=_float(e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, lo=1.0),
+            session_header=_header(e, "TOOLKV_SESSION_HEADER"),
         )
 
     def describe(self) -> dict[str, Any]:

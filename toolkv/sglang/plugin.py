@@ -16,6 +16,7 @@ targets (sglang 0.5.16, verified against the installed source):
 | mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780) |
 | entrypoints/http_server.py:2648 ``launch_server`` | BEFORE | main process only: refuse unsupported configs; add the HTTP routes |
 | entrypoints/openai/serving_chat.py:1437/1198 | AROUND | main process, TOOLKV_ZERO_CHANGE=1 only: see finish_reason "tool_calls" |
+| managers/tokenizer_manager.py:624 ``TokenizerManager.generate_request`` | BEFORE | main process, TOOLKV_SESSION_HEADER set only: a request whose body has no ``session_id`` is labelled from that header (:func:`label_from_header`) |
 
 On sglang 0.5.23 (verified against the installed 0.5.23 source; the two tree rows are replaced, the
 rest keep their names at new lines):
@@ -27,7 +28,7 @@ rest keep their names at new lines):
 | managers/scheduler.py:4052 ``Scheduler.get_new_batch_prefill`` | AFTER | as above (returns a ``NextBatchPlan``, schedule_batch.py:4138) |
 | mem_cache/unified_radix_cache.py:1159 ``UnifiedRadixCache.checkpoint`` | AFTER | record the finished turn: ``release_kv_cache`` (mem_cache/common.py:400-445) refreshes the fill ids (430) and calls ``checkpoint(req, up_to=owned_kv_len)`` (431) for a finished request; ``checkpoint_into_tree`` inserts ``req.full_untruncated_fill_ids[:up_to]`` (1170), page-aligned (1232), under ``req.extra_key`` and ``req.cache_salt`` (1204-1209) |
 | mem_cache/unified_radix_cache.py:416 ``UnifiedRadixCache.reset`` | AFTER | tree replaced (flush_cache) |
-| entrypoints/http_server.py:3125 ``launch_server``; serving_chat.py:2807/2441 | BEFORE; AROUND | as above |
+| entrypoints/http_server.py:3125 ``launch_server``; serving_chat.py:2807/2441; tokenizer_manager.py:895 ``generate_request`` | BEFORE; AROUND; BEFORE | as above |
 | managers/scheduler_components/output_streamer.py:135 ``SchedulerOutputStreamer.stream_output`` | BEFORE | ``kv_hints``: apply the toolkv action of each finished request (``Req.kv_hints``, schedule_batch.py:1416) and put the outcome in ``Req.customized_info`` (:mod:`toolkv.sglang.kv_hints`) |
 | managers/tokenizer_manager.py:2823 ``TokenizerManager.update_request_meta_info`` | AFTER | main process: a non-streamed response's ``meta_info["toolkv"]`` as one object |
 | entrypoints/openai/serving_chat.py:2807/2413 ``_handle_non_streaming_request`` / ``_handle_streaming_request`` | AROUND | main process: carry ``kv_hints`` from the chat body (``ChatCompletionRequest`` has no such field) |
@@ -182,6 +183,10 @@ def hooks(
         ]
     if main_process:
         out.append((f"{HTTP}.launch_server", before_launch_server, "BEFORE"))
+        if config.session_header:
+            out.append(
+                (f"{TOKENIZER}.generate_request", session_header_hook(config.session_header), "BEFORE")
+            )
         if config.zero_change:
             out.append((f"{CHAT}._handle_non_streaming_request", around_chat_non_streaming, "AROUND"))
             out.append((f"{CHAT}._generate_chat_stream", around_chat_stream, "AROUND"))
@@ -446,6 +451,43 @@ def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
         install_routes(http_server.app, _transport)
 
 
+def label_from_header(obj: Any, request: Any, header: str) -> bool:
+    """Set ``obj.session_id`` from the request's ``header``; True if it did.
+
+    Left alone: a request whose body names its session (``session_id``, or sglang's own
+    ``session_params``, which sglang refuses together with ``session_id``), one without the header
+    or with it empty, one that is not a generate request (``EmbeddingReqInput`` has no
+    ``session_id``), and a call with no HTTP request (the engine API, warm-up). A batch is one
+    request: sglang's ``session_id`` is one string that every item of the batch inherits
+    (``GenerateReqInput.__getitem__``), so the header labels it as a body ``session_id`` would."""
+    if not hasattr(obj, "session_id") or obj.session_id is not None:
+        return False
+    if getattr(obj, "session_params", None) is not None:
+        return False
+    headers = getattr(request, "headers", None)
+    value = headers.get(header) if headers is not None else None
+    if not isinstance(value, str) or not value:
+        return False
+    obj.session_id = value
+    return True
+
+
+def session_header_hook(header: str) -> Callable[..., None]:
+    """The BEFORE hook of ``TokenizerManager.generate_request(obj, request=None)`` for
+    ``TOOLKV_SESSION_HEADER=header``. Every route that reaches the scheduler (``/generate``, the
+    OpenAI chat and completion routes) calls it with the ``GenerateReqInput`` and the HTTP request
+    before the tokenizer manager normalises the input, so the label is set where a body
+    ``session_id`` would have been. Returns None: sglang passes the arguments on unchanged, ``obj``
+    is changed in place."""
+
+    def before_generate_request(
+        tm: Any, obj: Any = None, request: Any = None, *args: Any, **kwargs: Any
+    ) -> None:
+        label_from_header(obj, request, header)
+
+    return before_generate_request
+
+
 def _first_tool_name(choices: Any) -> str | None:
     """The first tool call's function name in a chat response's choices, if any."""
     for c in choices:
@@ -456,11 +498,22 @@ def _first_tool_name(choices: Any) -> str | None:
     return None
 
 
-async def _notify_tool_calls(request: Any, tool: str | None = None) -> None:
+def _chat_session(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The session of a chat call ``(adapted_request, request, raw_request)``: the chat body's
+    ``session_id``, else the ``GenerateReqInput``'s, which ``TOOLKV_SESSION_HEADER`` may have set
+    from a header (:func:`label_from_header`) by the time the turn ends."""
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    adapted = args[0] if args else kwargs.get("adapted_request")
+    for sid in (getattr(request, "session_id", None), getattr(adapted, "session_id", None)):
+        if isinstance(sid, str) and sid:
+            return sid
+    return None
+
+
+async def _notify_tool_calls(sid: str | None, tool: str | None = None) -> None:
     """Send the zero-change offload, naming the (first) tool the model called: the per-call
     policy learns its durations by name."""
-    sid = getattr(request, "session_id", None)
-    if _transport is not None and isinstance(sid, str) and sid:
+    if _transport is not None and sid:
         body: dict[str, Any] = {"session_id": sid}
         if tool is not None:
             body["tool"] = tool
@@ -478,10 +531,9 @@ async def around_chat_non_streaming(
     streamed). The offload request is sent before the response goes out, so the session's next
     request cannot overtake it on the same ZMQ socket."""
     response = await original(serving, *args, **kwargs)
-    request = args[1] if len(args) > 1 else kwargs.get("request")
     choices = getattr(response, "choices", None) or []
     if any(getattr(c, "finish_reason", None) == "tool_calls" for c in choices):
-        await _notify_tool_calls(request, _first_tool_name(choices))
+        await _notify_tool_calls(_chat_session(args, kwargs), _first_tool_name(choices))
     return response
 
 
@@ -491,14 +543,13 @@ async def around_chat_stream(
     """Streaming twin: the finish chunk carries ``"finish_reason":"tool_calls"`` (serving_chat.py:1329-1341)."""
     from toolkv.sglang.http_api import is_tool_calls_chunk, tool_call_name
 
-    request = args[1] if len(args) > 1 else kwargs.get("request")
     sent = False
     tool: str | None = None
     async for chunk in original(serving, *args, **kwargs):
         if not sent:
             tool = tool or tool_call_name(chunk)
             if is_tool_calls_chunk(chunk):
-                await _notify_tool_calls(request, tool)
+                await _notify_tool_calls(_chat_session(args, kwargs), tool)
                 sent = True
         yield chunk
 
