@@ -21,57 +21,29 @@ import random
 from typing import Any
 
 import pytest
+from _twin_common import (
+    OPTS,
+    SMALL,
+    check_conservation,
+    check_hand_computed_schedule,
+    check_same_seed_same_run,
+    run,
+)
 
-from toolkv.tools.agent_workload import Plan, SessionPlan, Workload, make_plan
+from toolkv.tools.agent_workload import Workload, make_plan
 from toolkv.twin.configs import get
 from toolkv.twin.opt import belady, opt_reuse
 from toolkv.twin.profile import TimeProfile, default_profile
-from toolkv.twin.run import Options, simulate
-
-SMALL = Workload(initial_sessions=4, ramp_s=1.0, turns_median=3, first_tokens=1200, growth_per_turn=300,
-                 output_tokens=20, duration_s=12.0, seed=3)  # fmt: skip
-OPTS = Options(
-    device_tokens=6000, chunked_prefill_size=1024, max_prefill_tokens=2048, max_running_requests=16
-)
-
-
-def run(name: str, w: Workload = SMALL, opts: Options = OPTS, profile: TimeProfile | None = None) -> object:
-    return simulate(make_plan(w), get(name), profile or default_profile(), opts)
+from toolkv.twin.run import Options
 
 
 @pytest.mark.parametrize("name", ["stock", "offload", "auto", "pin", "radix"])
 def test_conservation_and_idle_pools(name: str) -> None:
-    o = run(name)
-    assert o.crashed is None, o.crashed
-    plan = make_plan(SMALL)
-    a = o.agents
-    # every turn a session started was answered (the run ends with no turn in flight)
-    assert a.finished and all(t.status == 200 for t in a.turns)
-    assert {t.session for t in a.turns} == {s.sid for s in plan.sessions}
-    # every prompt token was served from cache or computed, exactly once (no retraction here)
-    assert o.retractions == 0
-    assert o.prefill_tokens + o.cached_tokens == sum(t.prompt_tokens for t in a.turns)
-    assert all(0 <= t.cached_tokens <= t.prompt_tokens for t in a.turns)
-    assert all(t.output_tokens == SMALL.output_tokens for t in a.turns)
-    # nothing leaked: no lock, no protection, no slot, every device and host token free again
-    assert o.leaks["leaked"] == 0, o.leaks
-    if name in ("offload", "auto"):
-        assert sum(v for k, v in a.calls.items() if k.startswith("tool_start")) > 0
-    if name == "stock":
-        assert not a.calls  # stock agents make no toolkv call
+    check_conservation(run(name), name)
 
 
 def test_same_seed_same_run() -> None:
-    one, two = run("offload"), run("offload")
-    key = [(t.session, t.turn, t.start_s, t.ttft_s, t.e2e_s, t.cached_tokens) for t in one.agents.turns]
-    assert key == [
-        (t.session, t.turn, t.start_s, t.ttft_s, t.e2e_s, t.cached_tokens) for t in two.agents.turns
-    ]
-    assert one.agents.calls == two.agents.calls and one.end_s == two.end_s
-
-
-ROUND = TimeProfile(prefill_a=0.1, prefill_b=0.001, prefill_c=0.0, decode_d=0.01, decode_e=0.0, decode_f=0.0,
-                    h2d_gbps=50.0, d2h_gbps=50.0, kv_bytes_per_token=131_072)  # fmt: skip
+    check_same_seed_same_run()
 
 
 def test_hand_computed_schedule() -> None:
@@ -83,17 +55,9 @@ def test_hand_computed_schedule() -> None:
              s0's first token: TTFT 2.248
     t=2.248  s1's last 52 tokens                                            -> ends 2.248 + 0.152 = 2.400
              s1's first token: TTFT 2.400 - 0.05 = 2.350
-    then one decode batch of both, 3 steps of 10 ms: both finish at 2.430."""
-    w = Workload(initial_sessions=0, turns_median=1, first_tokens=1500, growth_per_turn=10, output_tokens=4,
-                 duration_s=10.0)  # fmt: skip
-    rng = random.Random(0)
-    plan = Plan(w, [SessionPlan("s0", 0.0, [7, *(rng.randrange(1000, 9000) for _ in range(1499))]),
-                    SessionPlan("s1", 0.05, [8, *(rng.randrange(1000, 9000) for _ in range(599))])])  # fmt: skip
-    o = simulate(plan, get("stock"), ROUND, Options(device_tokens=4096, chunked_prefill_size=1024))
-    got = {t.session: (round(t.ttft_s, 6), round(t.e2e_s, 6), t.cached_tokens) for t in o.agents.turns}
-    assert got == {"s0": (2.248, 2.43, 0), "s1": (2.35, 2.38, 0)}
-    assert (o.prefill_batches, o.decode_steps) == (3, 3)
-    assert o.leaks["leaked"] == 0
+    then one decode batch of both, 3 steps of 10 ms: both finish at 2.430.
+    (The run and its assertions: ``_twin_common.check_hand_computed_schedule``, shared with 0.5.23.)"""
+    check_hand_computed_schedule()
 
 
 def test_belady_keeps_the_soonest_reuse() -> None:

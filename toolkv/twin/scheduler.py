@@ -35,6 +35,11 @@ buffers), in the order sglang runs it:
 
 Not modelled: overlap scheduling (a batch's results are processed before the next is built),
 mixed chunks (off by default), priorities, LoRA, grammar, speculative decoding.
+
+The walk above is written once, here; what a release does differently (which ``Req`` fields hold
+the KV lengths, which release function caches a request, the admission rules 0.5.23 changed) is
+in small hooks (the ``# ---- release hooks`` section) that :mod:`toolkv.twin.scheduler_0523`
+overrides, so both releases' schedulers are the same walk by construction.
 """
 
 from __future__ import annotations
@@ -66,7 +71,10 @@ class TwinScheduler:
     ``on_admitted(req)`` is called for every request of a new prefill batch once the batch is
     formed (``PrefillAdder`` matched and locked its prefix, its memory is allocated): where the
     plugin's AFTER hook on ``get_new_batch_prefill`` runs; ``on_first_token(req)`` and ``on_finished(req)``
-    when a result is processed; ``on_retracted(req)`` when decode memory ran out."""
+    when a result is processed; ``on_retracted(req)`` when decode memory ran out.
+
+    The methods up to ``# ---- release hooks`` are the walk both releases share; the hooks below
+    it are 0.5.16's, and :class:`~toolkv.twin.scheduler_0523.TwinScheduler0523` overrides them."""
 
     def __init__(
         self,
@@ -80,34 +88,23 @@ class TwinScheduler:
         on_finished: Hook | None = None,
         on_retracted: Hook | None = None,
     ) -> None:
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.managers.schedule_policy import SchedulePolicy
-        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
-            NewTokenRatioTracker,
-        )
-        from sglang.srt.server_args import set_global_server_args_for_scheduler
 
         self.h = harness
         self.tree = harness.tree
         self.hicache = harness.is_hi
-        args = harness.server_args
-        args.chunked_prefill_size = chunked_prefill_size
-        args.max_prefill_tokens = max_prefill_tokens
-        args.max_running_requests = max_running_requests
-        args.pp_max_micro_batch_size = max_running_requests
-        set_global_server_args_for_scheduler(args)  # Req/PrefillAdder read the global args
-        self.server_args = args
+        self.server_args = args = harness.server_args
         self.page_size = harness.cfg.page_size
         self.chunked_prefill_size = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running_requests = max_running_requests
-        self.ratio = NewTokenRatioTracker.from_server_args(args)
+        self._apply_server_args()  # before anything below reads the (global) server args
+        self.ratio = self._new_token_ratio_tracker()
         self.policy = SchedulePolicy(args.schedule_policy, self.tree, self.hicache, False, False)
         self.waiting_queue: list[Any] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Any = None
         self.last_batch: Batch | None = None
-        self._batch_cls = ScheduleBatch
         self.on_admitted = on_admitted
         self.on_first_token = on_first_token
         self.on_finished = on_finished
@@ -150,39 +147,41 @@ class TwinScheduler:
     # ---- one iteration ---------------------------------------------------------------------------
     def next_batch(self) -> Batch | None:
         """``get_next_batch_to_run``: returns the forward to run now, with its memory allocated."""
+        self._before_next_batch()
         chunked = self.chunked_req
-        if chunked is not None and chunked.extend_range.end > len(chunked.prefix_indices):
-            from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-
-            maybe_cache_unfinished_req(chunked, self.tree, chunked=True)  # stash_chunked_request
+        if chunked is not None:
+            self._stash_chunked_request(chunked)
         last = self.last_batch
         self.last_batch = None
         if last is not None and last.mode == "prefill":
             keep = [r for r in last.reqs if r is not chunked and not r.finished()]
+            if len(keep) < len(last.reqs):
+                self.running_batch.batch_is_full = False
             if keep and not self.running_batch.reqs:
                 # ``running_batch = last_batch``: a new batch object, so its batch_is_full is False
                 self.running_batch = self._new_batch(keep)
             else:
-                if len(keep) < len(last.reqs):
-                    self.running_batch.batch_is_full = False
                 self.running_batch.reqs.extend(keep)
+        self._filter_running_batch()
         batch = self._new_prefill()
         if batch is None and self.running_batch.reqs:
             batch = self._decode()
         self.last_batch = batch
         return batch
 
-    def _allocatable(self) -> int:
+    def _allocatable(self, held: int = 0) -> int:
+        """``get_num_allocatable_reqs``: the running-request budget and the free request rows
+        (plus ``held``, rows the admitted requests already hold: 0.5.23's ``num_held_rows``)."""
         running = len(self.running_batch.reqs)
-        return min(self.max_running_requests - running, int(self.h.req_pool.available_size()))
+        rows = max(int(self.h.req_pool.available_size()) + held, 0)
+        return min(self.max_running_requests - running, rows)
 
     def _new_prefill(self) -> Batch | None:
         """``_get_new_batch_prefill_raw`` (scheduler.py), fcfs, no LoRA/grammar/priorities."""
         from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
-        if self.hicache:
-            self.tree.check_hicache_events()
         rb = self.running_batch
+        self._begin_prefill(rb)
         if (rb.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
         if self._allocatable() <= 0 and self.chunked_req is None:
@@ -196,9 +195,12 @@ class TwinScheduler:
         )  # fmt: skip
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
+            self._limit_chunked_req(adder, self.chunked_req)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in self.waiting_queue:
-            if len(adder.can_run_list) >= self._allocatable():
+            if self._budget_spent(adder):
+                break
+            if len(adder.can_run_list) >= self._allocatable(self._held_rows(adder.can_run_list)):
                 rb.batch_is_full = True
             if rb.batch_is_full:
                 break
@@ -208,10 +210,7 @@ class TwinScheduler:
             )
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
-                    if self.hicache:
-                        rb.batch_is_full = len(adder.can_run_list) > 0 or bool(rb.reqs)
-                    else:
-                        rb.batch_is_full = True
+                    rb.batch_is_full = self._full_on_no_token(adder, rb)
                 break
         can_run = adder.can_run_list
         if not can_run:
@@ -240,28 +239,22 @@ class TwinScheduler:
 
     def _alloc_extend(self, reqs: list[Any]) -> list[tuple[int, int]]:
         """``prepare_for_extend`` + ``alloc_for_extend``: slots, KV, ``cached_tokens``."""
-        from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots
 
-        pre = [len(r.prefix_indices) for r in reqs]
-        ext = [r.extend_range.length for r in reqs]
+        spans = [self._extend_span(r) for r in reqs]  # read before alloc_req_slots gives rows
+        ext = [seq - p for p, seq, _ in spans]
         alloc_req_slots(self.h.req_pool, reqs, self.tree)
         out = alloc_token_slots(self.tree, sum(ext)) if sum(ext) else torch.empty(0, dtype=torch.int64)
         r2t = self.h.req_pool.req_to_token
         at = 0
         chunks = []
-        for r, p, n in zip(reqs, pre, ext, strict=True):
-            seq = r.extend_range.end
-            assert seq - p == n
+        for r, (p, seq, prefix), n in zip(reqs, spans, ext, strict=True):
+            row = self._req_row(r)
             if p:
-                r2t[r.req_pool_idx, :p] = r.prefix_indices.to(r2t.dtype)
-            r2t[r.req_pool_idx, p:seq] = out[at : at + n].to(r2t.dtype)
+                r2t[row, :p] = prefix.to(r2t.dtype)
+            r2t[row, p:seq] = out[at : at + n].to(r2t.dtype)
             at += n
-            if r.kv is None:
-                r.kv = ReqKvInfo(kv_allocated_len=seq, swa_evicted_seqlen=0)
-            else:
-                r.kv.kv_allocated_len = seq
-            r.kv_committed_len = seq
+            self._commit_extend(r, seq)
             if not r.retracted_stain:  # prepare_for_extend: cached_tokens counted once
                 new_cached = p - r.already_computed
                 r.cached_tokens += new_cached
@@ -273,7 +266,8 @@ class TwinScheduler:
         return chunks
 
     def _decode(self) -> Batch | None:
-        """``update_running_batch`` + ``prepare_for_decode``/``alloc_for_decode``."""
+        """``update_running_batch`` + ``prepare_for_decode``/``alloc_for_decode`` (0.5.23:
+        ``alloc_for_decode_default``)."""
         from sglang.srt.mem_cache.allocation import alloc_token_slots
 
         rb = self.running_batch
@@ -296,22 +290,22 @@ class TwinScheduler:
         r2t = self.h.req_pool.req_to_token
         context = 0
         for i, r in enumerate(rb.reqs):
-            r2t[r.req_pool_idx, r.kv_committed_len] = int(out[i])
-            r.kv_committed_len += 1
-            r.kv.kv_allocated_len += 1
-            context += r.kv_committed_len
+            r2t[self._req_row(r), self._committed_len(r)] = int(out[i])
+            self._commit_decode(r)
+            context += self._committed_len(r)
         return Batch("decode", list(rb.reqs), context=context)
 
     def _retract(self) -> None:
         """``ScheduleBatch.retract_decode``: retract the least preferred requests (fewest output
-        tokens, then longest input, kept last) until the next step fits; never the last one."""
-        from sglang.srt.managers.schedule_batch import ScheduleBatch, release_req
+        tokens, then longest input, kept last) until the next step fits; never the last one
+        (0.5.23 aborts a last one that still does not fit: never reached here, the twin's
+        requests are far smaller than the pool)."""
         from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
             NewTokenRatioTracker,
         )
 
         rb = self.running_batch
-        order = ScheduleBatch._get_decode_retraction_order(rb.reqs, self.server_args, allow_policy_sort=True)
+        order = self._retraction_order(rb.reqs)
         retracted = []
         first = True
         while first or not rb.check_decode_mem(selected_indices=order):
@@ -321,11 +315,7 @@ class TwinScheduler:
             idx = order.pop()
             req = rb.reqs[idx]
             retracted.append(req)
-            release_req(
-                req=req, remaing_req_count=len(order), server_args=self.server_args,
-                req_to_token_pool=self.h.req_pool, token_to_kv_pool_allocator=self.h.allocator,
-                tree_cache=self.tree, hisparse_coordinator=None,
-            )  # fmt: skip
+            self._release_retracted(req, len(order))
         keep = set(order)
         rb.reqs = [r for i, r in enumerate(rb.reqs) if i in keep]
         self.ratio.current = NewTokenRatioTracker.estimate_new_token_ratio_after_retract(rb.reqs)
@@ -340,8 +330,6 @@ class TwinScheduler:
         """``process_batch_result_prefill``/``_decode``: one new token per request that is not a
         middle chunk; a finished request releases its KV into the tree (``cache_finished_req``),
         an unfinished one is cached for the next round (prefill)."""
-        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req, release_kv_cache
-
         for req in batch.reqs:
             if req.finished() or req.is_retracted:
                 continue
@@ -354,8 +342,134 @@ class TwinScheduler:
                 self.on_first_token(req)
             req.update_finish_state()
             if req.finished():
-                release_kv_cache(req, self.tree)
+                self._release_finished(req)
                 if self.on_finished is not None:
                     self.on_finished(req)
             elif batch.mode == "prefill":
-                maybe_cache_unfinished_req(req, self.tree)
+                self._cache_unfinished(req)
+
+    # ---- release hooks: sglang 0.5.16 (scheduler_0523.TwinScheduler0523 overrides them) ----------
+    def _apply_server_args(self) -> None:
+        """The scheduler's sizes go into the server args, made the global ones that ``Req`` and
+        ``PrefillAdder`` read (``set_global_server_args_for_scheduler``)."""
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        args = self.server_args
+        args.chunked_prefill_size = self.chunked_prefill_size
+        args.max_prefill_tokens = self.max_prefill_tokens
+        args.max_running_requests = self.max_running_requests
+        args.pp_max_micro_batch_size = self.max_running_requests
+        set_global_server_args_for_scheduler(args)  # Req/PrefillAdder read the global args
+
+    def _new_token_ratio_tracker(self) -> Any:
+        """``NewTokenRatioTracker.from_server_args``."""
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+            NewTokenRatioTracker,
+        )
+
+        return NewTokenRatioTracker.from_server_args(self.server_args)
+
+    def _before_next_batch(self) -> None:
+        """What ``get_next_batch_to_run`` does before stashing the chunked request: nothing in
+        0.5.16 (HiCache events are checked in ``_begin_prefill``)."""
+
+    def _stash_chunked_request(self, chunked: Any) -> None:
+        """``stash_chunked_request``: a chunked request with new tokens caches them in the tree
+        (``maybe_cache_unfinished_req(chunked=True)``), so its next chunk matches them."""
+        if chunked.extend_range.end > len(chunked.prefix_indices):
+            from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+            maybe_cache_unfinished_req(chunked, self.tree, chunked=True)
+
+    def _filter_running_batch(self) -> None:
+        """``get_next_batch_to_run``'s filter of the merged running batch: none in 0.5.16
+        (finished requests leave it in ``update_running_batch``, :meth:`_decode`)."""
+
+    def _begin_prefill(self, rb: Any) -> None:
+        """The start of ``get_new_batch_prefill``: HiCache's events (finished copies) first."""
+        if self.hicache:
+            self.tree.check_hicache_events()
+
+    def _limit_chunked_req(self, adder: Any, chunked: Any) -> None:
+        """A cap on the chunked request's next chunk before ``add_chunked_req``: none in 0.5.16."""
+
+    def _budget_spent(self, adder: Any) -> bool:
+        """The waiting-queue walk stops before a request on the adder's budget: not in 0.5.16
+        (only ``add_one_req``'s answer stops it)."""
+        return False
+
+    def _held_rows(self, can_run: list[Any]) -> int:
+        """Request rows the admitted requests already hold, for :meth:`_allocatable`: 0.5.16
+        does not count them."""
+        return 0
+
+    def _full_on_no_token(self, adder: Any, rb: Any) -> bool:
+        """``batch_is_full`` after ``add_one_req`` answered ``NO_TOKEN``: with HiCache only when
+        something was admitted or runs; without, unconditionally (which can stall a server)."""
+        if self.hicache:
+            return len(adder.can_run_list) > 0 or bool(rb.reqs)
+        return True
+
+    def _extend_span(self, req: Any) -> tuple[int, int, torch.Tensor]:
+        """(prefix length, sequence end, prefix KV indices) of a request about to be extended:
+        ``prefix_indices`` and ``extend_range`` (schedule_batch.py)."""
+        p, seq = len(req.prefix_indices), req.extend_range.end
+        assert seq - p == req.extend_range.length
+        return p, seq, req.prefix_indices
+
+    def _req_row(self, req: Any) -> int:
+        """The request's row in ``req_to_token`` (``req.req_pool_idx``)."""
+        return int(req.req_pool_idx)
+
+    def _commit_extend(self, req: Any, seq: int) -> None:
+        """``alloc_for_extend``'s bookkeeping once the row is written: ``req.kv`` (a
+        ``ReqKvInfo``, made on the first extend) and ``req.kv_committed_len``."""
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+        if req.kv is None:
+            req.kv = ReqKvInfo(kv_allocated_len=seq, swa_evicted_seqlen=0)
+        else:
+            req.kv.kv_allocated_len = seq
+        req.kv_committed_len = seq
+
+    def _committed_len(self, req: Any) -> int:
+        """The request's committed KV length (``req.kv_committed_len``)."""
+        return int(req.kv_committed_len)
+
+    def _commit_decode(self, req: Any) -> None:
+        """``alloc_for_decode``'s bookkeeping for the one new token."""
+        req.kv_committed_len += 1
+        req.kv.kv_allocated_len += 1
+
+    def _retraction_order(self, reqs: list[Any]) -> list[int]:
+        """``ScheduleBatch._get_decode_retraction_order`` (with the server args, policy sort on)."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        order: list[int] = ScheduleBatch._get_decode_retraction_order(
+            reqs, self.server_args, allow_policy_sort=True
+        )
+        return order
+
+    def _release_retracted(self, req: Any, remaining: int) -> None:
+        """``release_req`` (schedule_batch.py): a retracted request gives back its row and KV."""
+        from sglang.srt.managers.schedule_batch import release_req
+
+        release_req(
+            req=req, remaing_req_count=remaining, server_args=self.server_args,
+            req_to_token_pool=self.h.req_pool, token_to_kv_pool_allocator=self.h.allocator,
+            tree_cache=self.tree, hisparse_coordinator=None,
+        )  # fmt: skip
+
+    def _release_finished(self, req: Any) -> None:
+        """``release_kv_cache`` (mem_cache/common.py): the tree's ``cache_finished_req``, where
+        write-through and toolkv's ``on_finished`` hook run."""
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.tree)
+
+    def _cache_unfinished(self, req: Any) -> None:
+        """``maybe_cache_unfinished_req`` (mem_cache/common.py): an unfinished prefill's tokens
+        go into the tree for its next round."""
+        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+        maybe_cache_unfinished_req(req, self.tree)
