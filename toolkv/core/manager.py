@@ -418,6 +418,26 @@ class ToolKVManager:
         """What a demotion gives back: the session's host protection (it holds no pin)."""
         self.backend.release(rec)
 
+    # ---- Store (spec/storage/StorageTier.tla) -----------------------------------------------------------
+    def store(self, session_id: str) -> dict[str, object]:
+        """Spec ``Store`` of the storage tier on its own: write an ``Offloaded`` session's protected
+        host copy to L3; the host copy stays protected until a whole ``StoreAck``, which the tick
+        takes. It is what the host-room rule does to a victim (``_yield_host``), callable as
+        ``demote`` is, so that the storage-tier conformance replay and fuzz campaign can take the
+        spec's ``Store`` step through the manager. Refused (``WrongState``) unless the session is
+        ``Offloaded`` on its host copy and a storage tier is on; a backend that cannot store it now
+        (a host write in flight, no page hashes, a backend that evicts on its own) changes nothing
+        (``l3_store_refused``)."""
+        rec = self._get(session_id)
+        if rec.state != "Offloaded" or rec.l3 or not self._storage_on():
+            raise WrongState(
+                f"store needs an Offloaded session on its host copy and a storage tier; {session_id!r} is "
+                f"{rec.state}" + (f" ({rec.l3})" if rec.l3 else ""),
+                state=rec.state,
+            )
+        self._store(rec)
+        return self._meta(rec)
+
     def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
         """Offloaded sessions predicted back after ``returns_at`` (when the session that needs the
         room is), the one predicted back last first (policy.demotion_order): an optimal cache
@@ -652,10 +672,7 @@ class ToolKVManager:
     def _tool_end_l3(self, rec: SessionRecord) -> bool:
         """tool_end of a session with an L3 copy. True: handled here (the restore goes on at the
         prefetch's ack); False: the host copy is protected, restore from it as usual."""
-        if rec.l3 == "storing":  # ToolEndFromHost: the host copy is protected; the store is let go
-            self.backend.drop_storage(rec)  # type: ignore[attr-defined]
-            self._storing.pop(rec.session_id, None)
-            rec.l3 = ""
+        if rec.l3 == "storing" and self._store_left_for_host(rec):  # ToolEndFromHost
             return False
         if rec.l3_then == "tool_end":  # this call's tool_end was accepted already
             raise WrongState(
@@ -673,14 +690,21 @@ class ToolKVManager:
     def _l3_prefetch(self, rec: SessionRecord) -> bool:
         """The early restore (spec ``Prefetch``) of a session with an L3 copy. True: handled here
         (a storage prefetch, then the host→GPU prefetch at its ack)."""
-        if rec.l3 == "storing":  # the host copy is still protected: prefetch from it
-            self.backend.drop_storage(rec)  # type: ignore[attr-defined]
-            self._storing.pop(rec.session_id, None)
-            rec.l3 = ""
+        if rec.l3 == "storing" and self._store_left_for_host(rec):  # prefetch from the host copy
             return False
         if rec.l3 == "fetching" or rec.l3_then:
             raise WrongState(f"session {rec.session_id!r} is being read from L3 already", state=rec.state)
         return self._fetch(rec, "prefetch") != "host"
+
+    def _store_left_for_host(self, rec: SessionRecord) -> bool:
+        """A session whose store is still in flight is read back from its host copy, which is whole
+        and still protected, and the store is let go (spec ``ToolEndFromHost`` from ``Storing``):
+        never from a storage copy whose write is not acknowledged whole (``RestoreSourceWhole``;
+        mutant ``RestoreBeforeStoreAck`` reads it). True: restore from the host copy."""
+        self.backend.drop_storage(rec)  # type: ignore[attr-defined]
+        self._storing.pop(rec.session_id, None)
+        rec.l3 = ""
+        return True
 
     def process_storage_acks(self) -> int:
         """Once per tick on every rank: ``StoreAck`` of the stores in flight, ``PrefetchAck`` of the

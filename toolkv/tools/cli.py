@@ -17,7 +17,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from toolkv import __version__
 
@@ -89,9 +89,16 @@ def _check_fuzz(args: argparse.Namespace) -> str | None:
     or as a "found bug" (a device the harness cannot build pools on)."""
     from toolkv.tools.fuzz_cli import MUTANTS
 
-    unknown = [n for n in args.only if n not in MUTANTS]
+    known: Iterable[str] = MUTANTS
+    if getattr(args, "storage", False):  # the storage tier's defects (its campaign's kill table)
+        from toolkv.verify.backend_mutants import STORAGE_MUTANTS
+
+        known = STORAGE_MUTANTS
+    elif getattr(args, "invariants_only", False):
+        return "--invariants-only goes with --storage"
+    unknown = [n for n in args.only if n not in known]
     if unknown:
-        return f"unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}"
+        return f"unknown mutant(s) {unknown}; known: {', '.join(known)}"
     if not DEVICE.fullmatch(args.device):
         return f"--device {args.device!r}: expected cpu or cuda[:N]"
     for name in ("examples", "steps"):

@@ -71,6 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--no-shrink", action="store_true", help="stop at the first failure (kill detection only)")
     p.add_argument(
+        "--storage",
+        action="store_true",
+        help="the L3 storage tier's campaign (spec/storage/StorageTier.tla) over sglang's HiCacheFile; "
+        "with --mutants its defects' kill table (--only, --invariants-only)",
+    )
+    p.add_argument(
+        "--invariants-only",
+        action="store_true",
+        help="with --storage: no step check and no leak check at teardown, the spec's invariants alone",
+    )
+    p.add_argument(
         "--reproduce",
         metavar="BLOB",
         help="replay one failing example from the @reproduce_failure blob a failure printed",
@@ -92,10 +103,13 @@ def campaign(
     label: str = "correct",
     shrink: bool = True,
     reproduce: str | None = None,
+    machine: Any = None,
 ) -> dict[str, Any]:
     """Run one campaign under a Hypothesis profile; returns a summary (``failure`` is None when
     nothing was found). Statistics come from Hypothesis: each example reports its action counts as
-    ``event``s, read here through Hypothesis's observability callbacks (one per test case)."""
+    ``event``s, read here through Hypothesis's observability callbacks (one per test case).
+    ``machine``: another state machine class to run (the storage tier's,
+    ``toolkv.verify.storage_fuzzing``); the machine options above are then its own business."""
     from hypothesis import Phase, reproduce_failure, settings
     from hypothesis import __version__ as hypothesis_version
     from hypothesis.internal.observability import with_observability_callback
@@ -106,13 +120,20 @@ def campaign(
 
     profiles.register()
     base = settings.get_profile(profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT)
-    cls: Any = machine_class(
+    cls: Any = machine or machine_class(
         caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir
     )
     if reproduce is not None:
         cls = reproduce_failure(hypothesis_version, reproduce.encode())(cls)
     t0 = time.monotonic()
-    seen: dict[str, Any] = {"examples": 0, "steps": 0, "actions": {}, "kv": 0, "first_failure": None}
+    seen: dict[str, Any] = {
+        "examples": 0,
+        "steps": 0,
+        "actions": {},
+        "kv": 0,
+        "first_failure": None,
+        "other": {},
+    }
 
     def observe(obs: Any) -> None:
         if getattr(obs, "type", None) != "test_case" or obs.status == "gave_up":
@@ -125,8 +146,15 @@ def campaign(
                 seen["steps"] += payload
             elif name == "kv bytes checked" and isinstance(payload, int):
                 seen["kv"] += payload
+            elif isinstance(payload, int):  # a machine's own counters (e.g. "restored from L3")
+                seen["other"][name] = seen["other"].get(name, 0) + payload
         if obs.status == "failed" and seen["first_failure"] is None:
             seen["first_failure"] = seen["examples"]
+            # what the first failing example raised, as Hypothesis saw it: when its replay at the
+            # end of the campaign goes otherwise (a flaky failure), this is the one that counts
+            tb = str(getattr(getattr(obs, "metadata", None), "traceback", "") or "")
+            last = tb.strip().splitlines()[-1] if tb.strip() else ""
+            seen["first_reason"] = (last or str(getattr(obs, "status_reason", "") or ""))[:2000]
         if every and seen["examples"] % every == 0:
             print(
                 f"  [{label}] {seen['examples']} examples, {seen['steps']} steps, {time.monotonic() - t0:.0f}s",
@@ -174,9 +202,11 @@ def campaign(
         "failure": failure,
         "detail": detail,
         "examples_to_kill": seen["first_failure"],
+        "first_failure": seen.get("first_reason"),
         "shrunk_steps": shrunk_len if shrink else None,
         "actions": dict(sorted(seen["actions"].items())),
         "kv_bytes_checked": seen["kv"],
+        "counters": dict(sorted(seen["other"].items())),
         "device": device,
     }
 
@@ -201,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("toolkv").setLevel(logging.ERROR)
+    if getattr(args, "storage", False):
+        return run_storage(args)
     results: list[dict[str, Any]] = []
     rc = 0
     if args.mutants:
@@ -260,6 +292,49 @@ def run(args: argparse.Namespace) -> int:
             f"{r['kv_bytes_checked']:,} KV bytes checked, failures: {r['failure'] or 0}"
         )
         print("actions: " + ", ".join(f"{k} {v}" for k, v in r["actions"].items()))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return rc
+
+
+def run_storage(args: argparse.Namespace) -> int:
+    """``toolkv fuzz --storage``: the storage tier's campaign, or with ``--mutants`` its kill table
+    (``toolkv.verify.storage_fuzzing``; defaults: 200 examples of 60 steps, a kill within 300)."""
+    import logging
+
+    from toolkv.verify.backend_mutants import STORAGE_MUTANTS
+    from toolkv.verify.storage_fuzzing import campaign as storage_campaign
+
+    logging.getLogger("sglang").setLevel(logging.ERROR)  # every refused page is a warning
+    checks = "invariants" if args.invariants_only else "all"
+    seed = 1 if args.seed is None else args.seed
+    steps = args.steps or 60
+    results: list[dict[str, Any]] = []
+    rc = 0
+    names: list[str | None] = list(args.only or STORAGE_MUTANTS) if args.mutants else [None]
+    for name in names:
+        r = storage_campaign(
+            examples=args.examples or (300 if name else 200), steps=steps, seed=seed, mutant=name,
+            checks=checks, profile=args.profile or "ci", shrink=not args.no_shrink, every=args.every,
+        )  # fmt: skip
+        results.append(r)
+        bad = (r["failure"] is None) if name else (r["failure"] is not None)
+        rc |= bad
+        if name:
+            print(
+                f"{name:<22} {'killed' if r['failure'] else 'SURVIVED'} after {r['examples_to_kill'] or r['examples']} "
+                f"examples: {(r['first_failure'] or r['failure'] or '')[:110]}"
+            )
+        else:
+            print(
+                f"storage fuzz: {r['examples']} examples, {r['steps']} steps, {r['seconds']}s, "
+                f"{r['kv_bytes_checked']:,} KV bytes checked, {r['counters'].get('restored from L3', 0)} sessions "
+                f"restored from L3, failures: {r['failure'] or 0}"
+            )
+            print("actions: " + ", ".join(f"{k} {v}" for k, v in r["actions"].items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))

@@ -331,3 +331,33 @@ class ReleaseDropsPinBackend(HiRadixBackend):
 
     def _release_storage(self, rec: SessionRecord) -> None:
         self._l3.pop(rec.session_id, None)
+
+
+class RestoreBeforeStoreAckManager(ToolKVManager):
+    """``RestoreBeforeStoreAck`` (manager half): a tool_end while the session's store is in flight
+    takes the store for done, gives up the host protection as a whole ``StoreAck`` would, and
+    reads the session back from storage instead of from its host copy (``_store_left_for_host``)."""
+
+    def _store_left_for_host(self, rec: SessionRecord) -> bool:
+        self._storing.pop(rec.session_id, None)
+        self.backend.release_protection(rec)
+        return False
+
+
+class RestoreBeforeStoreAckBackend(HiRadixBackend):
+    """``RestoreBeforeStoreAck`` (backend half): a storage copy still being written is the restore
+    source: the prefetch reads it from the root, whatever the host holds (``_read_from``). The
+    copy was never completely written (spec ``RestoreSourceWhole``)."""
+
+    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode | None:
+        if not copy.whole:
+            return self.tree.root_node  # type: ignore[no-any-return]
+        return super()._read_from(copy, node, matched)
+
+
+# storage-tier defect -> (manager class, HiRadix backend class) that seed it
+STORAGE_MUTANTS: dict[str, tuple[type[ToolKVManager], type[HiRadixBackend]]] = {
+    "RestoreBeforeStoreAck": (RestoreBeforeStoreAckManager, RestoreBeforeStoreAckBackend),
+    "TrustShortAck": (ToolKVManager, TrustShortAckBackend),
+    "ReleaseDropsPin": (ToolKVManager, ReleaseDropsPinBackend),
+}

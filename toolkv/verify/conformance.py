@@ -57,12 +57,15 @@ __all__ = [
     "StepResult",
     "Unrealizable",
     "cfg_constants",
+    "diff_states",
     "dump_graph",
+    "dump_module_graph",
     "load_conformance",
     "load_graph",
     "radix_shares",
     "replay_graph",
     "replay_trace",
+    "run_cover",
     "spec_actions",
 ]
 
@@ -77,6 +80,12 @@ def load_graph(dot: Path) -> StateGraph:
 
 
 # ---- what is compared --------------------------------------------------------------------------------
+def diff_states(spec: Mapping[str, Any], impl: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """Where ``impl`` differs from ``spec`` on ``keys``: per key (spec value, implementation value),
+    narrowed to the differing entries of a function (dict) value."""
+    return _diff(spec, impl, keys)
+
+
 def _diff(spec: Mapping[str, Any], impl: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in keys:
@@ -317,36 +326,73 @@ def replay_graph(
     reasons: dict[Edge, str] = {}
     probed: set[int] = set()
     done: set[Edge] = set()
+
+    def restart() -> None:
+        nonlocal r
+        if rep.walks and rep.walks % fresh_every == 0:  # bound the copy engine's history
+            r.close()
+            r = stack(rep.walks)
+        else:
+            r.restart()
+
+    def walk(walk_states: list[int]) -> bool:
+        return _walk(r, walk_states, states, keys, bounds, rep, done, failures, reasons, probed)
+
     try:
-        for rnd in range(rounds):
-            left = todo - done - {e for e, k in failures.items() if k >= rounds}
-            if not left:
-                break
-            rep.rounds = rnd + 1
-            plan = cover.plan(left, randomize=rnd > 0)
-            for walk_states in plan.walks:
-                if budget_s is not None and time.monotonic() - t0 > budget_s:
-                    return _finish(rep, t0)
-                if rep.walks and rep.walks % fresh_every == 0:  # bound the copy engine's history
-                    r.close()
-                    r = stack(rep.walks)
-                else:
-                    r.restart()
-                rep.walks += 1
-                if not _walk(r, walk_states, states, keys, bounds, rep, done, failures, reasons, probed):
-                    return _finish(rep, t0)
-                if progress is not None:
-                    progress(rep)
-        rep.unrealizable = len(todo - done)
-        rep.covered = len(todo & done)
-        for e, why in reasons.items():
-            if e not in done:
-                rep.failed[why] = rep.failed.get(why, 0) + 1
-        for _, v in todo & done:
-            rep.by_action[label[v]][1] += 1
+        run_cover(
+            cover, todo, rep, restart, walk, done, failures, reasons, lambda e: label[e[1]],
+            rounds=rounds, budget_s=budget_s, t0=t0, progress=progress,
+        )  # fmt: skip
     finally:
         r.close()
     return _finish(rep, t0)
+
+
+def run_cover(
+    cover: Cover,
+    todo: set[Edge],
+    rep: CoverReport,
+    restart: Callable[[], None],
+    walk: Callable[[list[int]], bool],
+    done: set[Edge],
+    failures: Counter[Edge],
+    reasons: dict[Edge, str],
+    label: Callable[[Edge], str],
+    *,
+    rounds: int,
+    budget_s: float | None,
+    t0: float,
+    progress: Callable[[CoverReport], None] | None = None,
+) -> bool:
+    """The rounds of a replay, whatever the model: plan walks over the edges of ``todo`` not yet
+    taken (round 1 in BFS order, later rounds randomised, so that an edge that failed is tried
+    along another walk), and for each walk ``restart`` the stack and ``walk`` it (``walk`` adds the
+    edges it took to ``done``, and an edge it could not take to ``failures`` with its reason).
+    Then tally the report. False if a walk stopped the replay (a mismatch) or the budget ran out
+    (the report is then not tallied)."""
+    for rnd in range(rounds):
+        left = todo - done - {e for e, k in failures.items() if k >= rounds}
+        if not left:
+            break
+        rep.rounds = rnd + 1
+        plan = cover.plan(left, randomize=rnd > 0)
+        for walk_states in plan.walks:
+            if budget_s is not None and time.monotonic() - t0 > budget_s:
+                return False
+            restart()
+            rep.walks += 1
+            if not walk(walk_states):
+                return False
+            if progress is not None:
+                progress(rep)
+    rep.unrealizable = len(todo - done)
+    rep.covered = len(todo & done)
+    for e, why in reasons.items():
+        if e not in done:
+            rep.failed[why] = rep.failed.get(why, 0) + 1
+    for e in todo & done:
+        rep.by_action[label(e)][1] += 1
+    return True
 
 
 def _walk(
@@ -534,15 +580,25 @@ def load_conformance(spec_dir: Path) -> tuple[list[GraphConfig], dict[str, str]]
 
 def dump_graph(tools: Toolchain, spec_dir: Path, gc: GraphConfig, work: Path) -> tuple[StateGraph, Bounds]:
     """TLC's full state graph of ``gc`` (its modules copied into ``work``) and its bounds."""
+    text = gc.cfg_text(spec_dir)
+    return dump_module_graph(tools, spec_dir, "ToolKV.tla", gc.name, text, work), Bounds.from_cfg(
+        cfg_constants(text)
+    )
+
+
+def dump_module_graph(
+    tools: Toolchain, spec_dir: Path, module: str, name: str, cfg_text: str, work: Path
+) -> StateGraph:
+    """TLC's full state graph of ``module`` of ``spec_dir`` under config ``cfg_text`` (written as
+    ``work/name.cfg``; the modules are copied into ``work``), read as the replay compares it."""
     for f in spec_dir.glob("*.tla"):
         shutil.copy(f, work / f.name)
-    text = gc.cfg_text(spec_dir)
-    cfg = work / f"{gc.name}.cfg"
-    cfg.write_text(text)
-    res = run_tlc(tools, work / "ToolKV.tla", cfg, dump_dot=work / f"{gc.name}-graph")
+    cfg = work / f"{name}.cfg"
+    cfg.write_text(cfg_text)
+    res = run_tlc(tools, work / module, cfg, dump_dot=work / f"{name}-graph")
     if res.outcome != "pass":
-        raise RuntimeError(f"TLC on conformance graph {gc.name}: {res.outcome} {res.error_lines[-3:]}")
-    return load_graph(work / f"{gc.name}-graph"), Bounds.from_cfg(cfg_constants(text))
+        raise RuntimeError(f"TLC on conformance graph {name}: {res.outcome} {res.error_lines[-3:]}")
+    return load_graph(work / f"{name}-graph")
 
 
 def spec_actions(tools: Toolchain, spec_dir: Path, work: Path) -> list[str]:

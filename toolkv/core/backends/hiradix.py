@@ -434,17 +434,15 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
         sglang did not start a prefetch (below its threshold, or its prefetch budget is spent);
         nothing changed, retry or let the TTL end it."""
         copy = self._l3.get(rec.session_id)
-        assert copy is not None and copy.whole and copy.rid is None, "a stored session, no prefetch yet"
+        assert copy is not None and copy.rid is None, "a session with a storage copy, no prefetch yet"
         tree = self.tree
         tokens = rec.tokens[: copy.tokens]
         node, matched = walk(tree, tokens, rec.extra_key)
-        if self.agree.all_true(matched >= copy.tokens):
+        host_node = self._read_from(copy, node, matched)
+        if host_node is None:
             self._protect_host_path(rec, node)
             del self._l3[rec.session_id]
             return "host"
-        host_node = node
-        while host_node is not tree.root_node and host_node.host_value is None:
-            host_node = host_node.parent
         depth = _ntok(path_to(tree, host_node))
         rest = array("q", tokens[depth:])
         tree.prefetch_from_storage(rid, host_node, rest, host_node.get_last_hash_value())
@@ -452,6 +450,20 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
             return "refused"
         copy.rid = rid
         return "prefetching"
+
+    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode | None:
+        """Where a restore of a session with a storage copy reads from: None while its host copy
+        is whole (spec ``ToolEndFromHost``: protected again, the storage copy let go); else the
+        deepest node of the path with a host copy, below which a prefetch reads the storage copy,
+        and only a copy whose write was acknowledged whole (``RestoreSourceWhole``; mutant
+        ``RestoreBeforeStoreAck`` reads one still being written)."""
+        if self.agree.all_true(matched >= copy.tokens):
+            return None
+        assert copy.whole, "a prefetch reads only a storage copy whose write was acknowledged whole"
+        host_node = node
+        while host_node is not self.tree.root_node and host_node.host_value is None:
+            host_node = host_node.parent
+        return host_node
 
     def prefetch_ack(self, rec: SessionRecord) -> bool | None:
         """Spec ``PrefetchAck``: None until sglang's ``check_prefetch_progress`` says the prefetch is
