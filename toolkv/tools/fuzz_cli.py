@@ -292,12 +292,17 @@ def run(args: argparse.Namespace) -> int:
             f"{r['kv_bytes_checked']:,} KV bytes checked, failures: {r['failure'] or 0}"
         )
         print("actions: " + ", ".join(f"{k} {v}" for k, v in r["actions"].items()))
+    _emit(args, results)
+    return rc
+
+
+def _emit(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """The campaigns' results as ``--out`` (a JSON file) and ``--json`` (standard output) ask."""
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
     if args.json:
         print(json.dumps(results, indent=2))
-    return rc
 
 
 def run_storage(args: argparse.Namespace) -> int:
@@ -335,9 +340,5 @@ def run_storage(args: argparse.Namespace) -> int:
                 f"restored from L3, failures: {r['failure'] or 0}"
             )
             print("actions: " + ", ".join(f"{k} {v}" for k, v in r["actions"].items()))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
-    if args.json:
-        print(json.dumps(results, indent=2))
+    _emit(args, results)
     return rc
