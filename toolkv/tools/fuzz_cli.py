@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+from toolkv.verify.campaign import campaign
 
 # implementation switch (or environment defect) -> the caveat it seeds
 MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
@@ -86,129 +85,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BLOB",
         help="replay one failing example from the @reproduce_failure blob a failure printed",
     )
-
-
-def campaign(
-    *,
-    examples: int | None = None,
-    steps: int | None = None,
-    profile: str | None = None,
-    caveats: frozenset[str] = frozenset(),
-    env_bugs: frozenset[str] = frozenset(),
-    device: str = "cpu",
-    page_size: int = 1,
-    trace_dir: Path | None = None,
-    seed: int | None = None,
-    every: int = 0,
-    label: str = "correct",
-    shrink: bool = True,
-    reproduce: str | None = None,
-    machine: Any = None,
-) -> dict[str, Any]:
-    """Run one campaign under a Hypothesis profile; returns a summary (``failure`` is None when
-    nothing was found). Statistics come from Hypothesis: each example reports its action counts as
-    ``event``s, read here through Hypothesis's observability callbacks (one per test case).
-    ``machine``: another state machine class to run (the storage tier's,
-    ``toolkv.verify.storage_fuzzing``); the machine options above are then its own business."""
-    from hypothesis import Phase, reproduce_failure, settings
-    from hypothesis import __version__ as hypothesis_version
-    from hypothesis.internal.observability import with_observability_callback
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from toolkv.verify import profiles
-    from toolkv.verify.fuzzing import machine_class
-
-    profiles.register()
-    base = settings.get_profile(profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT)
-    cls: Any = machine or machine_class(
-        caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir
-    )
-    if reproduce is not None:
-        cls = reproduce_failure(hypothesis_version, reproduce.encode())(cls)
-    t0 = time.monotonic()
-    seen: dict[str, Any] = {
-        "examples": 0,
-        "steps": 0,
-        "actions": {},
-        "kv": 0,
-        "first_failure": None,
-        "other": {},
-    }
-
-    def observe(obs: Any) -> None:
-        if getattr(obs, "type", None) != "test_case" or obs.status == "gave_up":
-            return
-        seen["examples"] += 1
-        for name, payload in obs.features.items():
-            if name.startswith("action ") and isinstance(payload, int):
-                key = name[len("action ") :]
-                seen["actions"][key] = seen["actions"].get(key, 0) + payload
-                seen["steps"] += payload
-            elif name == "kv bytes checked" and isinstance(payload, int):
-                seen["kv"] += payload
-            elif isinstance(payload, int):  # a machine's own counters (e.g. "restored from L3")
-                seen["other"][name] = seen["other"].get(name, 0) + payload
-        if obs.status == "failed" and seen["first_failure"] is None:
-            seen["first_failure"] = seen["examples"]
-            # what the first failing example raised, as Hypothesis saw it: when its replay at the
-            # end of the campaign goes otherwise (a flaky failure), this is the one that counts
-            tb = str(getattr(getattr(obs, "metadata", None), "traceback", "") or "")
-            last = tb.strip().splitlines()[-1] if tb.strip() else ""
-            seen["first_reason"] = (last or str(getattr(obs, "status_reason", "") or ""))[:2000]
-        if every and seen["examples"] % every == 0:
-            print(
-                f"  [{label}] {seen['examples']} examples, {seen['steps']} steps, {time.monotonic() - t0:.0f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    # Without shrinking the campaign stops at the first failure (kill detection); with it, Hypothesis
-    # minimises the failing sequence (up to its own time limit). One bug per campaign either way.
-    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    over: dict[str, Any] = {"phases": phases}
-    if examples is not None:
-        over["max_examples"] = examples
-    if steps is not None:
-        over["stateful_step_count"] = steps
-    if seed is not None:
-        over["derandomize"] = True
-    s = settings(base, **over)
-    failure: str | None = None
-    detail: str | None = None
-    shrunk_len: int | None = None
-    with with_observability_callback(observe):
-        try:
-            if seed is not None:
-                from hypothesis import seed as hseed
-
-                hseed(seed)(lambda: run_state_machine_as_test(cls, settings=s))()
-            else:
-                run_state_machine_as_test(cls, settings=s)
-        except BaseException as exc:  # a found failure: the campaign's result, not a crash of the tool
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            text = str(exc)
-            first = text.strip().splitlines()[0] if text.strip() else ""
-            failure = f"{type(exc).__name__}: {first}"[:300]
-            detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:]
-            m = re.findall(r"^state\.step\(", text, re.M)
-            shrunk_len = len(m) or None
-    return {
-        "label": label,
-        "profile": profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT,
-        "examples": seen["examples"],
-        "steps": seen["steps"],
-        "seconds": round(time.monotonic() - t0, 1),
-        "failure": failure,
-        "detail": detail,
-        "examples_to_kill": seen["first_failure"],
-        "first_failure": seen.get("first_reason"),
-        "shrunk_steps": shrunk_len if shrink else None,
-        "actions": dict(sorted(seen["actions"].items())),
-        "kv_bytes_checked": seen["kv"],
-        "counters": dict(sorted(seen["other"].items())),
-        "device": device,
-    }
 
 
 def kill_table(results: list[dict[str, Any]]) -> str:

@@ -215,10 +215,8 @@ def campaign(
     t0 = time.monotonic()
     with decode_mutants.apply(mutant):
         try:
-            if seed is not None:
-                hseed(seed)(lambda: run_state_machine_as_test(cls, settings=s))()
-            else:
-                run_state_machine_as_test(cls, settings=s)
+            # @seed on the machine class: run_state_machine_as_test copies it to the test it builds
+            run_state_machine_as_test(cls if seed is None else hseed(seed)(cls), settings=s)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # a found failure is the campaign's result

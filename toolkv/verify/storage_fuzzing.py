@@ -30,7 +30,7 @@ and storage record must be back (``StorageWorld.settle``), unless a check alread
 ``checks="invariants"`` the step check and the teardown's leak check are off: the invariants alone
 must then catch a defect. The stack is built once per campaign (sglang's storage threads take a
 second to start) and reset in place between examples. Per-example action counts and KV bytes
-checked are Hypothesis ``event``s, so :func:`toolkv.tools.fuzz_cli.campaign` sums them.
+checked are Hypothesis ``event``s, so :func:`toolkv.verify.campaign.campaign` sums them.
 """
 
 from __future__ import annotations
@@ -306,11 +306,11 @@ def campaign(
     shrink: bool = False,
     every: int = 0,
 ) -> dict[str, Any]:
-    """One campaign (``toolkv.tools.fuzz_cli.campaign`` with this machine); the stack is closed at
+    """One campaign (``toolkv.verify.campaign.campaign`` with this machine); the stack is closed at
     the end. ``failure`` is None when nothing was found."""
     from hypothesis.internal import observability
 
-    from toolkv.tools.fuzz_cli import campaign as run
+    from toolkv.verify.campaign import campaign as run
 
     cls = machine_class(mutant=mutant, checks=checks)
     # The statistics come through Hypothesis's observability callbacks, which by default also
