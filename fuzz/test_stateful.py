@@ -41,15 +41,10 @@ def test_campaign_reaches_every_action() -> None:
         assert r["actions"].get(action, 0) > 0, f"the campaign never performed {action}: {r['actions']}"
 
 
-# Mutants the campaign cannot kill, with the reason (strict: the day the campaign kills one, this fails).
-_SURVIVES: dict[str, str] = {
-    "OrphanHost": (
-        "caveat 3 needs a backed-up, unlocked node on the device (write-through, its ack, then a GPU "
-        "eviction); since the machine runs the keep TTL (TTL 4, keep TTL 2) its 400 examples never "
-        "reach one with the environment defect on. The conformance replay still catches it on every "
-        "GpuEvict edge of TLC's graph (model_tests/test_conformance.py, NoOrphanHost)"
-    ),
-}
+# Mutants the campaign cannot kill, with the reason (strict: the day the campaign kills one, this
+# fails). None: OrphanHost (caveat 3) dies since the state machine favours backed-up device
+# leaves for write-through and GPU eviction.
+_SURVIVES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

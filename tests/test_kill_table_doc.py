@@ -16,3 +16,16 @@ def test_the_kill_table_in_the_docs_is_the_recorded_run() -> None:
     rows = [line for line in doc if line.startswith("| `") and line.count(" | ") >= 4 and line.endswith(" |")]
     table = [line for line in rows if line.split(" | ")[2] in ("yes", "NO")]
     assert "\n".join(table) == kill_table(results)
+
+
+def test_the_slowest_kill_over_the_seeds_is_the_recorded_one() -> None:
+    """The seeds run (docs/results/kill_seeds/) killed every mutant, and the docs quote their
+    slowest kill."""
+    runs = sorted((ROOT / "docs" / "results" / "kill_seeds").glob("seed_*.json"))
+    assert len(runs) == 5, runs
+    kills = [r for run in runs for r in json.loads(run.read_text())]
+    assert all(r["failure"] is not None for r in kills), [r["label"] for r in kills if r["failure"] is None]
+    slowest = max(r["examples_to_kill"] for r in kills)
+    for doc in ("caveats.md", "testing.md"):
+        text = " ".join((ROOT / "docs" / doc).read_text().split())
+        assert f"slowest kill{':' if doc == 'caveats.md' else ' took'} {slowest} examples" in text, doc

@@ -65,6 +65,9 @@ OPTIONAL = frozenset(
     }
 )
 
+# the optional actions that do something only on an offloaded session
+_NEED_OFFLOADED = frozenset({"demote", "prefetch", "tool_end_promised"})
+
 
 def _depth(st: dict[str, Any], n: str) -> int:
     """How far ``n`` is below the root in ``st`` (leaves first = deepest first)."""
@@ -268,7 +271,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     WEIGHTS: ClassVar[dict[str, int]] = {
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
-        "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 1, "prefetch": 2,
+        "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 2, "prefetch": 2,
         "tool_end_promised": 2, "admit": 3,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
@@ -281,14 +284,47 @@ class ToolKVMachine(RuleBasedStateMachine):
             # Swarm testing: each example leaves out a random subset of the optional actions, so
             # some examples are dense in, say, memory pressure and restores while others churn the
             # tree. Hypothesis shrinks the subset towards the core actions.
-            keep = data.draw(st.frozensets(st.sampled_from(sorted(OPTIONAL))), label="swarm")
+            # Each optional action is in with probability 1/2 (a frozenset of them would hold only a
+            # few: Hypothesis keeps collections small), and shrinks to out.
+            names = sorted(OPTIONAL)
+            on = data.draw(st.tuples(*(st.booleans() for _ in names)), label="swarm")
+            keep = {a for a, b in zip(names, on, strict=True) if b}
             self._swarm = [a for a in self._CHOICES if a not in OPTIONAL or a in keep]
-        action = data.draw(st.sampled_from(self._swarm), label="action")
+        boost = self._boosted()
+        # (a boosted action comes in even where the example's swarm left it out: the state that
+        # makes it interesting is rare enough)
+        choices = self._swarm + [a for a in self._CHOICES if a in boost] * 3
+        action = data.draw(st.sampled_from(choices), label="action")
         try:
             getattr(self, action)(data)
         except Exception:
             self.failed = True
             raise
+
+    def _boosted(self) -> frozenset[str]:
+        """Actions four times as likely in this state: the ones whose interesting case needs a
+        short-lived state that exists now. An offloaded session (the next tool_end restores it) is
+        what every policy call and a refused restore need; a restoring one (until its load ack) is
+        what a retried tool_end needs (caveat 2); a backed-up, unlocked device leaf is what a GPU
+        eviction needs to leave a host copy behind (caveat 3)."""
+        out: set[str] = set()
+        phases = set(self.state["phase"].values())
+        if "Offloaded" in phases:
+            out |= _NEED_OFFLOADED
+        if "Restoring" in phases:
+            out.add("tool_end")
+        if any(self.state["host"][n] for n in self._gpu_evictable()):
+            out.add("gpu_evict")
+        return frozenset(out)
+
+    def _gpu_evictable(self) -> list[str]:
+        """Device leaves sglang may evict: unlocked, no transfer in flight, no device child."""
+        s = self.state
+        return [
+            n for n in self._in_tree()
+            if s["dev"][n] and s["lockRef"][n] == 0 and s["writeKey"][n] == NO_NODE and s["loadKey"][n] == NO_NODE
+            and not any(s["dev"][k] for k in self._kids(n))
+        ]  # fmt: skip
 
     # ---- actions: sessions and the manager ----------------------------------------------------------
     def insert(self, data: st.DataObject) -> None:
@@ -313,17 +349,33 @@ class ToolKVMachine(RuleBasedStateMachine):
                 self._biased(
                     ("Offloaded", "Offloading", "Restoring", "Kept", "Prefetching", "Released", "Handover")
                 )
+                + [x for x in SESSIONS if self.state["phase"][x] == "Restoring"] * 3
             ),
             label="session",
         )
         delta = data.draw(st.sampled_from((0, 0, 0, -1, 1)), label="epoch delta")
+        promisable = hasattr(self.r.mgr.backend, "headroom")
+        # a third of the restores that could go ahead meet a device sglang has promised to
+        # running requests: the refused restore (caveat 1) then comes up in most examples, not only
+        # where the rarer tool_end_promised draw happens to find an offloaded session
+        if (
+            delta == 0
+            and promisable
+            and self.state["phase"][s] == "Offloaded"
+            and data.draw(st.sampled_from((False, False, True)), label="device promised")
+        ):
+            self._promised(s)
+            return
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
 
     def tool_end_promised(self, data: st.DataObject) -> None:
         """tool_end while sglang has promised running requests every device token a restore could
         use (the rest of a chunked prefill, the decode budget: the backend's ``headroom``): the
         restore is refused (503, spec ``DevFits`` false) and must change nothing but the answer."""
-        s = data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")
+        self._promised(data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session"))
+
+    def _promised(self, s: str) -> None:
+        """``ToolEnd`` of ``s`` (current epoch) with every free or evictable device token promised."""
         be: Any = self.r.mgr.backend
         if not hasattr(be, "headroom"):
             return
@@ -399,12 +451,9 @@ class ToolKVMachine(RuleBasedStateMachine):
             self._do(["Unlock", data.draw(st.sampled_from(c), label="node")])
 
     def gpu_evict(self, data: st.DataObject) -> None:
-        s = self.state
-        c = [
-            n for n in self._in_tree()
-            if s["dev"][n] and s["lockRef"][n] == 0 and s["writeKey"][n] == NO_NODE and s["loadKey"][n] == NO_NODE
-            and not any(s["dev"][k] for k in self._kids(n))
-        ]  # fmt: skip
+        """sglang evicts a device leaf; mostly one with a host copy (sglang then keeps the node)."""
+        c = self._gpu_evictable()
+        c += [n for n in c if self.state["host"][n]] * 2
         if c:
             self._do(["GpuEvict", data.draw(st.sampled_from(c), label="node")])
 
@@ -425,6 +474,8 @@ class ToolKVMachine(RuleBasedStateMachine):
             if s["dev"][n] and not s["host"][n] and s["loadKey"][n] == NO_NODE
             and (s["parent"][n] == ROOT or s["host"][s["parent"][n]])
         ]  # fmt: skip
+        # mostly a device leaf: backed up and unlocked, it is what a GPU eviction keeps (caveat 3)
+        c += [n for n in c if not any(s["dev"][k] for k in self._kids(n))] * 2
         if c:
             self._do(["WriteThrough", data.draw(st.sampled_from(c), label="node")])
 
