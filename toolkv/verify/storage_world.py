@@ -345,17 +345,23 @@ class StorageWorld:
         self.epoch[s] = int(self.mgr.tool_start(s)["epoch"])  # type: ignore[call-overload]
 
     def host_ack(self, s: str) -> None:
-        ctrl = self.h.controller
-        mine = {n.id for n in self._path(s)}
-        pending = [a for a in ctrl.ack_write_queue if not a.finish_event.query()]
-        idx = [i for i, a in enumerate(pending) if mine & set(a.node_ids)]
-        if not idx:
-            raise WorldFailure(f"no GPU->host write of {s} is in flight")
-        if idx[0] != 0:
-            raise Unrealizable("an older write is not acknowledged yet (sglang retires acks in issue order)")
-        pending[0].finish_event.synchronize()
+        self._finish_oldest(s, self.h.controller.ack_write_queue, "GPU->host write", "write")
         self.iteration()
         self._drain_sglang_writes()
+
+    def _finish_oldest(self, s: str, queue: Any, what: str, kind: str) -> None:
+        """Complete the oldest unfinished transfer of ``queue`` — which must be one of ``s``'s:
+        sglang retires acks in issue order, so an older one of another session comes first."""
+        mine = {n.id for n in self._path(s)}
+        pending = [a for a in queue if not a.finish_event.query()]
+        idx = [i for i, a in enumerate(pending) if mine & set(a.node_ids)]
+        if not idx:
+            raise WorldFailure(f"no {what} of {s} is in flight")
+        if idx[0] != 0:
+            raise Unrealizable(
+                f"an older {kind} is not acknowledged yet (sglang retires acks in issue order)"
+            )
+        pending[0].finish_event.synchronize()
 
     def _drain_sglang_writes(self) -> None:
         """sglang writes the acknowledged host copy to storage on its own (the gate refuses it at
@@ -512,16 +518,9 @@ class StorageWorld:
 
     def load_ack(self, s: str) -> None:
         ctrl = self.h.controller
-        mine = {n.id for n in self._path(s)}
         if ctrl.load_queue:
             self.be.start_loads()
-        pending = [a for a in ctrl.ack_load_queue if not a.finish_event.query()]
-        idx = [i for i, a in enumerate(pending) if mine & set(a.node_ids)]
-        if not idx:
-            raise WorldFailure(f"no host->GPU load of {s} is in flight")
-        if idx[0] != 0:
-            raise Unrealizable("an older load is not acknowledged yet (sglang retires acks in issue order)")
-        pending[0].finish_event.synchronize()
+        self._finish_oldest(s, ctrl.ack_load_queue, "host->GPU load", "load")
         self.iteration()
 
     def expire(self, s: str) -> None:
