@@ -2,8 +2,9 @@
 
 Refused, through sglang's real plugin loader (``load_plugins`` -> the entry point -> ``register``):
 a misspelt ``TOOLKV_*`` name (``TOOLKV_TTL=300`` with toolkv enabled; ``TOOLKV_ENABLED=1``, a
-misspelt switch, even though ``TOOLKV_ENABLE`` is unset), ``TOOLKV_TTL_S=0`` and
-``TOOLKV_HOST_BUDGET_TOKENS=0``. Warned: sglang 0.5.16 without ``--enable-hierarchical-cache``
+misspelt switch, even though ``TOOLKV_ENABLE`` is unset), ``TOOLKV_TTL_S=0``,
+``TOOLKV_HOST_BUDGET_TOKENS=0``, ``TOOLKV_HANDOVER_TTL_S=0``, ``TOOLKV_KEEP_TTL_S=0``, a reply timeout
+below a second and a credential header (``X-Api-Key``) as the session header. Warned: sglang 0.5.16 without ``--enable-hierarchical-cache``
 (toolkv only pins; the launching process's check says so) and a host budget larger
 than the host pool (the scheduler's start-up line, with the numbers).
 """
@@ -53,6 +54,10 @@ attempt("misspelt name", {"TOOLKV_ENABLE": "1", "TOOLKV_TTL": "300"})
 attempt("ttl zero", {"TOOLKV_ENABLE": "1", "TOOLKV_TTL_S": "0"})
 attempt("budget zero", {"TOOLKV_ENABLE": "1", "TOOLKV_HOST_BUDGET_TOKENS": "0"})
 attempt("tooling knob", {"TOOLKV_ENABLE": "1", "TOOLKV_DEBUG": "1"})
+attempt("handover zero", {"TOOLKV_ENABLE": "1", "TOOLKV_HANDOVER_TTL_S": "0"})
+attempt("keep zero", {"TOOLKV_ENABLE": "1", "TOOLKV_KEEP_TTL_S": "0"})
+attempt("reply timeout tiny", {"TOOLKV_ENABLE": "1", "TOOLKV_REPLY_TIMEOUT_S": "0.001"})
+attempt("api key header", {"TOOLKV_ENABLE": "1", "TOOLKV_SESSION_HEADER": "X-Api-Key"})
 
 # what the launch_server hook toolkv registered runs first (the hook itself also imports the HTTP
 # server, which needs uvloop, not installed on CPU), on a 0.5.16 launch without HiCache
@@ -87,7 +92,7 @@ def _scenarios() -> dict[str, dict[str, Any]]:
         if line.startswith("SCENARIO "):
             d = json.loads(line[len("SCENARIO ") :])
             found[d.pop("name")] = d
-    assert len(found) == 10, p.stdout[-2000:] + p.stderr[-4000:]
+    assert len(found) == 14, p.stdout[-2000:] + p.stderr[-4000:]
     return found
 
 
@@ -101,6 +106,13 @@ def test_misconfiguration_through_sglangs_plugin_loader() -> None:
         (
             "budget zero",
             ["TOOLKV_HOST_BUDGET_TOKENS='0': expected an integer >= 1", "unset it for no budget"],
+        ),
+        ("handover zero", ["TOOLKV_HANDOVER_TTL_S='0': expected a number > 0", "evicted unused"]),
+        ("keep zero", ["TOOLKV_KEEP_TTL_S='0': expected a number > 0", "would keep nothing"]),
+        ("reply timeout tiny", ["TOOLKV_REPLY_TIMEOUT_S='0.001': expected a finite number >= 1", "504"]),
+        (
+            "api key header",
+            ["TOOLKV_SESSION_HEADER='X-Api-Key'", "a credential header cannot be a session id"],
         ),
     ]:
         assert r[name]["exit"] == "StartupRefused", (name, r[name])
@@ -139,12 +151,48 @@ def test_a_misspelt_switch_stops_sglang_launch_server() -> None:
         ({"TOOLKV_XYZZY": "1"}, "TOOLKV_XYZZY is not a toolkv variable. Known"),
         ({"TOOLKV_TTL_S": "0"}, "TOOLKV_TTL_S='0': expected a number > 0"),
         ({"TOOLKV_HOST_BUDGET_TOKENS": "0"}, "TOOLKV_HOST_BUDGET_TOKENS='0': expected an integer >= 1"),
+        ({"TOOLKV_HANDOVER_TTL_S": "0"}, "TOOLKV_HANDOVER_TTL_S='0': expected a number > 0 (0 would unpin"),
+        ({"TOOLKV_HANDOVER_TTL_S": "-1"}, "TOOLKV_HANDOVER_TTL_S='-1': expected a finite number >= 0"),
+        (
+            {"TOOLKV_KEEP_TTL_S": "0"},
+            "TOOLKV_KEEP_TTL_S='0': expected a number > 0 (0 would drop every GPU pin",
+        ),
+        (
+            {"TOOLKV_REPLY_TIMEOUT_S": "0.001"},
+            "TOOLKV_REPLY_TIMEOUT_S='0.001': expected a finite number >= 1 (",
+        ),
+        ({"TOOLKV_REPLY_TIMEOUT_S": "0.5"}, "one iteration with a long prefill chunk"),
     ],
 )
 def test_config_refuses_naming_the_variable(env: dict[str, str], words: str) -> None:
     with pytest.raises(ValueError) as ei:
         ToolKVConfig.from_env({"TOOLKV_ENABLE": "1", **env})
     assert words in str(ei.value)
+
+
+def test_the_smallest_sane_values_are_accepted() -> None:
+    """The floors refuse nonsense, not short settings: a tenth of a second of hand-over or keep, and
+    the reply timeout's floor itself, still start."""
+    c = ToolKVConfig.from_env(
+        {"TOOLKV_HANDOVER_TTL_S": "0.1", "TOOLKV_KEEP_TTL_S": "0.1", "TOOLKV_REPLY_TIMEOUT_S": "1"}
+    )
+    assert (c.handover_ttl_s, c.keep_ttl_s, c.reply_timeout_s) == (0.1, 0.1, 1.0)
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["Authorization", "cookie", "X-Api-Key", "api-key", "Proxy-Authorization", "Set-Cookie", "X-Auth-Token",
+     "X-OpenAI-Api-Key", "X-Amz-Security-Token", "x-goog-api-key", "Ocp-Apim-Subscription-Key", "X-Client-Secret"],
+)  # fmt: skip
+def test_credential_headers_are_refused_as_the_session_header(header: str) -> None:
+    with pytest.raises(ValueError, match="a credential header cannot be a session id") as ei:
+        ToolKVConfig.from_env({"TOOLKV_ENABLE": "1", "TOOLKV_SESSION_HEADER": header})
+    assert str(ei.value).startswith(f"TOOLKV_SESSION_HEADER={header!r}")
+
+
+@pytest.mark.parametrize("header", ["X-SMG-Routing-Key", "X-Session-ID", "x-conversation"])
+def test_routing_headers_are_accepted_as_the_session_header(header: str) -> None:
+    assert ToolKVConfig.from_env({"TOOLKV_SESSION_HEADER": header}).session_header == header.lower()
 
 
 def test_known_variables_follow_the_config_fields() -> None:

@@ -41,7 +41,8 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 def _float(
     env: Mapping[str, str], name: str, default: float, *, lo: float, positive: bool = False, why: str = ""
 ) -> float:
-    """``positive``: 0 is refused too (``why`` says what 0 would do)."""
+    """``positive``: 0 is refused too. ``why`` says what a refused value would do, so that the
+    operator reading the refusal learns why the bound is there, not only where it is."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
@@ -50,7 +51,7 @@ def _float(
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected a number") from None
     if not math.isfinite(v) or v < lo:
-        raise ValueError(f"{name}={raw!r}: expected a finite number >= {lo}")
+        raise ValueError(f"{name}={raw!r}: expected a finite number >= {lo:g}{why}")
     if positive and v <= 0:
         raise ValueError(f"{name}={raw!r}: expected a number > 0{why}")
     return v
@@ -71,8 +72,44 @@ def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int, why
 
 # RFC 9110's ``token``: the characters an HTTP header name may have
 _HEADER_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-# headers that carry credentials: a session id is logged and answered by kv_meta, a credential must not be
-_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+# Headers that carry credentials: a session id is logged and answered by kv_meta, a credential must not
+# be. The names in use (RFC 9110's, cookies, API gateways' and clouds' key headers) ...
+_SECRET_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        "set-cookie",
+        "x-api-key",
+        "api-key",
+        "x-goog-api-key",
+        "ocp-apim-subscription-key",
+    }
+)
+# ... and, since every gateway invents its own (X-Auth-Token, X-OpenAI-Api-Key, X-Amz-Security-Token),
+# any name with one of these words in it. A routing key that happens to match can be renamed; a
+# credential that becomes a session id is written to the log on every decision line.
+_SECRET_WORDS = (
+    "auth",
+    "cookie",
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "credential",
+    "api-key",
+    "api_key",
+    "apikey",
+    "access-key",
+    "private-key",
+    "signature",
+)
+
+
+def credential_header(name: str) -> bool:
+    """Whether the header ``name`` (any letter case) carries a credential (see ``_SECRET_WORDS``)."""
+    v = name.strip().lower()
+    return v in _SECRET_HEADERS or any(w in v for w in _SECRET_WORDS)
 
 
 def _header(env: Mapping[str, str], name: str) -> str:
@@ -80,8 +117,9 @@ def _header(env: Mapping[str, str], name: str) -> str:
     server hands them over lower-cased); ``""`` when unset or empty.
 
     Refused: anything that is not a header name (``X-SMG-Routing-Key: abc``, a name with a space),
-    which would never match a header and silently label nothing, and the credential headers, whose
-    value would become a session id that is logged and that ``kv_meta`` answers for."""
+    which would never match a header and silently label nothing, and the credential headers
+    (:func:`credential_header`: ``Authorization``, ``Cookie``, ``X-Api-Key``, ...), whose value would
+    become a session id that is logged and that ``kv_meta`` answers for."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return ""
@@ -91,10 +129,18 @@ def _header(env: Mapping[str, str], name: str) -> str:
             f"{name}={raw!r}: expected an HTTP header name (letters, digits and !#$%&'*+-.^_`|~), "
             "e.g. X-SMG-Routing-Key"
         )
-    if v.lower() in _SECRET_HEADERS:
-        raise ValueError(f"{name}={raw!r}: a credential header cannot be a session id (it would be logged)")
+    if credential_header(v):
+        raise ValueError(
+            f"{name}={raw!r}: a credential header cannot be a session id (its value would be written to the "
+            "log on every decision line and answered by kv_meta); name the header that carries the session, "
+            "e.g. X-SMG-Routing-Key"
+        )
     return v.lower()
 
+
+# TOOLKV_REPLY_TIMEOUT_S's floor: the HTTP side waits this long for the scheduler, which reads toolkv's
+# requests between forward passes; below a second a long prefill chunk alone outlasts the wait.
+MIN_REPLY_TIMEOUT_S = 1.0
 
 # ``TOOLKV_*`` names that are not server settings: the test suite's and the tools' own knobs. A
 # server launched from a developer's shell may carry them; they are neither read here nor refused.
@@ -241,13 +287,36 @@ class ToolKVConfig:
             zero_change=_bool(e, "TOOLKV_ZERO_CHANGE", False),
             restore_on_request=_bool(e, "TOOLKV_RESTORE_ON_REQUEST", True),
             sweep_every=sweep,
-            reply_timeout_s=_float(e, "TOOLKV_REPLY_TIMEOUT_S", cls.reply_timeout_s, lo=0.001),
+            reply_timeout_s=_float(
+                e,
+                "TOOLKV_REPLY_TIMEOUT_S",
+                cls.reply_timeout_s,
+                lo=MIN_REPLY_TIMEOUT_S,
+                why=" (seconds; the scheduler answers between forward passes, and one iteration with a long "
+                "prefill chunk takes longer than a shorter wait, so every toolkv call would answer 504)",
+            ),
             closed_history=closed,
             policy=policy,
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
             restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
-            keep_ttl_s=_float(e, "TOOLKV_KEEP_TTL_S", cls.keep_ttl_s, lo=0.0),
-            handover_ttl_s=_float(e, "TOOLKV_HANDOVER_TTL_S", cls.handover_ttl_s, lo=0.0),
+            keep_ttl_s=_float(
+                e,
+                "TOOLKV_KEEP_TTL_S",
+                cls.keep_ttl_s,
+                lo=0.0,
+                positive=True,
+                why=" (0 would drop every GPU pin, kept or restored early, at the next sweep, before its "
+                "tool_end: TOOLKV_POLICY=auto and kv_hints retain would keep nothing)",
+            ),
+            handover_ttl_s=_float(
+                e,
+                "TOOLKV_HANDOVER_TTL_S",
+                cls.handover_ttl_s,
+                lo=0.0,
+                positive=True,
+                why=" (0 would unpin a restored session at the next sweep, before sglang admits its next "
+                "request, so the KV just brought back could be evicted unused)",
+            ),
             idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, lo=1.0),
             l3=_bool(e, "TOOLKV_L3", True),
             l3_read_tokens_per_s=_float(e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, lo=1.0),
