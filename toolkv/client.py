@@ -19,7 +19,12 @@ Two rules shape the retries (:class:`RetryPolicy`):
   failures of ``tool_start``, ``kv_meta`` and ``close`` are (no answer, 504, toolkv starting).
 
 :meth:`ToolKVClient.tool_call` wraps one tool call and never raises on a refusal: the agent's
-turn goes on whatever toolkv answers.
+turn goes on whatever toolkv answers. It also never waits long for toolkv: everything it sends
+before the tool runs (every ``tool_start`` attempt, every ``kv_meta`` check, the waits between
+them) shares one deadline (``tool_call_deadline_s``, 5 s by default), and so does ``tool_end``
+after it. Each HTTP wait is clipped to the time left. toolkv only makes the next turn faster; a
+scheduler that does not answer must not hold the agent for the minutes its retries and
+``TOOLKV_REPLY_TIMEOUT_S`` would otherwise add up to.
 """
 
 from __future__ import annotations
@@ -31,18 +36,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import httpx
 
 from toolkv import errors
 
 __all__ = [
+    "DEFAULT_TOOL_CALL_DEADLINE_S",
     "NO_RETRY",
     "AsyncToolKVClient",
+    "DeadlineExceeded",
     "HTTPFailure",
     "KVMeta",
     "NoReply",
+    "Outcome",
     "RetryPolicy",
     "SchedulerTimeout",
     "ServerMeta",
@@ -59,6 +67,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("toolkv.client")
+_T = TypeVar("_T")
 
 
 class Unauthorized(errors.ToolKVError):
@@ -127,6 +136,60 @@ class NoReply(TransportError):
     every call is idempotent by epoch."""
 
     code = "no_reply"
+
+
+class DeadlineExceeded(TransportError):
+    """The call's overall deadline (``deadline_s``; ``tool_call``'s ``tool_call_deadline_s``) ran
+    out before an answer came: ``tool_call`` then runs the tool anyway. ``applied_unknown`` is True
+    when an attempt that may have reached the scheduler was cut off (its ``tool_start`` may still
+    take effect: the session's next request restores it, or the TTL releases it), False when no
+    attempt got that far. ``details["attempts"]`` counts the requests sent."""
+
+    code = "deadline_exceeded"
+
+
+# The shortest wait an HTTP phase is given once the deadline is (nearly) spent: a positive timeout
+# (0 would make the socket non-blocking, a different error), short enough not to matter.
+_MIN_WAIT_S = 0.001
+# A timeout that fires with less than this left was the deadline's (clocks poll in milliseconds).
+_SPENT_S = 0.01
+DEFAULT_TOOL_CALL_DEADLINE_S = 5.0
+
+
+def _deadline_s(value: float) -> float:
+    """A deadline in seconds, refused here (``ValueError``) rather than as a call that never waits."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"a deadline must be a finite number of seconds > 0, not {value!r}")
+    return float(value)
+
+
+def _at(deadline_s: float | None) -> float | None:
+    """The ``time.monotonic()`` instant ``deadline_s`` seconds from now (None: no deadline)."""
+    return None if deadline_s is None else time.monotonic() + _deadline_s(deadline_s)
+
+
+class _TimeLeft(dict[str, float | None]):
+    """httpcore's per-request ``timeout`` extension whose values are computed when they are read.
+
+    httpx's timeouts apply per phase (wait for a pooled connection, connect, write, read): four
+    phases with a fixed value each could together wait four times the time left. httpcore reads
+    each phase's timeout from this mapping when that phase starts, so each one gets the client's
+    own timeout clipped to what is left of the deadline *then*, and a slow connect leaves the read
+    less time instead of a full allowance."""
+
+    def __init__(self, base: httpx.Timeout, deadline: float) -> None:
+        super().__init__(base.as_dict())
+        self._deadline = deadline
+
+    def _clip(self, cap: float | None) -> float:
+        left = max(_MIN_WAIT_S, self._deadline - time.monotonic())
+        return left if cap is None else min(cap, left)
+
+    def get(self, key: str, default: Any = None) -> float:  # type: ignore[override]
+        return self._clip(super().get(key, default))
+
+    def __getitem__(self, key: str) -> float:
+        return self._clip(super().__getitem__(key))
 
 
 _NOT_SENT: tuple[type[Exception], ...] = (
@@ -397,11 +460,64 @@ class _Plan:
     """The retry logic of one call, shared by the sync and the async client (they differ only in
     how they send, sleep and probe). ``prior`` is tool_start's ``prior_epoch``."""
 
-    def __init__(self, client: _Base, op: str, session_id: str | None, epoch: int | None) -> None:
+    def __init__(
+        self,
+        client: _Base,
+        op: str,
+        session_id: str | None,
+        epoch: int | None,
+        deadline: float | None = None,
+    ) -> None:
         self.client, self.op, self.session_id, self.epoch = client, op, session_id, epoch
         self.prior = client._epochs.get(session_id) if op == "tool_start" and session_id else None
         self.attempt = 0
         self.resent = False
+        # the overall deadline (time.monotonic()); None: each attempt has the client's timeout_s
+        self.deadline = deadline
+        self.sent = 0  # requests that left (attempts and probes), for DeadlineExceeded's details
+        self.maybe_applied = False  # an attempt's outcome is unknown: it may still take effect
+
+    def left(self) -> float:
+        """Seconds left before the deadline (infinite without one)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def extensions(self, base: httpx.Timeout) -> dict[str, Any]:
+        """The request's extensions: the deadline's clipped timeouts (none without a deadline).
+        Raises :class:`DeadlineExceeded` when nothing is left, so nothing is sent."""
+        if self.deadline is None:
+            return {}
+        if self.left() <= 0:
+            raise self.expired(None)
+        self.sent += 1
+        return {"timeout": _TimeLeft(base, self.deadline)}
+
+    def expired(self, last: errors.ToolKVError | None) -> DeadlineExceeded:
+        """The error for a deadline that ran out, after ``last`` (the last attempt's error)."""
+        if last is not None:
+            self.maybe_applied = self.maybe_applied or _outcome_unknown(last)
+        after = f"; last: {last.code} ({last})" if last is not None else ""
+        err = DeadlineExceeded(
+            f"{self.op}: no answer within the deadline ({self.sent} request(s) sent{after})",
+            attempts=self.attempt + 1,
+        )
+        err.applied_unknown = self.maybe_applied
+        err.__cause__ = last
+        return err
+
+    def settle(self, err: errors.ToolKVError) -> errors.ToolKVError:
+        """``err`` as the call's error: a timeout the deadline cut short is :class:`DeadlineExceeded`."""
+        self.maybe_applied = self.maybe_applied or _outcome_unknown(err)
+        if self.deadline is not None and isinstance(err, TransportError) and self.left() <= _SPENT_S:
+            return self.expired(err)
+        return err
+
+    def wait(self, response: httpx.Response | None, last: errors.ToolKVError) -> float:
+        """The pause before the next attempt; :class:`DeadlineExceeded` when it would end past the
+        deadline (an attempt with no time left could only fail)."""
+        delay = self.client.retry.delay(self.attempt, response)
+        if delay >= self.left():
+            raise self.expired(last)
+        return delay
 
     def body(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
         if body is not None and self.op == "tool_start" and self.prior is not None:
@@ -410,9 +526,12 @@ class _Plan:
 
     def must_probe(self, err: errors.ToolKVError) -> bool:
         """Read kv_meta before deciding: the outcome is unknown, or a re-sent call was refused
-        as wrong_state (its first attempt may be what moved the session)."""
+        as wrong_state (its first attempt may be what moved the session). Not once the deadline
+        has run out: the read could only fail."""
         if self.op not in _MUTATING or self.session_id is None or self.op not in self.client.retry.ops:
             return False  # not re-sent under this policy: one more round trip would only delay
+        if self.left() <= _SPENT_S:
+            return False
         return _outcome_unknown(err) or (self.resent and isinstance(err, errors.WrongState))
 
     def settled(self, meta: KVMeta | None) -> bool:
@@ -433,6 +552,7 @@ class _Plan:
 
 class _Base:
     retry: RetryPolicy
+    tool_call_deadline_s: float
     _epochs: dict[str, int]
 
     def _note(self, data: dict[str, Any]) -> None:
@@ -445,27 +565,62 @@ class _Base:
                 self._epochs[sid] = epoch
 
 
+# What one side of a tool call came to: ``accepted`` (toolkv answered; the record says what it did),
+# ``refused`` (an answer about the session: unknown, stale epoch, host or device full, ...),
+# ``failed`` (no usable answer: unreachable, 5xx, wrong API key), ``deadline_exceeded`` (no answer
+# within the deadline: the tool ran anyway), ``not_sent``.
+Outcome = Literal["accepted", "refused", "failed", "deadline_exceeded", "not_sent"]
+
+
 @dataclass
 class ToolCall:
     """One tool call under :meth:`ToolKVClient.tool_call`: what toolkv answered, for the record.
 
     ``start`` is tool_start's answer (None when it was refused or failed: the KV then stays where
     sglang keeps it), ``end`` tool_end's (None when refused or failed: the next request restores
-    the session, or sglang reloads its prefix), ``failures`` every error swallowed on the way."""
+    the session, or sglang reloads its prefix), ``failures`` every error swallowed on the way.
+    ``start_outcome`` and ``end_outcome`` say what each side came to (:data:`Outcome`); tool_end is
+    ``not_sent`` when tool_start got no answer (there is no epoch to end). ``deadline_s`` is the
+    deadline each side had."""
 
     session_id: str
     tool: str | None = None
     start: KVMeta | None = None
     end: KVMeta | None = None
     failures: list[errors.ToolKVError] = field(default_factory=list)
+    deadline_s: float = DEFAULT_TOOL_CALL_DEADLINE_S
+    start_outcome: Outcome = "not_sent"
+    end_outcome: Outcome = "not_sent"
 
     @property
     def offloaded(self) -> bool:
         return self.start is not None and self.start.state in ("Offloading", "Offloaded")
 
+    @property
+    def deadline_exceeded(self) -> bool:
+        """Either side ran out of time: toolkv did not answer within ``deadline_s``."""
+        return "deadline_exceeded" in (self.start_outcome, self.end_outcome)
+
+    def _answered(self, op: str, meta: KVMeta) -> None:
+        if op == "tool_start":
+            self.start, self.start_outcome = meta, "accepted"
+        else:
+            self.end, self.end_outcome = meta, "accepted"
+
     def _failed(self, op: str, err: errors.ToolKVError) -> None:
         self.failures.append(err)
-        level = logging.DEBUG if err.code in REFUSALS else logging.WARNING
+        outcome: Outcome = (
+            "deadline_exceeded"
+            if isinstance(err, DeadlineExceeded)
+            else "refused"
+            if err.code in REFUSALS
+            else "failed"
+        )
+        if op == "tool_start":
+            self.start_outcome = outcome
+        else:
+            self.end_outcome = outcome
+        level = logging.DEBUG if outcome == "refused" else logging.WARNING
         log.log(
             level, "toolkv %s for session %s: %s (%s); the agent goes on", op, self.session_id, err.code, err
         )
@@ -475,7 +630,9 @@ class ToolKVClient(_Base):
     """Blocking client. ``base_url`` is the sglang server (e.g. ``http://127.0.0.1:30000``).
 
     Failures are retried under ``retry`` (see :class:`RetryPolicy`); ``sleep`` is how the client
-    waits between attempts. Every error is a :class:`toolkv.errors.ToolKVError`."""
+    waits between attempts; ``timeout_s`` bounds each HTTP wait of a call without a deadline.
+    ``tool_call_deadline_s`` is :meth:`tool_call`'s deadline for each side of the tool (see
+    there). Every error is a :class:`toolkv.errors.ToolKVError`."""
 
     def __init__(
         self,
@@ -486,7 +643,9 @@ class ToolKVClient(_Base):
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        tool_call_deadline_s: float = DEFAULT_TOOL_CALL_DEADLINE_S,
     ) -> None:
+        self.tool_call_deadline_s = _deadline_s(tool_call_deadline_s)
         self._http = httpx.Client(
             base_url=base_url, headers=_headers(api_key), timeout=timeout_s, transport=transport
         )
@@ -494,16 +653,17 @@ class ToolKVClient(_Base):
         self._sleep = sleep
         self._epochs = {}
 
-    def _once(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def _once(self, method: str, path: str, plan: _Plan | None = None, **kw: Any) -> httpx.Response:
+        extensions = {} if plan is None else plan.extensions(self._http.timeout)
         try:
-            return self._http.request(method, path, **kw)
+            return self._http.request(method, path, extensions=extensions or None, **kw)
         except httpx.TransportError as e:
             raise transport_error(e, f"{method} {path}") from e
 
-    def _probe(self, session_id: str) -> KVMeta | None:
+    def _probe(self, session_id: str, plan: _Plan | None = None) -> KVMeta | None:
         """One kv_meta read, no retry; None when it fails (the caller's error stands)."""
         try:
-            r = self._once("GET", "/session/kv_meta", params={"session_id": session_id})
+            r = self._once("GET", "/session/kv_meta", plan, params={"session_id": session_id})
             return _as_meta(_body(r)) if r.status_code == 200 else None
         except errors.ToolKVError:
             return None
@@ -517,21 +677,26 @@ class ToolKVClient(_Base):
         session_id: str | None = None,
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
-        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"))
+        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"), deadline)
         while True:
             response: httpx.Response | None = None
             try:
-                response = self._once(method, path, json=plan.body(body), params=params)
+                response = self._once(method, path, plan, json=plan.body(body), params=params)
                 if response.status_code == 200:
                     data = _body(response)
                     self._note(data)
                     return data
                 err = error_from_response(response)
+            except DeadlineExceeded:
+                raise
             except errors.ToolKVError as e:
-                err = e
+                err = plan.settle(e)
+                if isinstance(err, DeadlineExceeded):
+                    raise err from e
             if plan.must_probe(err) and session_id is not None:
-                meta = self._probe(session_id)
+                meta = self._probe(session_id, plan)
                 if plan.settled(meta):
                     assert meta is not None
                     data = {**meta.extra, **_meta_json(meta)}
@@ -539,27 +704,35 @@ class ToolKVClient(_Base):
                     return data
             if not plan.again(err):
                 raise err
-            self._sleep(self.retry.delay(plan.attempt, response))
+            self._sleep(plan.wait(response, err))
             plan.attempt += 1
             plan.resent = plan.resent or op in _MUTATING
 
     def tool_start(
-        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+        self,
+        session_id: str,
+        *,
+        tool: str | None = None,
+        expected_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> KVMeta:
         """Offload the session's KV while a tool runs; keep ``.epoch`` for :meth:`tool_end`. ``tool``
         and ``expected_s`` are optional hints for the server's per-call policy. Sends the epoch
-        this client last saw for the session, so a re-send is recognised (``.replayed``)."""
+        this client last saw for the session, so a re-send is recognised (``.replayed``).
+        ``deadline_s``: every attempt, check and wait of this call ends within it
+        (:class:`DeadlineExceeded` after); None: only each HTTP wait is bounded (``timeout_s``)."""
         return _as_meta(
             self._call("tool_start", "POST", "/session/tool_start", session_id=session_id,
-                       body=_start_body(session_id, tool, expected_s))
+                       body=_start_body(session_id, tool, expected_s), deadline=_at(deadline_s))
         )  # fmt: skip
 
-    def tool_end(self, session_id: str, epoch: int) -> KVMeta:
+    def tool_end(self, session_id: str, epoch: int, *, deadline_s: float | None = None) -> KVMeta:
         """Restore the session's KV. Not retried by default: ``DeviceMemoryFull`` means the
-        session stays offloaded and its next request restores it (sglang loads it back)."""
+        session stays offloaded and its next request restores it (sglang loads it back).
+        ``deadline_s`` as in :meth:`tool_start`."""
         return _as_meta(
             self._call("tool_end", "POST", "/session/tool_end", session_id=session_id,
-                       body={"session_id": session_id, "epoch": epoch})
+                       body={"session_id": session_id, "epoch": epoch}, deadline=_at(deadline_s))
         )  # fmt: skip
 
     def kv_meta(self, session_id: str) -> KVMeta:
@@ -576,17 +749,33 @@ class ToolKVClient(_Base):
 
     @contextlib.contextmanager
     def tool_call(
-        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+        self,
+        session_id: str,
+        *,
+        tool: str | None = None,
+        expected_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> Iterator[ToolCall]:
         """``with kv.tool_call(sid, tool="search") as call: result = run_tool()``.
 
         tool_start before the block, tool_end after it (also when the block raises: the KV
         comes back for the turn that reports the error). Never raises a toolkv error: a refusal
         or a failure of either call is logged and kept in ``call.failures``, and the agent's turn
-        goes on exactly as it would without toolkv. Exceptions of the block itself propagate."""
-        call = ToolCall(session_id, tool)
+        goes on exactly as it would without toolkv. Exceptions of the block itself propagate.
+
+        Never waits long: everything sent before the block (each tool_start attempt, each kv_meta
+        check, the back-off between them) ends within ``deadline_s`` (default: the client's
+        ``tool_call_deadline_s``, 5 s), each HTTP wait clipped to the time left; then the block
+        runs whatever toolkv did (``call.start_outcome == "deadline_exceeded"``). tool_end after
+        the block has a deadline of the same length. The one thing a deadline cannot clip is a
+        server that sends its answer a few bytes at a time: each read waits at most the time that
+        was left when the answer began (the async client's bound is exact)."""
+        limit = self.tool_call_deadline_s if deadline_s is None else _deadline_s(deadline_s)
+        call = ToolCall(session_id, tool, deadline_s=limit)
         try:
-            call.start = self.tool_start(session_id, tool=tool, expected_s=expected_s)
+            call._answered(
+                "tool_start", self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=limit)
+            )
         except errors.ToolKVError as e:
             call._failed("tool_start", e)
         try:
@@ -594,7 +783,7 @@ class ToolKVClient(_Base):
         finally:
             if call.start is not None:
                 try:
-                    call.end = self.tool_end(session_id, call.start.epoch)
+                    call._answered("tool_end", self.tool_end(session_id, call.start.epoch, deadline_s=limit))
                 except errors.ToolKVError as e:
                     call._failed("tool_end", e)
 
@@ -615,7 +804,8 @@ def _meta_json(meta: KVMeta) -> dict[str, Any]:
 
 
 class AsyncToolKVClient(_Base):
-    """The asyncio twin of :class:`ToolKVClient` (same retries, same ``tool_call``)."""
+    """The asyncio twin of :class:`ToolKVClient` (same retries, same ``tool_call``, same
+    deadlines; here a deadline also cancels whatever is still waiting when it runs out)."""
 
     def __init__(
         self,
@@ -626,7 +816,9 @@ class AsyncToolKVClient(_Base):
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        tool_call_deadline_s: float = DEFAULT_TOOL_CALL_DEADLINE_S,
     ) -> None:
+        self.tool_call_deadline_s = _deadline_s(tool_call_deadline_s)
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=_headers(api_key), timeout=timeout_s, transport=transport
         )
@@ -634,18 +826,32 @@ class AsyncToolKVClient(_Base):
         self._sleep = sleep
         self._epochs = {}
 
-    async def _once(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _once(self, method: str, path: str, plan: _Plan | None = None, **kw: Any) -> httpx.Response:
+        extensions = {} if plan is None else plan.extensions(self._http.timeout)
         try:
-            return await self._http.request(method, path, **kw)
+            return await self._http.request(method, path, extensions=extensions or None, **kw)
         except httpx.TransportError as e:
             raise transport_error(e, f"{method} {path}") from e
 
-    async def _probe(self, session_id: str) -> KVMeta | None:
+    async def _probe(self, session_id: str, plan: _Plan | None = None) -> KVMeta | None:
         try:
-            r = await self._once("GET", "/session/kv_meta", params={"session_id": session_id})
+            r = await self._once("GET", "/session/kv_meta", plan, params={"session_id": session_id})
             return _as_meta(_body(r)) if r.status_code == 200 else None
         except errors.ToolKVError:
             return None
+
+    async def _bounded(self, op: str, call: Awaitable[_T], deadline: float | None) -> _T:
+        """``call`` cut off at ``deadline``: whatever it still awaits then (a read that trickles,
+        a sleep) is cancelled and the call fails with :class:`DeadlineExceeded`."""
+        if deadline is None:
+            return await call
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await call
+        except TimeoutError:
+            err = DeadlineExceeded(f"{op}: no answer within the deadline (cut off while waiting)")
+            err.applied_unknown = True  # a request may have been in flight
+            raise err from None
 
     async def _call(
         self,
@@ -656,21 +862,26 @@ class AsyncToolKVClient(_Base):
         session_id: str | None = None,
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
-        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"))
+        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"), deadline)
         while True:
             response: httpx.Response | None = None
             try:
-                response = await self._once(method, path, json=plan.body(body), params=params)
+                response = await self._once(method, path, plan, json=plan.body(body), params=params)
                 if response.status_code == 200:
                     data = _body(response)
                     self._note(data)
                     return data
                 err = error_from_response(response)
+            except DeadlineExceeded:
+                raise
             except errors.ToolKVError as e:
-                err = e
+                err = plan.settle(e)
+                if isinstance(err, DeadlineExceeded):
+                    raise err from e
             if plan.must_probe(err) and session_id is not None:
-                meta = await self._probe(session_id)
+                meta = await self._probe(session_id, plan)
                 if plan.settled(meta):
                     assert meta is not None
                     data = {**meta.extra, **_meta_json(meta)}
@@ -678,23 +889,28 @@ class AsyncToolKVClient(_Base):
                     return data
             if not plan.again(err):
                 raise err
-            await self._sleep(self.retry.delay(plan.attempt, response))
+            await self._sleep(plan.wait(response, err))
             plan.attempt += 1
             plan.resent = plan.resent or op in _MUTATING
 
     async def tool_start(
-        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+        self,
+        session_id: str,
+        *,
+        tool: str | None = None,
+        expected_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> KVMeta:
-        return _as_meta(
-            await self._call("tool_start", "POST", "/session/tool_start", session_id=session_id,
-                             body=_start_body(session_id, tool, expected_s))
-        )  # fmt: skip
+        deadline = _at(deadline_s)
+        return _as_meta(await self._bounded("tool_start", self._call(
+            "tool_start", "POST", "/session/tool_start", session_id=session_id,
+            body=_start_body(session_id, tool, expected_s), deadline=deadline), deadline))  # fmt: skip
 
-    async def tool_end(self, session_id: str, epoch: int) -> KVMeta:
-        return _as_meta(
-            await self._call("tool_end", "POST", "/session/tool_end", session_id=session_id,
-                             body={"session_id": session_id, "epoch": epoch})
-        )  # fmt: skip
+    async def tool_end(self, session_id: str, epoch: int, *, deadline_s: float | None = None) -> KVMeta:
+        deadline = _at(deadline_s)
+        return _as_meta(await self._bounded("tool_end", self._call(
+            "tool_end", "POST", "/session/tool_end", session_id=session_id,
+            body={"session_id": session_id, "epoch": epoch}, deadline=deadline), deadline))  # fmt: skip
 
     async def kv_meta(self, session_id: str) -> KVMeta:
         return _as_meta(
@@ -712,12 +928,22 @@ class AsyncToolKVClient(_Base):
 
     @contextlib.asynccontextmanager
     async def tool_call(
-        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+        self,
+        session_id: str,
+        *,
+        tool: str | None = None,
+        expected_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> AsyncIterator[ToolCall]:
-        """``async with kv.tool_call(sid, tool=...) as call:`` (see :meth:`ToolKVClient.tool_call`)."""
-        call = ToolCall(session_id, tool)
+        """``async with kv.tool_call(sid, tool=...) as call:`` (see :meth:`ToolKVClient.tool_call`;
+        here the deadline holds whatever the server does, a trickled answer included)."""
+        limit = self.tool_call_deadline_s if deadline_s is None else _deadline_s(deadline_s)
+        call = ToolCall(session_id, tool, deadline_s=limit)
         try:
-            call.start = await self.tool_start(session_id, tool=tool, expected_s=expected_s)
+            call._answered(
+                "tool_start",
+                await self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=limit),
+            )
         except errors.ToolKVError as e:
             call._failed("tool_start", e)
         try:
@@ -725,7 +951,9 @@ class AsyncToolKVClient(_Base):
         finally:
             if call.start is not None:
                 try:
-                    call.end = await self.tool_end(session_id, call.start.epoch)
+                    call._answered(
+                        "tool_end", await self.tool_end(session_id, call.start.epoch, deadline_s=limit)
+                    )
                 except errors.ToolKVError as e:
                     call._failed("tool_end", e)
 
