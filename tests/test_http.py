@@ -233,6 +233,7 @@ def test_host_budget_exhausted_is_507_and_changes_nothing() -> None:
 
 def test_device_memory_full_is_503_and_retry_works(srv: Server) -> None:
     c, h = srv.client, srv.h
+    without_adaptive(srv.tk)
     c.post("/session/tool_start", json={"session_id": "s1"})
     iteration(h, srv.tk, writes=True)
     hog = h.alloc(h.allocator.available_size())  # another request takes every free slot
@@ -433,7 +434,17 @@ def test_client_tells_missing_toolkv_from_unknown_session(srv: Server) -> None:
         c.kv_meta("ghost")
 
 
+def without_adaptive(tk: Any) -> None:
+    """The server without load-adaptive protection (``TOOLKV_ADAPTIVE=0``): a tool_end the device
+    cannot take is a 503 that changes nothing, as the base spec's ToolEnd refuses it. With it on
+    (the default) the same call parks the session (``test_parked_tool_end_*``)."""
+    from dataclasses import replace
+
+    tk.manager.config = replace(tk.manager.config, adaptive=False)
+
+
 def _hogged(srv: Server) -> Any:
+    without_adaptive(srv.tk)
     srv.client.post("/session/tool_start", json={"session_id": "s1"})
     iteration(srv.h, srv.tk, writes=True)
     hog = srv.h.alloc(srv.h.allocator.available_size())  # another request holds every free slot

@@ -216,10 +216,11 @@ def test_two_gloo_ranks_take_identical_decisions(tmp_path: Path) -> None:
     assert by["rank0 loads done"]["sessions"]["a"]["state"] == "Restoring"
     assert by["rank1 loads done"]["sessions"]["a"]["state"] == "Handover"  # pinned until admitted
     assert by["a admitted"]["sessions"]["a"]["state"] == "Runnable"
-    refused = by["tool_end b (rank 1 full)"]
-    assert refused["reply"][0] == 503 and refused["sessions"]["b"]["state"] == "Offloaded"
+    # rank 1 cannot take b's restore: both ranks park it (spec Park), none loads or pins it
+    parked = by["tool_end b (rank 1 full)"]
+    assert parked["reply"][0] == 200 and parked["sessions"]["b"]["state"] == "Parked"
     states = [s["sessions"]["b"]["state"] for s in t0s if s["step"].startswith("idle")]
-    assert "Expired" in states and states[0] == "Offloaded", states
+    assert "Runnable" in states and states[0] == "Parked", states  # its request never came: the TTL
     assert r0["leak_free"] and r1["leak_free"]
     # (mp.spawn's join raised above had a rank died by a signal; "threads_after_destroy" records
     # what each rank still ran when it left)

@@ -43,14 +43,16 @@ SESSION_STATES: tuple[str, ...] = (
     "Released",  # nothing is held: the policy let the KV go, or demoted it from the host
     # the hand-over
     "Handover",  # tool call over, KV on the GPU and pinned until the next request holds it (or a TTL)
+    # load-adaptive protection
+    "Parked",  # tool call over, host copy protected, nothing pinned: sglang's load_back at admission loads it
 )
 # The phases that hold a host protection (spec ``Protecting``).
-PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring", "Prefetching"})
+PROTECTING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Restoring", "Prefetching", "Parked"})
 # The phases that hold a session pin, a path lock (spec ``Pinning``).
 PINNING: frozenset[str] = frozenset({"Restoring", "Prefetching", "Kept", "Handover"})
 # The TTL applies until tool_end is accepted (spec ``Expiring``); a Restoring session ends with its
 # load. A hand-over waits for a request that may never come, so the TTL bounds it too.
-EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Prefetching", "Kept", "Handover"})
+EXPIRING: frozenset[str] = frozenset({"Offloading", "Offloaded", "Prefetching", "Kept", "Handover", "Parked"})
 # The phases whose KV a tree reset loses (spec ``Holding``).
 HOLDING: frozenset[str] = PROTECTING | {"Kept", "Handover"}
 
@@ -71,8 +73,17 @@ SESSION_TRANSITIONS: tuple[Row, ...] = (
     ),  # not Restoring: tool_end was accepted
     ("ttl_sweep", "Handover", "Runnable"),  # the request never came: the KV stays, unpinned
     ("admit", "Handover", "Runnable"),  # the next request matched and locked its prefix
+    # load-adaptive protection: a tool_end whose request would wait loads and pins nothing
+    ("park", ("Offloading", "Offloaded"), "Parked"),
+    ("admit", "Parked", "Runnable"),  # the request was admitted: sglang's load_back took the host copy
+    ("ttl_sweep", "Parked", "Runnable"),  # the request never came: the protection goes
+    (
+        "unpin",
+        "Handover",
+        ("Parked", "Runnable"),
+    ),  # the room is needed: the pin goes, the host copy stays protected
     # flush_cache needs an idle scheduler: no write or load pending, so only these are lost
-    ("tree_reset", ("Offloaded", "Kept", "Handover"), "Lost"),
+    ("tree_reset", ("Offloaded", "Kept", "Handover", "Parked"), "Lost"),
     # the per-call policy
     ("keep", "Running", "Kept"),
     ("let_go", "Running", "Released"),

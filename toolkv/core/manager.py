@@ -80,6 +80,14 @@ class ManagerConfig:
     # the rate the early restore assumes for reading a session back from L3 (tokens per second):
     # a session's early restore starts that much earlier once its copy lives in L3
     l3_read_tokens_per_s: float = 100_000.0
+    # Load-adaptive protection (spec Park, Unpin): a tool_end whose next request would wait (the
+    # device cannot take the restore's pin next to what running and queued requests need) parks
+    # the session: its host copy stays protected, nothing is loaded or pinned, and sglang's own
+    # load_back brings it in when the request is admitted. A hand-over's pin is given up (the host
+    # copy protected again) when queued requests need the room. False (the base spec, without its
+    # policy actions): restore at every tool_end that fits the running requests' promise, else 503,
+    # and pin until admission whatever is queued. The plugin turns it on (TOOLKV_ADAPTIVE=1).
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -121,6 +129,7 @@ class ToolKVManager:
         self._offloading: dict[str, SessionRecord] = {}
         self._restoring: dict[str, SessionRecord] = {}
         self._prefetching: dict[str, SessionRecord] = {}
+        self._handover: dict[str, SessionRecord] = {}  # spec Handover: pinned, waiting for admission
         # the L3 storage tier (spec/storage/StorageTier.tla): stores and prefetches in flight
         self._storing: dict[str, SessionRecord] = {}
         self._fetching: dict[str, SessionRecord] = {}
@@ -205,6 +214,7 @@ class ToolKVManager:
         self._offloading.pop(rec.session_id, None)
         self._restoring.pop(rec.session_id, None)
         self._prefetching.pop(rec.session_id, None)
+        self._handover.pop(rec.session_id, None)
         self._storing.pop(rec.session_id, None)
         self._fetching.pop(rec.session_id, None)
         rec.l3 = rec.l3_then = ""
@@ -242,11 +252,20 @@ class ToolKVManager:
 
     # ---- tool_start: the policy's choice among ToolStart, Keep and LetGo --------------------------------
     def tool_start(
-        self, session_id: str, *, tool: str | None = None, expected_s: float | None = None
+        self,
+        session_id: str,
+        *,
+        tool: str | None = None,
+        expected_s: float | None = None,
+        policy: str | None = None,
     ) -> dict[str, object]:
         """The HTTP tool_start. ``tool`` (the tool's name) and ``expected_s`` (the client's own
         estimate) are optional hints the policy learns from and uses; with ``policy="offload"``
-        every call offloads."""
+        every call offloads. ``policy`` overrides the configured policy for this call (one server
+        can serve agents of both policies, e.g. to compare them interleaved on one load)."""
+        if policy is not None and policy not in POLICIES:
+            raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        policy = policy or self.config.policy
         if tool is not None and (not isinstance(tool, str) or not tool or len(tool) > 256):
             raise BadRequest("tool must be a non-empty string of at most 256 characters")
         if expected_s is not None and (
@@ -255,7 +274,7 @@ class ToolKVManager:
             or not 0 <= expected_s < float("inf")
         ):
             raise BadRequest("expected_s must be a finite number of seconds >= 0")
-        if self.config.policy == "offload":
+        if policy == "offload":
             rec = self._get(session_id)
             hint = None if expected_s is None else float(expected_s)
             expected = hint if hint is not None else self.durations.median(tool)
@@ -829,13 +848,17 @@ class ToolKVManager:
 
     def _restore_from_host(self, rec: SessionRecord) -> None:
         """Spec ``ToolEnd`` from a protected host copy: the host→GPU load, or the hand-over at once
-        when nothing is to load. Raises ``DeviceMemoryFull`` (nothing changed) when the device
-        cannot take it."""
+        when nothing is to load. When the device cannot take it now, spec ``Park`` (with
+        ``adaptive``): the host copy stays protected and the next request's admission loads it;
+        without ``adaptive``, ``DeviceMemoryFull`` (nothing changed)."""
         session_id = rec.session_id
         try:
-            self._check_pin_room(rec)
+            self._check_pin_room(rec, queued=self.config.adaptive)
             runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         except DeviceMemoryFull:
+            if self.config.adaptive:
+                self._park(rec)
+                return
             self._restore_refused(rec)
             raise
         self._offloading.pop(session_id, None)
@@ -851,6 +874,26 @@ class ToolKVManager:
         if rec.recompute_tokens:  # nothing worth loading: the next request recomputes the suffix
             self.counters["restore_below_threshold"] += 1
         log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
+
+    # ---- Park (load-adaptive protection) ----------------------------------------------------------------
+    def _park(self, rec: SessionRecord) -> None:
+        """Spec ``Park``: the tool call is over but its next request would wait behind others (the
+        device cannot take the restore's pin next to what running and queued requests need).
+        Loading now would hold device room for a request that is not running; so nothing is
+        loaded or pinned: the host copy stays protected (a write still in flight finishes, and
+        frees nothing), and sglang's own ``load_back`` brings the KV in when the request is
+        admitted (spec ``Admit`` of a parked session), which ends the protection. The TTL bounds
+        a request that never comes."""
+        self._offloading.pop(rec.session_id, None)  # its write ack frees nothing: the request is coming
+        fire(rec, "park", "Parked")
+        self._arm_deadline(rec)
+        rec.restore, rec.restored_tokens, rec.recompute_tokens = "parked", 0, 0
+        self.counters["parked"] += 1
+        log.debug(
+            "tool_end %s epoch=%d parked (device room is needed by queued requests)",
+            rec.session_id,
+            rec.epoch,
+        )
 
     def _observe_call(self, rec: SessionRecord) -> None:
         """The tool call is over (tool_end accepted): feed its duration (agreed clock) to the
@@ -919,14 +962,16 @@ class ToolKVManager:
             self.restore_rate = 0.8 * self.restore_rate + 0.2 * (rec.restored_tokens / took)
 
     # ---- the hand-over (spec Handover, Admit) ----------------------------------------------------------
-    def _check_pin_room(self, rec: SessionRecord) -> None:
+    def _check_pin_room(self, rec: SessionRecord, *, queued: bool = False) -> None:
         """The hand-over pins the session's whole path, which takes its resident part out of
         what sglang may evict. sglang has promised running requests device tokens it counts on
         finding free or evictable (the rest of a chunked prefill over-commits otherwise, and the
         allocation fails with "Out of memory"): refuse the restore (``DeviceMemoryFull``, nothing
         changed; sglang's own load-back serves the next request) unless free + evictable, less
         what was promised, still covers what the pin takes: the path's unlocked resident tokens
-        and the ones still to load (``pin_cost``). Agreed across ranks."""
+        and the ones still to load (``pin_cost``). With ``queued``, the tokens the waiting
+        requests need count as promised too: a pin taken while they queue takes their room.
+        Agreed across ranks."""
         cost = getattr(self.backend, "pin_cost", None)
         if cost is None or rec.node is None:
             return
@@ -935,8 +980,49 @@ class ToolKVManager:
         free = int(tree.token_to_kv_pool_allocator.available_size())
         evictable = int(tree.evictable_size())
         reserved = int(getattr(self.backend, "headroom", lambda: 0)())
+        if queued:
+            reserved += int(self.queued_demand())
         if not self.agree.all_true(need + reserved <= free + evictable):
             raise device_full(rec, need, free, evictable, reserved)
+
+    def _room_short(self) -> bool:
+        """Whether the device is short for what running and queued requests need: free and
+        evictable tokens less than the promised and queued ones. Agreed across ranks."""
+        tree: Any = self.backend.tree
+        free = int(tree.token_to_kv_pool_allocator.available_size())
+        evictable = int(tree.evictable_size())
+        reserved = int(getattr(self.backend, "headroom", lambda: 0)()) + int(self.queued_demand())
+        return self.agree.all_true(reserved > free + evictable)
+
+    def unpin_for_room(self) -> int:
+        """Spec ``Unpin``, once per tick while hand-overs wait: when queued requests need the room
+        that hand-over pins hold, give the pins up, the latest hand-over first, until the room is
+        there or none is left. A session whose path is backed up on host is protected there
+        again (``Parked``: its admission loads whatever sglang evicted meanwhile); one that is
+        not (a kept path never written) is ``Runnable``. Returns how many pins went."""
+        if not self._handover or not self.config.adaptive or getattr(self.backend, "pin_cost", None) is None:
+            return 0
+        n = 0
+        for rec in reversed(list(self._handover.values())):
+            if not self._room_short():
+                break
+            self.unpin(rec)
+            n += 1
+        return n
+
+    def unpin(self, rec: SessionRecord) -> None:
+        """Spec ``Unpin`` of one hand-over (see :meth:`unpin_for_room`)."""
+        assert rec.state == "Handover", rec.state
+        self.backend.unpin(rec)
+        self._handover.pop(rec.session_id, None)
+        reprotect = getattr(self.backend, "reprotect", None)
+        if reprotect is not None and reprotect(rec):
+            fire(rec, "unpin", "Parked")
+            self._arm_deadline(rec)
+            self.counters["unpinned_parked"] += 1
+        else:
+            fire(rec, "unpin", "Runnable")
+            self.counters["unpinned_runnable"] += 1
 
     def _pin_for_handover(self, rec: SessionRecord) -> None:
         """A restore that needed no load returned the protection and holds no pin yet: pin the
@@ -951,6 +1037,7 @@ class ToolKVManager:
         """The tool call is over and the KV is on the GPU, pinned (spec ``Handover``): armed with
         the hand-over TTL. A request already admitted while the load ran ends it at once."""
         fire(rec, trigger, "Handover")
+        self._handover[rec.session_id] = rec
         self._arm_deadline(rec, min(self.config.ttl_s, self.config.handover_ttl_s))
         self.counters["handover"] += 1
         if rec.admit_pending:
@@ -969,6 +1056,12 @@ class ToolKVManager:
         if rec.state == "Restoring" or (rec.l3 == "fetching" and rec.l3_then == "tool_end"):
             rec.admit_pending = True
             return False
+        if rec.state == "Parked":  # sglang's load_back took the host copy; the request's lock holds it
+            self.backend.release_protection(rec)
+            self._settle(rec)
+            fire(rec, "admit", "Runnable")
+            self.counters["admitted_parked"] += 1
+            return True
         if rec.state != "Handover":
             return False
         self._admit(rec)
@@ -976,6 +1069,7 @@ class ToolKVManager:
 
     def _admit(self, rec: SessionRecord) -> None:
         self.backend.unpin(rec)
+        self._handover.pop(rec.session_id, None)
         rec.admit_pending = False
         fire(rec, "admit", "Runnable")
         self.counters["admitted"] += 1
@@ -1000,10 +1094,10 @@ class ToolKVManager:
         self.backend.release(rec)
         self._settle(rec)
         self._touch(rec)  # the idle clock restarts at the expiry: forgotten idle_ttl_s after it
-        if rec.state == "Handover":
+        if rec.state in ("Handover", "Parked"):
+            self.counters["handover_expired" if rec.state == "Handover" else "parked_expired"] += 1
             rec.admit_pending = False
             fire(rec, "ttl_sweep", "Runnable")
-            self.counters["handover_expired"] += 1
             return
         fire(rec, "ttl_sweep", "Expired")
         self.counters["expired"] += 1
@@ -1059,7 +1153,7 @@ class ToolKVManager:
         mid_copy: list[str] = []
         for rec in self.sessions.values():
             self.backend.forget(rec)
-            if rec.state in ("Offloaded", "Kept", "Handover"):
+            if rec.state in ("Offloaded", "Kept", "Handover", "Parked"):
                 self._settle(rec)
                 rec.admit_pending = False
                 fire(rec, "tree_reset", "Lost")
@@ -1129,6 +1223,8 @@ class ToolKVManager:
             # session was closed meanwhile still has to run: it holds sglang's locks and slots.
             self.backend.start_loads()
             self.process_load_acks()
+        if self._handover:
+            self.unpin_for_room()
         if self._deadlines and self._deadlines[0][0] <= now:
             self.ttl_sweep()
         if self._idle and self._idle[0][0] <= now:

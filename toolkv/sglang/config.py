@@ -205,6 +205,10 @@ class ToolKVConfig:
     closed_history: int = 10_000  # TOOLKV_CLOSED_HISTORY: closed sessions kept for kv_meta
     policy: str = "offload"  # TOOLKV_POLICY: offload (every tool_start) or auto (per call)
     prefetch: bool = True  # TOOLKV_PREFETCH: with policy auto, restore before the tool is expected back
+    # TOOLKV_ADAPTIVE: a tool_end whose request would queue parks the session (host copy protected,
+    # nothing pinned; sglang's load_back at admission loads it) and hand-over pins yield to queued
+    # requests; 0: restore and pin at every tool_end that fits the running requests
+    adaptive: bool = True
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
     # TOOLKV_KEEP_TTL_S: the longest a GPU pin (kept, or restored early) waits for tool_end
     keep_ttl_s: float = 30.0
@@ -298,6 +302,7 @@ class ToolKVConfig:
             closed_history=closed,
             policy=policy,
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
+            adaptive=_bool(e, "TOOLKV_ADAPTIVE", True),
             restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
             keep_ttl_s=_float(
                 e,
@@ -336,6 +341,7 @@ class ToolKVConfig:
             closed_history=self.closed_history,
             policy=self.policy,
             prefetch=self.prefetch,
+            adaptive=self.adaptive,
             restore_tokens_per_s=self.restore_tokens_per_s,
             keep_ttl_s=self.keep_ttl_s,
             handover_ttl_s=self.handover_ttl_s,

@@ -319,13 +319,15 @@ class SchedulerToolKV:
     def _dispatch(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         m = self.manager
         if op == "tool_start":
-            tool, expected = body.get("tool"), body.get("expected_s")
+            tool, expected, policy = body.get("tool"), body.get("expected_s"), body.get("policy")
             sid = _need_str(body, "session_id")
+            if policy is not None and not isinstance(policy, str):
+                raise BadRequest("policy must be a string: offload or auto")
             # a re-sent tool_start already applied: its record, unchanged (logged as skipped)
             replay = replayed_tool_start(m, sid, prior_epoch(body))
             if replay is not None:
                 return _jsonable(replay)
-            return _jsonable(m.tool_start(sid, tool=tool, expected_s=expected))
+            return _jsonable(m.tool_start(sid, tool=tool, expected_s=expected, policy=policy))
         if op == "tool_end":
             sid = _need_str(body, "session_id")
             return _jsonable(m.tool_end(sid, body.get("epoch")))  # type: ignore[arg-type]
@@ -458,7 +460,7 @@ class SchedulerToolKV:
         """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
         m = self.manager
         rec = m.sessions.get(sid)
-        if rec is not None and rec.state == "Handover":  # a request that ran without being seen admitted
+        if rec is not None and rec.state in ("Handover", "Parked"):  # ran without being seen admitted
             m.admitted(sid)
         if rec is not None and rec.state in HOLDING:
             # The session ran a turn while toolkv still held its KV (a request without tool_end,

@@ -21,6 +21,7 @@ class TwinConfig:
     send_tool: bool = False  # name each tool in tool_start (for the per-call policy)
     ttl_s: float = 600.0  # TOOLKV_TTL_S
     pin_budget_share: float | None = None  # TOOLKV_HOST_BUDGET_TOKENS as a share of the device pool
+    adaptive: bool = True  # TOOLKV_ADAPTIVE
 
     def host_tokens(self, kv_bytes_per_token: int) -> int:
         """The host pool sglang allocates for ``--hicache-size host_gb`` (pool_host/base.py:
@@ -45,6 +46,9 @@ CONFIGS: dict[str, TwinConfig] = {
         TwinConfig("offload", "hiradix", "explicit"),
         TwinConfig("zero-change", "hiradix", "on-request"),
         TwinConfig("auto", "hiradix", "explicit", policy="auto", send_tool=True),
+        # the same without load-adaptive protection (TOOLKV_ADAPTIVE=0): every fitting tool_end pins
+        TwinConfig("offload-pinned", "hiradix", "explicit", adaptive=False),
+        TwinConfig("auto-pinned", "hiradix", "explicit", policy="auto", send_tool=True, adaptive=False),
     )
 }
 GPU_LABEL = {"offload": "explicit", "auto": "policy"}  # the label the GPU suite's JSON carries

@@ -102,7 +102,12 @@ def build(
         )  # fmt: skip
     budget = int(cfg.pin_budget_share * device_tokens) if cfg.pin_budget_share is not None else None
     tcfg = ToolKVConfig(
-        enable=True, ttl_s=cfg.ttl_s, host_budget_tokens=budget, restore_on_request=True, policy=cfg.policy
+        enable=True,
+        ttl_s=cfg.ttl_s,
+        host_budget_tokens=budget,
+        restore_on_request=True,
+        policy=cfg.policy,
+        adaptive=cfg.adaptive,
     )
     agree = LocalAgreement()
     clock = AgreedClock(agree, every=tcfg.sweep_every, source=now)

@@ -281,6 +281,24 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
     def release_protection(self, rec: SessionRecord) -> None:
         self._release_protection(rec)
 
+    def reprotect(self, rec: SessionRecord) -> bool:
+        """Protect the session's path on host again (spec ``Unpin`` to ``Parked``): only when every
+        node of it has a host copy (a restored path keeps the copies it was loaded from; a kept
+        path may never have been written) and the host budget takes it. False: nothing changed."""
+        leaf = rec.node
+        if leaf is None or rec.protected is not None or not attached(self.tree, leaf):
+            return False
+        path = path_to(self.tree, leaf)
+        backed = all(m.host_value is not None for m in path)
+        budget = self.host_budget_tokens
+        fits = budget is None or self._ledger.tokens + self._ledger.extra(path) <= budget
+        if not self.agree.all_true(backed and fits):
+            return False
+        self._take_host_protection(rec, leaf)
+        rec.protected = leaf
+        self._ledger.take(rec.session_id, path)
+        return True
+
     # ---- the per-call policy ----------------------------------------------------------------------------
     def _resident(self, m: TreeNode) -> bool:
         return m.value is not None and not self._node_loading(m)
