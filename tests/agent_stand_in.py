@@ -8,6 +8,8 @@ plugin's AROUND hook (``tests/_turns.py``). A background thread is the scheduler
 iteration the copy engine finishes what is in flight, sglang processes its acks, toolkv ticks.
 The "model" answers with ids derived from the prompt, so answers are deterministic like
 temperature 0. ``cached_tokens`` is the device prefix the request found, as sglang reports it.
+Every control call's body is recorded (``bodies``: ``(op, body)`` in arrival order) before it is
+handed to toolkv, so a test can check what the load generator sent.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class StandInServer:
         self.h.tree._toolkv = self.tk  # type: ignore[attr-defined]
         self.lock = threading.Lock()
         self.requests = 0
+        self.bodies: list[tuple[str, dict[str, Any]]] = []  # every control call, as sent
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._run, daemon=True)
         self._loop.start()
@@ -72,6 +75,7 @@ class StandInServer:
 
     def call(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
+            self.bodies.append((op, dict(body)))
             return self.tk.handle(op, body)
 
     def kv_meta(self, sid: str | None = None) -> tuple[int, dict[str, Any]]:

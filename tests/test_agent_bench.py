@@ -15,7 +15,8 @@ from agent_stand_in import StandInServer
 
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.testing.harness import HarnessConfig
-from toolkv.tools.agent_bench import run_plan
+from toolkv.tools.agent_bench import main as bench_main
+from toolkv.tools.agent_bench import parser, run_plan
 from toolkv.tools.agent_metrics import Turn, occupancy, pct, summarize
 from toolkv.tools.agent_report import suite_markdown
 from toolkv.tools.agent_workload import ToolMixture, Workload, make_plan
@@ -136,6 +137,43 @@ def test_the_per_call_policy_under_agent_load() -> None:
         assert set(meta["tools"]) <= {"read", "build"} and meta["tools"], "the model learned per tool name"
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("policy", [None, "offload", "auto"])
+def test_policy_goes_in_every_tool_start_body_and_nowhere_else(
+    server: StandInServer, policy: str | None
+) -> None:
+    """--policy: every tool_start body asks for the per-call policy (one server serves offload and
+    auto agents); without it no body has the field. --send-tool still names the tool beside it."""
+    plan = make_plan(SMALL)
+    rec, _ = run_plan(
+        server, plan, "explicit", scale=0.02, progress_s=1e9, sample_s=0.01, device_total=8192,
+        send_tool=policy == "auto", policy=policy,
+    )  # fmt: skip
+    assert not rec.errors and rec.turns and all(t.status == 200 for t in rec.turns)
+    starts = [b for op, b in server.bodies if op == "tool_start"]
+    assert len(starts) == rec.calls["tool_start 200"] >= sum(1 for t in rec.turns if t.turn > 0) > 0
+    if policy is None:
+        assert all("policy" not in b for b in starts)
+    else:
+        assert all(b["policy"] == policy for b in starts)
+    assert all(("tool" in b) == (policy == "auto") for b in starts)
+    others = [b for op, b in server.bodies if op != "tool_start"]
+    assert others and all("policy" not in b for b in others)  # tool_end, close: no policy field
+
+
+def test_the_policy_option_takes_offload_or_auto_and_needs_tool_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parser().parse_args(["--out", "x.json"]).policy is None
+    assert parser().parse_args(["--out", "x.json", "--policy", "auto", "--send-tool"]).policy == "auto"
+    for bad in (["--policy", "keep"], ["--mode", "stock", "--policy", "offload"]):
+        with pytest.raises(SystemExit) as e:  # refused before any server is asked
+            bench_main(["--out", "x.json", "--url", "http://127.0.0.1:9", *bad])
+        assert e.value.code == 2
+    assert "--policy" in capsys.readouterr().err
+    with pytest.raises(ValueError):
+        run_plan(StandInServer.__new__(StandInServer), make_plan(SMALL), "explicit", policy="keep")
 
 
 @pytest.mark.parametrize("folder", ["agent", "agent_replicate"])

@@ -1,6 +1,7 @@
 """A stand-in sglang server for a CPU dry run of scripts/gpu_fleet.py (not a test, not a model).
 
     python scripts/gpu_fleet.py --dry-run-stub scripts/stage/fleet_stub.py --model x --out O --work W --l3-dir D
+    DRY_RUN_STUB=scripts/stage/fleet_stub.py bash scripts/gpu_value_repeat.sh    (tests/test_gpu_value_repeat.py)
 
 Why: the multi-server run costs GPU time and can only be tried whole; this lets the client, the
 real sglang router in front of it, the drain and the result files run on a laptop first. It answers
@@ -12,9 +13,13 @@ asks sglang and toolkv, with just enough state for the scenario to go through:
   with ``--storage``, from the L3 directory, one file per token keyed by a chained hash as
   HiCacheFile keys pages; a finished turn is written there. The session is the body's
   ``session_id``, else the ``X-SMG-Routing-Key`` header (what toolkv does with
-  ``TOOLKV_SESSION_HEADER=X-SMG-Routing-Key``).
+  ``TOOLKV_SESSION_HEADER=X-SMG-Routing-Key``). A body with ``"stream": true`` is answered as
+  sglang streams: one server-sent event with the whole answer, then ``data: [DONE]``.
 * ``/session/*``: toolkv's answers, 404 ``unknown_session`` for a session this server never saw;
   ``tool_start`` beyond ``--budget`` protected tokens moves the oldest offloaded session to L3.
+  ``tool_start`` takes the per-call ``policy`` (``offload`` or ``auto``, 400 for anything else) and
+  the ``tool`` name, and writes one ``toolkv decision op=tool_start ...`` line naming both on stderr
+  (the server log), as toolkv's decision log does.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -78,6 +84,14 @@ def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
             b = json.dumps(obj).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b)))
+            self.end_headers()
+            self.wfile.write(b)
+
+        def send_sse(self, obj: Any) -> None:
+            b = f"data: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
             self.send_header("Content-Length", str(len(b)))
             self.end_headers()
             self.wfile.write(b)
@@ -140,14 +154,24 @@ def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
                         r.update(state="Running", tier="GPU", tokens=len(ids) + n_new - 1, device_tokens=len(ids),
                                  host_tokens=0)  # fmt: skip
                     details = {"device": dev, "host": 0, "storage": l3} if dev + l3 else None
-                    return self.send(200, {"output_ids": out, "meta_info": {"cached_tokens": dev + l3,
-                                           "cached_tokens_details": details}})  # fmt: skip
+                    ans = {
+                        "output_ids": out,
+                        "meta_info": {"cached_tokens": dev + l3, "cached_tokens_details": details},
+                    }
+                    if b.get("stream"):
+                        return self.send_sse(ans)
+                    return self.send(200, ans)
                 if path.startswith("/session/"):
                     sid = b.get("session_id")
                     if sid not in st.sessions:
                         return self.unknown(sid)
                     r = st.sessions[sid]
                     if path == "/session/tool_start":
+                        policy = b.get("policy")
+                        if policy not in (None, "offload", "auto"):
+                            return self.send(400, {"error": "bad_request", "message": f"policy {policy!r}"})
+                        print(f"toolkv decision op=tool_start session={sid} epoch={r['epoch'] + 1} outcome=ok"
+                              f" policy={policy or '-'} tool={b.get('tool') or '-'}", file=sys.stderr, flush=True)  # fmt: skip
                         r.update(
                             state="Offloaded", tier="CpuProtected", epoch=r["epoch"] + 1, device_tokens=0
                         )

@@ -15,6 +15,11 @@ Modes (what the agent does around each tool call):
   emulated: zero-change offloads when a chat answer ends in ``tool_calls``, which a dummy-weight
   model never produces, so the agent sends the ``tool_start`` the server would have made.
 
+``--send-tool`` names each tool in ``tool_start``; ``--policy offload|auto`` asks for that per-call
+policy in every ``tool_start`` body (``"policy": ...``, overriding the server's ``TOOLKV_POLICY`` for
+the call), so that one server can serve offload and auto agents in turn. Without it no ``policy``
+field is sent.
+
 Measured: per turn TTFT (streaming), end-to-end time and sglang's ``cached_tokens``; every toolkv
 answer by status; the device and host pools sampled once a second (``/session/kv_meta`` when toolkv
 is loaded, sglang's ``/v1/loads``). At the end it checks that nothing is left protected or locked.
@@ -46,7 +51,8 @@ from toolkv.tools.agent_metrics import REFUSALS, Turn, occupancy, summarize, une
 from toolkv.tools.agent_workload import SHAPES, Plan, SessionPlan, Workload, make_plan
 
 MODES = ("stock", "explicit", "on-request")
-__all__ = ["MODES", "REFUSALS", "HttpServer", "main", "run_plan", "unexpected_5xx"]
+POLICIES = ("offload", "auto")  # what --policy may ask for in tool_start (toolkv's TOOLKV_POLICY values)
+__all__ = ["MODES", "POLICIES", "REFUSALS", "HttpServer", "main", "run_plan", "unexpected_5xx"]
 
 
 @dataclass
@@ -191,10 +197,12 @@ class RunRecord:
 
 def run_session(
     server: AgentServer, sp: SessionPlan, mode: str, w: Workload, rec: RunRecord, clock: Any,
-    stop_at: float, scale: float, send_tool: bool = False,
+    stop_at: float, scale: float, send_tool: bool = False, policy: str | None = None,
 ) -> None:  # fmt: skip
     """One agent session; no turn starts after ``stop_at`` (run clock). ``send_tool``: name the
-    tool in ``tool_start`` (for the per-call policy; servers before it refuse the field)."""
+    tool in ``tool_start`` (for the per-call policy; servers before it refuse the field).
+    ``policy``: the per-call policy (``offload`` or ``auto``) asked for in every ``tool_start``,
+    overriding the server's ``TOOLKV_POLICY`` for that call; None sends no ``policy`` field."""
     ctx = list(sp.first)
     sid = sp.sid if mode != "stock" else None
     epoch: int | None = None
@@ -228,6 +236,8 @@ def run_session(
             start_body: dict[str, Any] = {"session_id": sp.sid}
             if send_tool:
                 start_body["tool"] = w.tools.name_of(sp.tools_s[t])
+            if policy is not None:
+                start_body["policy"] = policy
             st, body = server.call("tool_start", start_body)
             rec.count(f"tool_start {st}")
             rec.event(
@@ -277,11 +287,14 @@ def _sample(server: AgentServer, t: float, device_total: int | None) -> dict[str
 def run_plan(
     server: AgentServer, plan: Plan, mode: str, *, scale: float = 1.0, progress_s: float = 10.0,
     sample_s: float = 1.0, device_total: int | None = None, drain_s: float = 900.0, send_tool: bool = False,
+    policy: str | None = None,
 ) -> tuple[RunRecord, float]:  # fmt: skip
     """Start each planned session at its time (times scaled by ``scale``), sample the pools while
     they run, and wait for the last turn. Returns the record and the wall time."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     rec = RunRecord()
     w = plan.workload
     t0 = time.perf_counter()
@@ -304,7 +317,7 @@ def run_plan(
 
     def session(sp: SessionPlan) -> None:
         try:
-            run_session(server, sp, mode, w, rec, clock, stop_at, scale, send_tool)
+            run_session(server, sp, mode, w, rec, clock, stop_at, scale, send_tool, policy)
         except Exception as e:  # a dead server surfaces here: record it, the others go on
             rec.error(f"session {sp.sid}: {type(e).__name__}: {e}")
 
@@ -401,6 +414,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--send-tool", action="store_true", help="name each tool in tool_start (for TOOLKV_POLICY=auto)"
     )
+    ap.add_argument(
+        "--policy", choices=POLICIES, default=None,
+        help="send this per-call policy in every tool_start body, overriding the server's TOOLKV_POLICY "
+        "for the call (default: send none, the server's policy decides)",
+    )  # fmt: skip
     ap.add_argument("--out", required=True, help="JSON results file")
     return ap
 
@@ -408,6 +426,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
+    if a.policy is not None and a.mode == "stock":
+        ap.error("--policy needs a mode that calls tool_start (explicit or on-request)")
     try:
         w = Workload(
             initial_sessions=a.sessions, arrival_rate=a.arrival_rate, turns_median=a.turns,
@@ -428,8 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(w)
     _st0, meta0 = server.kv_meta()
     rec, wall = run_plan(
-        server, plan, a.mode, device_total=device_total, drain_s=a.drain, send_tool=a.send_tool
-    )
+        server, plan, a.mode, device_total=device_total, drain_s=a.drain, send_tool=a.send_tool,
+        policy=a.policy,
+    )  # fmt: skip
     window = (w.ramp_s + a.warmup, w.duration_s)
     summary = summarize(rec.turns, rec.calls, window_start_s=window[0], window_end_s=window[1], wall_s=wall)
     summary["errors"] = len(rec.errors)
@@ -460,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "config": a.config or a.mode,
         "mode": a.mode,
+        "policy": a.policy,
+        "send_tool": a.send_tool,
         "workload": asdict(w),
         "plan": plan.describe(),
         "device_total_tokens": device_total,
@@ -481,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             "resumed_ttft_p90_s", "http_5xx", "errors")  # fmt: skip
     print(
         f"config={res['config']} mode={a.mode} "
+        + (f"policy={a.policy} " if a.policy else "")
         + " ".join(
             f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys
         )

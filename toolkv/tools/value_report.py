@@ -8,6 +8,26 @@ is ``closed_turns_per_s``: 90 % of the turns over the time it took to complete t
 waits mostly on the longest tool calls). Computed from the per-turn records, so older JSON works too.
 
 ``python -m toolkv.tools.value_report DIR [--json OUT]`` prints a Markdown table.
+
+Repeated runs. One run is one folder of those files, all measured on one server in one call (a
+*repetition*: stock16, offload16, auto16 ... interleaved); several runs are several such folders.
+The report switches to the repeated-runs summary when it is given
+
+- two or more folders: ``value_report runs/r1 runs/r2 runs/r3`` (each folder one run), or
+- one folder that holds no result file itself but run folders: ``value_report runs`` (its
+  subfolders with result files, in natural order: ``r1, r2, ..., r10``), or ``--runs`` with one
+  run folder (a summary of one run).
+
+``scripts/gpu_value_repeat.sh`` writes that layout (``r<k>/<config>.json``). Each run's ratios are
+taken against the stock run of the same repetition and the same host size (never against another
+run's stock: the run-to-run spread of this load is larger than the effect), then summarised per
+config as the median and the range (min-max) over runs of: closed turns/s × stock, resumed TTFT p50
+and p90 × stock, reuse, and the closed turns/s itself; ``runs`` is how many runs have the config
+(``3 (2 vs stock)`` where a run lacks its stock reference: such a run counts for reuse and turns/s
+but not for the ratios). A file with no completed turn (a server that died) is left out with a
+warning. A compact per-run table follows. ``--json`` then writes ``{"runs": {run: rows},
+"summary": rows}``.
+
 Standard library only.
 """
 
@@ -17,9 +37,14 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+
+class EmptyRun(ValueError):
+    """A result file without a single completed turn (the server died or never answered)."""
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -34,6 +59,8 @@ def _pct(xs: list[float], p: float) -> float:
 def stats(res: dict[str, Any]) -> dict[str, Any]:
     """Closed-load figures of one run, from its per-turn records."""
     ok = [t for t in res["turns"] if t.get("status") == 200]
+    if not ok:
+        raise EmptyRun(f"{res['config']}: no completed turn")
     ends = sorted(t["start_s"] + t["e2e_s"] for t in ok)
     first = min(t["start_s"] for t in ok)
     k = math.ceil(0.9 * len(ends))
@@ -92,6 +119,12 @@ def host_gb(config: str) -> str:
     return m.group(1) if m else ""
 
 
+def config_order(config: str) -> tuple[int, int]:
+    """Rows by host size, then stock, offload, auto (a stable sort keeps the rest in file order)."""
+    order = {"stock": 0, "offload": 1, "auto": 2}
+    return int(host_gb(config) or 0), order.get(config.rstrip("0123456789"), 9)
+
+
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row with its ratios to the stock row of the same host size (none for a missing stock)."""
     ref = {host_gb(r["config"]): r for r in rows if r["config"].startswith("stock")}
@@ -100,6 +133,7 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         s = ref.get(host_gb(r["config"]))
         r = dict(r)
         r["tps_vs_stock"] = r["closed_turns_per_s"] / s["closed_turns_per_s"] if s else None
+        r["p50_vs_stock"] = r["resumed_ttft_p50_s"] / s["resumed_ttft_p50_s"] if s else None
         r["p90_vs_stock"] = r["resumed_ttft_p90_s"] / s["resumed_ttft_p90_s"] if s else None
         out.append(r)
     return out
@@ -134,10 +168,14 @@ def answers_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def load(paths: list[Path]) -> list[dict[str, Any]]:
+def load(paths: list[Path], skip_empty: bool = False) -> list[dict[str, Any]]:
+    """The rows of one run (files, or folders of them), each with its ratios to the run's stock.
+    ``skip_empty``: leave out a file with no completed turn (with a warning) instead of failing."""
     files: list[Path] = []
     for p in paths:
         files += sorted(p.glob("*.json")) if p.is_dir() else [p]
+    if not files:
+        raise ValueError("no result file in " + ", ".join(map(str, paths)))
     rows = []
     for f in files:
         try:
@@ -146,24 +184,158 @@ def load(paths: list[Path]) -> list[dict[str, Any]]:
             raise ValueError(f"{f}: not a bench agent result ({e})") from e
         if not isinstance(res, dict) or "turns" not in res or "config" not in res:
             raise ValueError(f"{f}: not a bench agent result (no turns)")
-        rows.append(stats(res))
-    order = {"stock": 0, "offload": 1, "auto": 2}
-    rows.sort(key=lambda r: (int(host_gb(r["config"]) or 0), order.get(r["config"].rstrip("0123456789"), 9)))
+        try:
+            rows.append(stats(res))
+        except EmptyRun as e:
+            if not skip_empty:
+                raise ValueError(f"{f}: {e}") from e
+            print(f"value_report: {f}: left out ({e})", file=sys.stderr)
+    rows.sort(key=lambda r: config_order(r["config"]))
     return compare(rows)
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
+
+
+def run_folders(paths: list[Path], force: bool = False) -> list[Path] | None:
+    """The run folders when ``paths`` name repeated runs (see the module docstring), else None."""
+    dirs = [p for p in paths if p.is_dir()]
+    if len(paths) >= 2 and len(dirs) == len(paths):
+        return paths
+    if len(paths) == 1 and dirs and not any(dirs[0].glob("*.json")):
+        subs = [d for d in dirs[0].iterdir() if d.is_dir() and any(d.glob("*.json"))]
+        if subs:
+            return sorted(subs, key=lambda d: _natural(d.name))
+    if force:
+        if len(dirs) != len(paths):
+            raise ValueError("--runs takes run folders, not files")
+        return paths
+    if len(paths) >= 2 and dirs:
+        raise ValueError("several paths are either result files (one run) or run folders (repeated runs)")
+    return None
+
+
+def load_runs(folders: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Each run folder's rows (ratios within the run), keyed by a unique run label (the folder's
+    name, or its path where two names are equal)."""
+    names = [f.name for f in folders]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for f, name in zip(folders, names, strict=True):
+        label = name if names.count(name) == 1 else str(f)
+        rows = load([f], skip_empty=True) if any(f.glob("*.json")) else []
+        if rows:
+            out[label] = rows
+        else:
+            print(f"value_report: {f}: no result with a completed turn, left out", file=sys.stderr)
+    return out
+
+
+def _spread(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+# the fields summarised over runs: the ratios against the same repetition's stock, reuse, and two
+# absolute figures (turns/s and p90 vary from run to run with the machine; the ratios less)
+SUMMARY_FIELDS = (
+    "tps_vs_stock", "p50_vs_stock", "p90_vs_stock", "reuse", "closed_turns_per_s", "resumed_ttft_p90_s",
+)  # fmt: skip
+
+
+def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per config, over the runs that have it: the median and range of each summary field (ratios
+    only over runs with a stock reference), the number of runs and of runs with a reference."""
+    by_cfg: dict[str, list[dict[str, Any]]] = {}
+    for rows in runs.values():
+        for r in rows:
+            by_cfg.setdefault(r["config"], []).append(r)
+    out = []
+    for cfg, rows in by_cfg.items():
+        rec: dict[str, Any] = {
+            "config": cfg,
+            "runs": len(rows),
+            "runs_vs_stock": sum(1 for r in rows if r["tps_vs_stock"] is not None),
+        }
+        for key in SUMMARY_FIELDS:
+            rec[key] = _spread([r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])])
+        out.append(rec)
+    out.sort(key=lambda r: config_order(r["config"]))
+    return out
+
+
+def _cell(s: dict[str, float] | None, digits: int, unit: str = "", scale: float = 1.0) -> str:
+    """``median unit (min–max)``, or the one value when every run agrees."""
+    if s is None:
+        return "-"
+    med, lo, hi = (f"{scale * s[k]:.{digits}f}" for k in ("median", "min", "max"))
+    return f"{med}{unit}" if lo == hi else f"{med}{unit} ({lo}–{hi})"
+
+
+def runs_markdown(summary: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The summary table (median (min–max) over runs), then one line per run and config."""
+    lines = [
+        f"Median (min–max) over runs: {len(runs)} runs ({', '.join(runs)}); ratios against the stock run of the"
+        " same repetition.",
+        "",
+        "| config | runs | turns/s (closed) | × stock | resumed TTFT p50 × stock | p90 × stock | p90 s | reuse |",
+        "|" + "---|" * 8,
+    ]
+    for r in summary:
+        n = str(r["runs"])
+        if r["runs_vs_stock"] != r["runs"]:
+            n += f" ({r['runs_vs_stock']} vs stock)"
+        lines.append(
+            f"| {r['config']} | {n} | {_cell(r['closed_turns_per_s'], 2)} | {_cell(r['tps_vs_stock'], 2, '×')} |"
+            f" {_cell(r['p50_vs_stock'], 2, '×')} | {_cell(r['p90_vs_stock'], 2, '×')} |"
+            f" {_cell(r['resumed_ttft_p90_s'], 2)} | {_cell(r['reuse'], 0, ' %', 100)} |"
+        )
+    lines += [
+        "",
+        "| run | config | turns | turns/s (closed) | × stock | resumed TTFT p50 / p90 s | p50 / p90 × stock | reuse |",
+        "|" + "---|" * 8,
+    ]
+    for run, rows in runs.items():
+        for r in rows:
+            x, p50, p90 = r["tps_vs_stock"], r["p50_vs_stock"], r["p90_vs_stock"]
+            lines.append(
+                f"| {run} | {r['config']} | {r['turns']} | {r['closed_turns_per_s']:.2f} |"
+                f" {'-' if x is None else f'{x:.2f}×'} | {r['resumed_ttft_p50_s']:.2f} / {r['resumed_ttft_p90_s']:.2f} |"
+                f" {'-' if p50 is None else f'{p50:.2f}×'} / {'-' if p90 is None else f'{p90:.2f}×'} |"
+                f" {100 * r['reuse']:.0f} % |"
+            )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m toolkv.tools.value_report", description=__doc__.split("\n\n")[0]
     )
-    ap.add_argument("paths", nargs="+", type=Path, help="result files or directories of them")
+    ap.add_argument(
+        "paths", nargs="+", type=Path,
+        help="result files or a folder of them (one run); several run folders, or one folder of run folders",
+    )  # fmt: skip
+    ap.add_argument("--runs", action="store_true", help="summarise as repeated runs even with one run folder")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     try:
-        rows = load(a.paths)
+        folders = run_folders(a.paths, a.runs)
+        if folders is not None:
+            runs = load_runs(folders)
+            if not runs:
+                raise ValueError("no result with a completed turn in " + ", ".join(map(str, folders)))
+            summary = summarize_runs(runs)
+        else:
+            rows = load(a.paths)
     except ValueError as e:
         print(f"value_report: {e}", file=sys.stderr)
         return 2
+    if folders is not None:
+        print(runs_markdown(summary, runs))
+        if a.json is not None:
+            a.json.write_text(json.dumps({"runs": runs, "summary": summary}, indent=1, sort_keys=True) + "\n")
+        return 0
     print(markdown(rows))
     print()
     print(answers_markdown(rows))
