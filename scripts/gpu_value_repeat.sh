@@ -173,6 +173,9 @@ if r.get("policy") == "auto" and set(dec) == {"offload"}:  # the offload policy 
     print("    WARNING: every decision was offload: does this server apply tool_start's per-call policy?")
 PY
 )
+  # a cache the flush left (requests still running) would hand the next config the same plan's KV
+  local flush; flush=$(grep -m1 -o 'flush_cache: [0-9]*' "$dir/$cfg.log" | cut -d' ' -f2)
+  [ "$flush" = 200 ] || what="$what; WARNING: flush_cache answered ${flush:-nothing}"
   say "r$k $cfg: done in $(( SECONDS - t0 )) s, rc $rc: $what"
   (( rc != 0 )) && tail -3 "$dir/$cfg.log" | sed 's/^/    /'
   snapshot
