@@ -2,7 +2,7 @@
 
 Routes (added to sglang's own FastAPI ``app``, so sglang's API-key middleware covers them):
 
-* ``POST /session/tool_start`` ``{"session_id"[, "tool", "expected_s", "prior_epoch"]}`` -> session
+* ``POST /session/tool_start`` ``{"session_id"[, "tool", "expected_s", "prior_epoch", "policy"]}`` -> session
   kv_meta (with the new ``epoch``; ``replayed`` when ``prior_epoch`` shows it was already applied)
 * ``POST /session/tool_end`` ``{"session_id", "epoch"}`` -> session kv_meta
 * ``GET /session/kv_meta[?session_id=]`` -> one session, or server-wide metrics
@@ -28,7 +28,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Any, Protocol
+from typing import Literal, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -68,6 +68,11 @@ class ToolStartBody(BaseModel):
         description="The session's epoch the client last saw (optional). A tool_start already applied "
         "since then (its reply was lost) is answered with the session's record, marked replayed, "
         "instead of 409 wrong_state",
+    )
+    policy: Literal["offload", "auto"] | None = Field(
+        default=None,
+        description="The policy of this call (optional), overriding the server's TOOLKV_POLICY: offload "
+        "(always offload) or auto (keep, offload or let go per call)",
     )
 
 

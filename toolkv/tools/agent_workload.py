@@ -81,9 +81,45 @@ class ToolMixture:
         return rng.lognormvariate(math.log(self.short_median_s), self.short_sigma)
 
 
-# Named tool-duration shapes: the trace-calibrated default, and long calls only (a second shape
-# next to it, never instead of it).
-SHAPES: dict[str, ToolMixture] = {"traces": ToolMixture(), "long": ToolMixture(long_time_share=1.0)}
+@dataclass(frozen=True)
+class NamedTools:
+    """Tool calls drawn from a few named tools, each with its own log-normal duration: an agent
+    whose tools differ in kind (a lookup takes a second, a build half a minute) and send their
+    names. ``name_of`` gives back the tool whose median is nearest (in log time) to a duration,
+    which is the tool that most likely drew it; the spread keeps names and durations apart from
+    a fixed mapping, as real calls of one tool vary."""
+
+    names: tuple[str, ...] = ("lookup", "search", "test", "build")
+    medians_s: tuple[float, ...] = (1.0, 3.0, 8.0, 25.0)
+    sigma: float = 0.5
+    long_weight: float = 0.0  # no heavy tail: the shape's long calls are its slowest tool
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.medians_s) or not self.names:
+            raise ValueError("one median per tool name, at least one tool")
+        if any(m <= 0 for m in self.medians_s) or self.sigma < 0:
+            raise ValueError("tool medians must be positive and sigma >= 0")
+
+    @property
+    def mean_s(self) -> float:
+        return sum(self.medians_s) / len(self.medians_s) * math.exp(self.sigma**2 / 2)
+
+    def name_of(self, seconds: float) -> str:
+        t = math.log(max(seconds, 1e-9))
+        return min(zip(self.names, self.medians_s, strict=True), key=lambda nm: abs(math.log(nm[1]) - t))[0]
+
+    def sample(self, rng: random.Random) -> float:
+        median = self.medians_s[rng.randrange(len(self.medians_s))]
+        return rng.lognormvariate(math.log(median), self.sigma)
+
+
+# Named tool-duration shapes: the trace-calibrated default, long calls only (a second shape next to
+# it, never instead of it), and four named tools of 1-25 s medians (an agent whose tools differ).
+SHAPES: dict[str, ToolMixture | NamedTools] = {
+    "traces": ToolMixture(),
+    "long": ToolMixture(long_time_share=1.0),
+    "named": NamedTools(),
+}
 
 
 @dataclass(frozen=True)
@@ -116,7 +152,7 @@ class Workload:
             raise ValueError("first_tokens + output_tokens exceeds max_context")
 
     @property
-    def tools(self) -> ToolMixture:
+    def tools(self) -> ToolMixture | NamedTools:
         return SHAPES[self.tool_shape]
 
     @property
