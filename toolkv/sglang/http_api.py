@@ -28,7 +28,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Literal, Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
