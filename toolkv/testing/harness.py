@@ -349,10 +349,16 @@ class CacheHarness:
             self.allocator.free(value[:prefix_len])
         return int(prefix_len)
 
-    def run_request(self, tokens: Sequence[int], extra_key: str | None = None) -> bool:
+    def run_request(
+        self, tokens: Sequence[int], extra_key: str | None = None, *, deterministic: bool = False
+    ) -> bool:
         """One request's KV lifecycle as the scheduler runs it: match the cached prefix and lock it,
         allocate (evicting if needed) and compute the rest, then ``cache_finished_req``-style
-        insert, free the duplicates, unlock. Returns False when there is no memory for it now."""
+        insert, free the duplicates, unlock. Returns False when there is no memory for it now.
+
+        The computed KV is random unless ``deterministic``: then it is :meth:`expected_kv` of the
+        tokens, as a model's would be, so that a prefix evicted and computed again by another
+        request has the bytes it had before (what a restore that compares bytes needs)."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         ps = self.cfg.page_size
@@ -370,6 +376,8 @@ class CacheHarness:
                 new = self.alloc(need)
             if new is None:
                 return False
+            if deterministic and need:
+                self.fill_kv(new, tokens[len(prefix) :])
             from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
             value = torch.cat([prefix, new.to(prefix.device)])

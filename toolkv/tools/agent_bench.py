@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 from toolkv.tools.agent_metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
 from toolkv.tools.agent_workload import SHAPES, Plan, SessionPlan, Workload, make_plan
+from toolkv.tools.argtypes import OneLineParser
 
 MODES = ("stock", "explicit", "on-request")
 POLICIES = ("offload", "auto")  # what --policy may ask for in tool_start (toolkv's TOOLKV_POLICY values)
@@ -338,8 +339,9 @@ def run_plan(
             with rec.lock:
                 n, e, calls = len(rec.turns), len(rec.errors), dict(rec.calls)
             live = sum(th.is_alive() for th in threads)
-            print(
+            print(  # progress on stderr: stdout is the results' (--json)
                 f"[{clock():6.0f}s] {mode}: {live} sessions live, {n} turns, {e} errors, calls {calls}",
+                file=sys.stderr,
                 flush=True,
             )
         if clock() > stop_at + drain_s:
@@ -388,7 +390,7 @@ def twins(server: AgentServer, k: int, w: Workload, wait_s: float = 60.0) -> lis
 
 def parser() -> argparse.ArgumentParser:
     d = Workload()
-    ap = argparse.ArgumentParser(prog="toolkv bench agent", description=(__doc__ or "").split("\n\n")[0])
+    ap = OneLineParser(prog="toolkv bench agent", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--mode", choices=MODES, default="explicit")
     ap.add_argument("--config", default=None, help="label of the server configuration (default: the mode)")
@@ -419,13 +421,18 @@ def parser() -> argparse.ArgumentParser:
         help="send this per-call policy in every tool_start body, overriding the server's TOOLKV_POLICY "
         "for the call (default: send none, the server's policy decides)",
     )  # fmt: skip
-    ap.add_argument("--out", required=True, help="JSON results file")
+    ap.add_argument("--out", default=None, help="JSON results file (this, --json, or both)")
+    ap.add_argument(
+        "--json", action="store_true", help="print the JSON results on stdout instead of the summary lines"
+    )
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
+    if a.out is None and not a.json:  # a run of minutes whose results went nowhere
+        ap.error("give --out FILE for the JSON results, or --json to print them")
     if a.policy is not None and a.mode == "stock":
         ap.error("--policy needs a mode that calls tool_start (explicit or on-request)")
     try:
@@ -437,11 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     server = HttpServer(a.url)
-    if server.health() != 200:
-        print(f"no healthy server at {a.url}", file=sys.stderr)
+    health = server.health()
+    if health != 200:
+        said = "no answer" if health == 0 else f"HTTP {health}"
+        print(f"{ap.prog}: error: no healthy server at {a.url} (GET /health: {said})", file=sys.stderr)
         return 2
     if a.flush:
-        print(f"flush_cache: {server.flush()}", flush=True)
+        print(f"flush_cache: {server.flush()}", file=sys.stderr, flush=True)
         time.sleep(2)
     ld = server.loads() or {}
     device_total = ld.get("max_total_num_tokens")
@@ -498,8 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         "events": rec.events,
         "turns": [asdict(t) | {"output_ids": None} for t in rec.turns],
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    if a.out is not None:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    if a.json:
+        print(json.dumps(res, indent=1, default=str))
+        return 0 if res["passed"] else 1
     keys = ("turns_in_window", "turns_per_s", "gen_tokens_per_s", "resumed_cache_hit", "resumed_ttft_p50_s",
             "resumed_ttft_p90_s", "http_5xx", "errors")  # fmt: skip
     print(

@@ -5,8 +5,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
+
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a one-line usage error: ``toolkv <command>: error: ...`` and exit status 2, as
+    every other error of the command line (a usage block of many lines would bury the one line
+    that says what is wrong). Subparsers made from it are OneLineParsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def positive_int(text: str) -> int:
@@ -46,6 +59,54 @@ def int_list(text: str) -> list[int]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
     return out
+
+
+def int_tuple(*names: str) -> Callable[[str], tuple[int, ...]]:
+    """Exactly ``len(names)`` comma-separated positive integers (``32,8,128`` for
+    layers,kv_heads,head_dim): a wrong count would otherwise fail deep inside the command."""
+
+    def check(text: str) -> tuple[int, ...]:
+        parts = [x.strip() for x in text.split(",")]
+        try:
+            out = tuple(int(x) for x in parts)
+        except ValueError:
+            out = ()
+        if len(out) != len(names) or min(out) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected {len(names)} comma-separated positive integers ({','.join(names)})"
+            )
+        return out
+
+    return check
+
+
+def device(text: str) -> str:
+    """``cpu`` or ``cuda[:N]``: what the cache harness can build its pools on."""
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu or cuda[:N]")
+    return text
+
+
+def cuda_missing(name: str) -> str | None:
+    """Why the CUDA device ``name`` cannot be used here (None: it can, it is not CUDA, or torch is
+    not installed, which the command reports itself by naming the extra to install). Checked
+    before a command starts, so that a machine without a GPU is one line, not a campaign that runs
+    for a minute and then reports every example as a failure."""
+    if not name.startswith("cuda"):
+        return None
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return None
+    if not torch.cuda.is_available():
+        return (
+            f"--device {name}: no CUDA device here (torch.cuda.is_available() is False); "
+            "run it on a GPU machine or with --device cpu"
+        )
+    index = int(name.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def writable_file(*suffixes: str) -> Callable[[str], Path]:

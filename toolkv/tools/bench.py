@@ -23,16 +23,25 @@ from pathlib import Path
 from typing import Any
 
 from toolkv.errors import InputError
-from toolkv.tools.argtypes import int_list, positive_int, writable_file
+from toolkv.tools.argtypes import cuda_missing, device, int_list, int_tuple, positive_int, writable_file
 
 RESULTS = "results/bench"  # git-ignored
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["overhead", "transfer"], help="which benchmark")
-    p.add_argument("--device", default="cpu", help="transfer: cuda on the GPU machine")
-    p.add_argument("--tokens", default="512,8192", help="transfer: tokens per offload (comma separated)")
-    p.add_argument("--shape", default="32,8,128", help="transfer: layers,kv_heads,head_dim (Llama-3-8B)")
+    p.add_argument(
+        "--device", type=device, default="cpu", help="transfer: cpu, or cuda[:N] on the GPU machine"
+    )
+    p.add_argument(
+        "--tokens", type=int_list, default="512,8192", help="transfer: tokens per offload (comma separated)"
+    )
+    p.add_argument(
+        "--shape",
+        type=int_tuple("layers", "kv_heads", "head_dim"),
+        default="32,8,128",
+        help="transfer: layers,kv_heads,head_dim (default: Llama-3-8B's)",
+    )
     p.add_argument(
         "--sizes", default="1000,10000,100000", type=int_list, help="tracked sessions (comma separated)"
     )
@@ -244,12 +253,11 @@ def transfer(args: argparse.Namespace) -> int:
     from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     dev = args.device
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(
-            f"--device {dev}: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine or with --device cpu"
-        )
-    layers, heads, dim = (int(x) for x in args.shape.split(","))
-    sizes = [int(x) for x in args.tokens.split(",")]
+    problem = cuda_missing(dev)
+    if problem is not None:
+        raise InputError(problem)
+    layers, heads, dim = args.shape
+    sizes: list[int] = list(args.tokens)
     dtype = torch.bfloat16
     per_token = 2 * layers * heads * dim * dtype.itemsize
     page = 16

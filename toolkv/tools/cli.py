@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 
 from toolkv import __version__
+from toolkv.tools.argtypes import DEVICE, OneLineParser, cuda_missing
 
 # name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -52,7 +52,72 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# What ``toolkv --help`` says first: what toolkv is and how it is switched on, for someone who has
+# just installed it. The module docstring above is for whoever adds a command.
+ABOUT = """\
+toolkv: tool-call-aware KV-cache tiering for SGLang.
+
+toolkv is an sglang plugin, not a server of its own. Installed next to sglang {sglang},
+it does nothing until the server is launched with TOOLKV_ENABLE=1 in its environment:
+
+  TOOLKV_ENABLE=1 python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache
+
+Agents then wrap each tool call in tool_start/tool_end (toolkv.client), and toolkv keeps the paused
+session's KV in host memory until the tool returns. Its settings are TOOLKV_* variables in the same
+environment (docs/operations.md). The commands below check, measure and demonstrate it.
+"""
+
+# ``toolkv --help``'s command list by audience: (heading, [(how it is called, what it is for)]). A
+# command of SUBCOMMANDS that no row names (by its first word) is listed under "other commands".
+AUDIENCES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "for operators, next to a server with toolkv on",
+        (
+            ("bench agent --url URL", "load it with agent sessions: turns/s, resumed-turn TTFT"),
+            ("fuzz-http URL --session ID", "fuzz its session API: no 5xx, a refusal changes nothing"),
+            ("trace-check --decisions LOG", "check its decision log against the spec"),
+            ("twin", "what-if on CPU: a server under the agent workload, by host memory"),
+        ),
+    ),
+    (
+        "for agents (the client is a library: pip install 'toolkv[client]', toolkv.client.ToolKVClient)",
+        (("demo", "what toolkv does for sessions with tool calls (CPU, no server)"),),
+    ),
+    (
+        "for developers of toolkv",
+        (
+            ("spec-check", "SANY and TLC over every spec config and mutant"),
+            ("fuzz", "stateful campaign on the real HiRadixCache (--mutants: kill table)"),
+            ("trace-check FILE", "check fuzz traces against the spec's next-state relation"),
+            ("diagram sessions|tiers", "Mermaid state diagrams from the lifecycle tables"),
+            ("docs", "regenerate the generated tables in docs/"),
+            (
+                "bench overhead|transfer",
+                "cost per call; offload/restore GB/s against a raw copy",
+            ),
+        ),
+    ),
+)
+
+
+def commands_help() -> str:
+    """The epilog of ``toolkv --help``: every command, grouped by who runs it."""
+    named = {usage.split()[0] for _, rows in AUDIENCES for usage, _ in rows}
+    groups = [(heading, list(rows)) for heading, rows in AUDIENCES]
+    others = [(name, text) for name, (_, text) in SUBCOMMANDS.items() if name not in named]
+    if others:
+        groups.append(("other commands", others))
+    width = max(len(usage) for _, rows in groups for usage, _ in rows) + 2
+    lines = []
+    for heading, rows in groups:
+        lines.append(f"{heading}:")
+        lines.extend(f"  {usage:<{width}}{text}" for usage, text in rows)
+        lines.append("")
+    lines.append(
+        "toolkv COMMAND --help lists a command's options; --json prints its result as JSON on stdout."
+    )
+    return "\n".join(lines)
+
 
 # top-level module -> what installs it (pyproject's extras): named when a command lacks it
 EXTRAS: dict[str, str] = {
@@ -101,6 +166,9 @@ def _check_fuzz(args: argparse.Namespace) -> str | None:
         return f"unknown mutant(s) {unknown}; known: {', '.join(known)}"
     if not DEVICE.fullmatch(args.device):
         return f"--device {args.device!r}: expected cpu or cuda[:N]"
+    missing = cuda_missing(args.device)
+    if missing is not None:
+        return missing
     for name in ("examples", "steps"):
         value = getattr(args, name, None)
         if value is not None and value < 1:  # None: the Hypothesis profile decides
@@ -113,17 +181,27 @@ CHECKS: dict[str, Callable[[argparse.Namespace], str | None]] = {"fuzz": _check_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="toolkv", description=__doc__)
     from toolkv.sglang.startup import SUPPORTED
+
+    parser = OneLineParser(
+        prog="toolkv",
+        usage="toolkv [-h] [--version] COMMAND ...",
+        description=ABOUT.format(sglang=" or ".join(sorted(SUPPORTED))),
+        epilog=commands_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
     parser.add_argument(
         "--version",
         action="version",
         version=f"toolkv {__version__} (sglang plugin for sglang {', '.join(sorted(SUPPORTED))})",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    # listed by audience in the epilog, not in argparse's own list of choices
+    sub = parser.add_subparsers(
+        prog="toolkv", dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS
+    )
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp = sub.add_parser(name, description=help_text)
         sp.set_defaults(_module=module_name, _parser=sp, _missing=None)
         try:
             importlib.import_module(module_name).add_arguments(sp)

@@ -14,6 +14,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from toolkv.errors import InputError
 from toolkv.tools.argtypes import nonneg_int, positive_int, probability, writable_file
 
 
@@ -58,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("toolkv").setLevel(logging.ERROR)  # the timeline already says it
-    print("toolkv demo: building a real sglang HiRadixCache on CPU ...", file=sys.stderr)
     from toolkv.tools.sim import DemoConfig, Simulation
 
     cfg = DemoConfig(
@@ -70,6 +70,20 @@ def run(args: argparse.Namespace) -> int:
         ttl_ticks=args.ttl,
         seed=args.seed,
     )
+    # refused before the cache is built, not reported as a failed run or a traceback
+    if cfg.device_tokens % cfg.page_size:
+        raise InputError(
+            f"--device-tokens {cfg.device_tokens}: the pool is allocated in whole pages, "
+            f"expected a multiple of --page-size {cfg.page_size}"
+        )
+    least = cfg.min_device_tokens()
+    if cfg.device_tokens < least:
+        raise InputError(
+            f"--device-tokens {cfg.device_tokens}: the GPU pool must hold a session's longest prompt, "
+            f"{cfg.shared_prefix} shared + {cfg.turns} turns x up to {cfg.turn_tokens[1]} tokens = {least} "
+            f"(with --turns {cfg.turns}); use at least {least}"
+        )
+    print("toolkv demo: building a real sglang HiRadixCache on CPU ...", file=sys.stderr)
     sim = Simulation(cfg)
     bar = _bar(cfg.sessions, enabled=not args.json and sys.stderr.isatty())
     last = [0]
@@ -91,12 +105,29 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print_report(report, args.timeline)
-    ok = (
-        report.leaks["count"] == 0
-        and report.restore_mismatches == 0
-        and report.leaks["sessions_unfinished"] == 0
-    )
-    return 0 if ok else 1
+    problems = failures(report)
+    if problems:  # the exit status is 1: say why, after the summary, in one line
+        print(f"toolkv demo: FAILED: {'; '.join(problems)}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def failures(r: object) -> list[str]:
+    """What makes a run fail (exit status 1): leaked counters, restored bytes that differ, sessions
+    that did not finish within the iteration limit. Empty when the run passed."""
+    from toolkv.tools.sim import DemoReport
+
+    assert isinstance(r, DemoReport)
+    out = []
+    if r.leaks["count"]:
+        out.append(f"{r.leaks['count']} counter(s) not back to initial: {r.leaks['differences']}")
+    if r.restore_mismatches:
+        out.append(f"{r.restore_mismatches} restore(s) with differing bytes")
+    if r.leaks["sessions_unfinished"]:
+        out.append(
+            f"{r.leaks['sessions_unfinished']} session(s) unfinished after {r.ticks} scheduler iterations "
+            "(the iteration limit)"
+        )
+    return out
 
 
 def print_report(r: object, timeline: int) -> None:
@@ -124,6 +155,8 @@ def print_report(r: object, timeline: int) -> None:
         ("scheduler iterations", r.ticks),
         ("leaks (counters not back to initial)", r.leaks["count"]),
     ]
+    if r.leaks["sessions_unfinished"]:
+        rows.append(("sessions unfinished (iteration limit)", r.leaks["sessions_unfinished"]))
     width = max(len(k) for k, _ in rows)
     print("summary")
     for k, v in rows:

@@ -7,19 +7,17 @@ fails if the document drifted from the tables.
 from __future__ import annotations
 
 import argparse
+import json
 from collections import defaultdict
+from typing import Any
 
 from toolkv.core import lifecycle
 
 
 def mermaid(table: tuple[lifecycle.Row, ...], initial: str) -> str:
-    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for trigger, src, dst in lifecycle._expand(table):
-        if trigger not in edges[(src, dst)]:
-            edges[(src, dst)].append(trigger)
     lines = ["stateDiagram-v2", f"    [*] --> {initial}"]
-    for (src, dst), triggers in sorted(edges.items()):
-        lines.append(f"    {src} --> {dst}: {', '.join(triggers)}")
+    for e in edges(table):
+        lines.append(f"    {e['from']} --> {e['to']}: {', '.join(e['triggers'])}")
     return "\n".join(lines)
 
 
@@ -33,8 +31,34 @@ def tier_diagram() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=["sessions", "tiers"], help="which lifecycle table")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"which", "initial", "states", "edges", "mermaid"} as JSON instead of the Mermaid text',
+    )
+
+
+def edges(table: tuple[lifecycle.Row, ...]) -> list[dict[str, Any]]:
+    """The diagram's edges, one per (from, to) pair with every trigger that takes it, sorted."""
+    by_pair: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for trigger, src, dst in lifecycle._expand(table):
+        if trigger not in by_pair[(src, dst)]:
+            by_pair[(src, dst)].append(trigger)
+    return [{"from": s, "to": d, "triggers": t} for (s, d), t in sorted(by_pair.items())]
 
 
 def run(args: argparse.Namespace) -> int:
-    print(session_diagram() if args.which == "sessions" else tier_diagram())
+    text = session_diagram() if args.which == "sessions" else tier_diagram()
+    if not args.json:
+        print(text)
+        return 0
+    table, initial = (
+        (lifecycle.SESSION_TRANSITIONS, "New")
+        if args.which == "sessions"
+        else (lifecycle.TIER_TRANSITIONS, "Unborn")
+    )
+    rows = edges(table)
+    states = sorted({initial} | {e["from"] for e in rows} | {e["to"] for e in rows})
+    out = {"which": args.which, "initial": initial, "states": states, "edges": rows, "mermaid": text}
+    print(json.dumps(out, indent=2))
     return 0

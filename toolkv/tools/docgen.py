@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spec-check", type=Path, metavar="FILE", help="JSON written by `toolkv spec-check --json`"
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"source", "written", "changed"} as JSON: what was read and which files were written',
+    )
 
 
 def load_summary(path: Path) -> tuple[dict[str, Any], str]:
@@ -87,9 +92,16 @@ def run(args: argparse.Namespace) -> int:
         )
     source = args.spec_check if args.spec_check is not None else SPEC_JSON
     summary, table = load_summary(source)
-    text = replace_block(SPEC_MD.read_text(), table)
+    before = SPEC_MD.read_text()
+    text = replace_block(before, table)
+    written = [SPEC_MD]
     if args.spec_check is not None:
         SPEC_JSON.write_text(json.dumps(summary, indent=2) + "\n")
+        written.insert(0, SPEC_JSON)
     SPEC_MD.write_text(text)
-    print(f"{SPEC_MD.name}: table regenerated from {source.name}")
+    if args.json:
+        out = {"source": str(source), "written": [str(w) for w in written], "changed": text != before}
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{SPEC_MD.name}: table regenerated from {source.name}")
     return 0

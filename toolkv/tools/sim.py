@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from toolkv.core.lifecycle import HOLDING
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.core.treeops import path_to, walk
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, ToolKVError
@@ -37,6 +38,13 @@ class DemoConfig:
     host_ratio: float = 3.0
     seed: int = 0
     max_ticks: int = 5000
+
+    def min_device_tokens(self) -> int:
+        """The smallest GPU pool the workload can finish in: a session's longest prompt (the shared
+        prefix and every turn at its longest), whole pages. A smaller pool can never run that
+        session's last turn, so the run would only end at ``max_ticks`` with sessions unfinished."""
+        longest = self.shared_prefix + self.turns * self.turn_tokens[1]
+        return -(-longest // self.page_size) * self.page_size
 
 
 @dataclass
@@ -151,7 +159,7 @@ class Simulation:
         lo, hi = self.cfg.turn_tokens
         new = [self.rng.randrange(1, 50_000) for _ in range(self.rng.randint(lo, hi))]
         tokens = a.tokens + new
-        if not self.h.run_request(tokens):
+        if not self.h.run_request(tokens, deterministic=True):  # a recomputed prefix has its old bytes
             return  # no device memory this iteration; retry next one
         a.tokens = tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size]
         self.mgr.record_turn(a.sid, a.tokens)
@@ -202,19 +210,28 @@ class Simulation:
         self._log(f"{a.sid} tool_end epoch={a.epoch} -> {r['state']}")
 
     def _check_restored(self, a: Agent) -> None:
-        state = self.mgr.sessions[a.sid].state
-        if state != "Runnable":
-            return
-        kv = self._path_kv(a.sid)
-        assert a.snapshot is not None
-        if torch.equal(kv, a.snapshot):
-            self.report.bytes_verified += kv.numel() * kv.element_size()
-            self.report.restores_verified += 1
-        else:
-            self.report.restore_mismatches += 1
-            self._log(f"{a.sid} RESTORED BYTES DIFFER")
-        a.snapshot = None
-        a.phase = "generate"
+        """Compare the restored KV with the snapshot as soon as the load is acknowledged: in
+        ``Handover``, while toolkv pins it for the next request. Not later: once the hand-over's
+        TTL unpins it (``Runnable``), a small pool may already have evicted part of the path. The
+        agent's next turn waits for ``Runnable`` (a turn cannot be recorded during the hand-over)."""
+        rec = self.mgr.sessions.get(a.sid)
+        state = "Closed" if rec is None else rec.state
+        if a.snapshot is not None and state not in HOLDING and state != "Runnable":
+            # the call ended with nothing to restore (the KV never left the GPU, or toolkv let it
+            # go): there is no restore to compare, and the next turn recomputes what is missing
+            self._log(f"{a.sid} tool call over in {state}: nothing restored to compare")
+            a.snapshot = None
+        if a.snapshot is not None and state in ("Handover", "Runnable"):
+            kv = self._path_kv(a.sid)
+            if torch.equal(kv, a.snapshot):
+                self.report.bytes_verified += kv.numel() * kv.element_size()
+                self.report.restores_verified += 1
+            else:
+                self.report.restore_mismatches += 1
+                self._log(f"{a.sid} RESTORED BYTES DIFFER")
+            a.snapshot = None
+        if a.snapshot is None and state != "Handover":
+            a.phase = "generate"
 
     def _act(self, a: Agent) -> None:
         if a.phase == "generate":
@@ -224,12 +241,20 @@ class Simulation:
         elif a.phase == "restoring":
             self._check_restored(a)
         elif a.phase == "abandoned":
-            state = self.mgr.sessions[a.sid].state
+            # the client is gone: the session ends once toolkv holds nothing of it any more, by its
+            # TTL (Expired) or earlier (Released: demoted for host room; Lost; forgotten as idle)
+            rec = self.mgr.sessions.get(a.sid)
+            state = "Closed" if rec is None else rec.state
+            if state in HOLDING:
+                return
             if state == "Expired":
                 self.report.expired += 1
                 self._log(f"{a.sid} expired by TTL: protection released; client gone, session closed")
+            else:
+                self._log(f"{a.sid} {state}: nothing held any more; client gone, session closed")
+            if rec is not None:
                 self.mgr.close(a.sid)
-                a.phase = "done"
+            a.phase = "done"
 
     # ---- main loop ------------------------------------------------------------------------------------
     def step(self) -> None:

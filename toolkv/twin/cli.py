@@ -25,6 +25,7 @@ from typing import Any
 
 from toolkv.tools.agent_workload import SHAPES, Workload
 from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
+from toolkv.twin.profile import profile_file
 
 ACTIONS = ("run", "sweep", "speed", "l3", "fleet")
 # l3 and fleet run the long-tool shape of issue 27 (toolkv.twin.fleet.long_workload); their defaults
@@ -49,7 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="HiCache host pool GB for the 16 GB configurations (sweep: a comma list)",
     )
-    p.add_argument("--profile", default=None, help="time profile JSON (default: the built-in H200 profile)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        type=profile_file,
+        help="time profile JSON (default: the built-in H200 profile)",
+    )
     p.add_argument(
         "--opt", action="store_true", help="also compute the optimal-retention bound per configuration"
     )

@@ -12,10 +12,14 @@ calibration (``scripts/gpu_calibrate.sh``) replaces it.
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from toolkv.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,54 @@ class TimeProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> TimeProfile:
-        data = json.loads(Path(path).read_text())
-        return cls.from_json(data.get("profile", data))
+        """The profile in ``path`` (a profile object, or a calibration's JSON with one under
+        ``"profile"``). Anything else is an :class:`InputError` naming the file and what is wrong
+        with it, which ``toolkv`` prints as one line: a missing or unreadable file, text that is
+        not JSON, missing or unknown fields, values that are not numbers or are out of range."""
+        where = f"profile {str(path)!r}"
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise InputError(f"{where}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise InputError(f"{where}: not a text file (expected a JSON time profile)") from None
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise InputError(f"{where}: not JSON ({e})") from None
+        if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+            data = data["profile"]
+        if not isinstance(data, dict):
+            raise InputError(f"{where}: expected a JSON object of profile fields, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InputError(f"{where}: unknown field(s) {unknown}")
+        missing = sorted(cls._required() - set(data))
+        if missing:
+            raise InputError(f"{where}: missing field(s) {missing}")
+        for name, v in data.items():
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if name != "source" and not (number and math.isfinite(v)):
+                raise InputError(f"{where}: {name} must be a finite number, got {v!r}")
+        try:
+            return cls.from_json(data)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{where}: {e}") from None
+
+    @classmethod
+    def _required(cls) -> frozenset[str]:
+        """The fields without a default: a profile file must give every one of them."""
+        return frozenset(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+
+
+def profile_file(text: str) -> str:
+    """``--profile``'s argparse type: the path, once :meth:`TimeProfile.load` has read it, so that a
+    missing or malformed profile is a usage error before the twin builds anything."""
+    try:
+        TimeProfile.load(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def default_profile() -> TimeProfile:
