@@ -29,8 +29,11 @@ def _instances(b: Bounds) -> list[list[Any]]:
     nodes, sess, root = list(b.nodes), list(b.sessions), ["Root"]
     out: list[list[Any]] = [["TtlSweep"], ["TreeReset"], ["Tick"], ["StartLoads"], ["SysStart"], ["RingDone"]]
     out += [
-        [a, s] for a in ("ToolStart", "Close", "Keep", "LetGo", "Demote", "Prefetch", "Admit") for s in sess
+        [a, s]
+        for a in ("ToolStart", "Close", "Keep", "LetGo", "Demote", "Prefetch", "Admit", "Unpin")
+        for s in sess
     ]
+    out += [["Park", s, e] for s in sess for e in range(1, b.max_epoch + 1)]
     out += [["HostRoom", s, n] for s in sess for n in nodes]
     out += [["ToolEnd", s, e] for s in sess for e in range(b.max_epoch + 1)]
     out += [

@@ -42,7 +42,8 @@ Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "StaleNode", "NoTtl", "FreeBeforeAck", "EarlyRunnable",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
          "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
-         "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl"}
+         "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl",
+         "ParkUnprotected"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
@@ -100,10 +101,13 @@ Sym == Permutations(Nodes) \cup Permutations(Sessions)
 \* (nothing is held: the policy let it go, or demoted it from the host).
 \* Handover: the tool call is over and the KV is on the GPU, pinned until the session's next
 \* request has matched and locked its prefix (Admit) or the pin's TTL ends the wait.
+\* Parked (load-adaptive protection): the tool call is over but its next request would wait behind
+\* others, so nothing is loaded or pinned: the host copy stays protected until that request is
+\* admitted (Admit: sglang's own load_back brings it in) or the TTL ends the wait.
 Phases == {"New", "Running", "Offloading", "Offloaded", "Restoring", "Runnable", "Expired", "Lost", "Closed",
-           "Kept", "Prefetching", "Released", "Handover"}
+           "Kept", "Prefetching", "Released", "Handover", "Parked"}
 \* The phases that hold a host protection (prot, host_ref_counter).
-Protecting == {"Offloading", "Offloaded", "Restoring", "Prefetching"}
+Protecting == {"Offloading", "Offloaded", "Restoring", "Prefetching", "Parked"}
 \* The phases that hold a session pin: a path lock on the session's node, as a running request holds.
 \* The EarlyRelease mutant is the old manager: it let go at the load ack, so its hand-over holds nothing.
 Pinning == IF BUG = "EarlyRelease" THEN {"Restoring", "Prefetching", "Kept"}
@@ -112,7 +116,7 @@ Pinning == IF BUG = "EarlyRelease" THEN {"Restoring", "Prefetching", "Kept"}
 \* abandoned; its load ack ends the protection, so the sweep leaves it alone.  A kept or
 \* prefetched session is still waiting for its tool_end, so the TTL bounds its pin.
 \* A hand-over waits for a request that may never come: the TTL bounds it too.
-Expiring == {"Offloading", "Offloaded", "Prefetching", "Kept", "Handover"}
+Expiring == {"Offloading", "Offloaded", "Prefetching", "Kept", "Handover", "Parked"}
 \* The phases whose KV a tree reset loses.
 Holding == Protecting \cup {"Kept", "Handover"}
 \* A paused session is resolved once it holds nothing and waits for nothing of the manager.
@@ -439,8 +443,10 @@ TtlSweep ==
     /\ BUG # "NoTtl"
     /\ Due # {}
     /\ Released(Due)
-    \* an expired hand-over leaves the KV on the GPU, unpinned: the session is simply runnable
-    /\ phase' = [s \in Sessions |-> IF s \in Due THEN IF phase[s] = "Handover" THEN "Runnable" ELSE "Expired"
+    \* an expired hand-over leaves the KV on the GPU, unpinned: the session is simply runnable; so
+    \* does an expired park (its tool call is over; the KV is wherever HiCache keeps it)
+    /\ phase' = [s \in Sessions |-> IF s \in Due THEN IF phase[s] \in {"Handover", "Parked"} THEN "Runnable"
+                                                    ELSE "Expired"
                                     ELSE phase[s]]
     /\ epoch' = IF BUG = "EpochReuse" THEN [s \in Sessions |-> IF s \in Due THEN 0 ELSE epoch[s]]
                 ELSE epoch
@@ -534,8 +540,36 @@ HostRoom(s, m) ==
 
 \* The session's next request is admitted (the scheduler's hook after PrefillAdder matched and
 \* locked its prefix): the request's own lock now holds the path, so the hand-over's pin goes.
+\* A parked session's request is admitted the way sglang admits any request with a host hit:
+\* init_load_back loads the evicted part of the path if the device can take it (the load and the
+\* request's lock hold the path; sglang starts the load with its prefill batch, StartLoads or
+\* SysStart), else the request recomputes it and locks only its device prefix. Either way the
+\* request no longer needs toolkv, and the protection goes.
 Admit(s) ==
     LET n == ref[s] IN
+    IF phase[s] = "Parked"
+    THEN LET C == {m \in Path(n) : ~dev[m]}
+             loads == IF C = {} THEN 0 ELSE 1
+         IN
+         /\ n # NoNode /\ status[n] = "InTree" /\ ~extLock[n] /\ loadAcks[n] = 0
+         /\ \A m \in Path(n) : loadKey[m] = NoNode
+         /\ prot' = [prot EXCEPT ![s] = NoNode]
+         /\ hostRef' = IF prot[s] # NoNode THEN [hostRef EXCEPT ![prot[s]] = @ - 1] ELSE hostRef
+         /\ phase' = [phase EXCEPT ![s] = "Runnable"]
+         /\ IF DevFits(C)
+            THEN /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
+                 /\ devFree' = devFree - Cardinality(C)
+                 /\ loadKey' = [m \in Nodes |-> IF m \in C THEN n ELSE loadKey[m]]
+                 /\ loadAcks' = [loadAcks EXCEPT ![n] = @ + loads]
+                 /\ lockRef' = Locked(lockRef, {n}, 1 + loads)
+                 /\ extLock' = [extLock EXCEPT ![n] = TRUE]
+                 /\ IF Ring = 0 \/ C = {} THEN UNCHANGED <<queued, ring>>
+                    ELSE /\ queued' = queued \cup {n}
+                         /\ UNCHANGED ring
+            ELSE UNCHANGED <<dev, devFree, loadKey, loadAcks, lockRef, extLock, queued, ring>>
+         /\ UNCHANGED <<status, parent, host, writeKey, hostFree, ref, epoch, deadline, envVars>>
+         /\ Rec(<<"Admit", s>>, {n})
+    ELSE
     /\ phase[s] = "Handover" /\ n # NoNode /\ PathValid(n) /\ ~extLock[n]
     /\ extLock' = [extLock EXCEPT ![n] = TRUE]
     /\ lockRef' = IF BUG = "EarlyRelease" THEN Locked(lockRef, {n}, 1) ELSE lockRef
@@ -543,6 +577,41 @@ Admit(s) ==
     /\ UNCHANGED <<status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
                    queued, ring, ref, epoch, prot, deadline, envVars>>
     /\ Rec(<<"Admit", s>>, {n})
+
+\* Load-adaptive protection.  tool_end with the current epoch, when the session's next request
+\* would wait behind others (which requests queue is the scheduler's, so the spec leaves the choice
+\* open): nothing is loaded or pinned; the host copy stays protected until the request is admitted
+\* (Admit) or the TTL ends the wait.  A write still in flight finishes and frees nothing (WriteAck
+\* frees only Offloading sessions' copies).  ParkUnprotected: the protection is dropped at the park,
+\* so HiCache may evict the host copy while the request waits (ParkedKeepsKV).
+Park(s, e) ==
+    /\ Policy /\ phase[s] \in {"Offloading", "Offloaded"} /\ e = epoch[s]
+    /\ phase' = [phase EXCEPT ![s] = "Parked"]
+    /\ deadline' = [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)]
+    /\ IF BUG = "ParkUnprotected"
+       THEN /\ prot' = [prot EXCEPT ![s] = NoNode]
+            /\ hostRef' = [hostRef EXCEPT ![prot[s]] = @ - 1]
+       ELSE UNCHANGED <<prot, hostRef>>
+    /\ UNCHANGED <<status, parent, dev, host, lockRef, writeKey, loadKey, loadAcks, extLock, devFree,
+                   hostFree, queued, ring, ref, epoch, envVars>>
+    /\ Rec(<<"Park", s, e>>, {ref[s]})
+
+\* The room is needed (queued requests need what the hand-over pins hold): the pin goes.  A path
+\* backed up on host whole is protected there again (Parked: its admission loads whatever sglang
+\* evicts meanwhile); one that is not (a kept path never written) is simply Runnable.
+Unpin(s) ==
+    LET n == ref[s]
+        backed == \A m \in Path(n) : host[m]
+    IN
+    /\ Policy /\ BUG # "EarlyRelease" /\ phase[s] = "Handover"
+    /\ lockRef' = Locked(lockRef, {n}, -1)
+    /\ phase' = [phase EXCEPT ![s] = IF backed THEN "Parked" ELSE "Runnable"]
+    /\ prot' = [prot EXCEPT ![s] = IF backed THEN n ELSE NoNode]
+    /\ hostRef' = IF backed THEN [hostRef EXCEPT ![n] = @ + 1] ELSE hostRef
+    /\ deadline' = IF backed THEN [deadline EXCEPT ![s] = Min(now + TTL, MaxTime)] ELSE deadline
+    /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
+                   queued, ring, ref, epoch, envVars>>
+    /\ Rec(<<"Unpin", s>>, {n})
 
 \* The client closes the session (or it is dropped): release whatever it holds.
 Close(s) ==
@@ -707,7 +776,8 @@ Tick ==
 -----------------------------------------------------------------------------
 ManagerNext ==
     \/ \E s \in Sessions : ToolStart(s) \/ Close(s)
-    \/ \E s \in Sessions : Keep(s) \/ LetGo(s) \/ Demote(s) \/ Prefetch(s)
+    \/ \E s \in Sessions : Keep(s) \/ LetGo(s) \/ Demote(s) \/ Prefetch(s) \/ Unpin(s)
+    \/ \E s \in Sessions, e \in 1..MaxEpoch : Park(s, e)
     \/ \E s \in Sessions, m \in Nodes : HostRoom(s, m)
     \/ \E s \in Sessions, e \in 0..MaxEpoch : ToolEnd(s, e)
     \/ \E k \in Nodes : WriteAck(k) \/ LoadAck(k)
@@ -831,15 +901,21 @@ KeptWithinKeepTTL == \A s \in Sessions : phase[s] = "Kept" => deadline[s] <= now
 \* its next request holds it (EarlyRelease, the old manager, lets sglang evict it meanwhile).
 HandoverResident == \A s \in Sessions : phase[s] = "Handover" => PathValid(ref[s])
 
+\* Load-adaptive protection: while a parked session's request waits, its KV survives on host (the
+\* protection keeps HiCache's evict_host off it; ParkUnprotected lets it go).
+ParkedKeepsKV == \A s \in Sessions : phase[s] = "Parked" => status[ref[s]] = "InTree" /\ host[ref[s]]
+
 \* Policy: a released (let go or demoted) session holds nothing that HiCache must respect.
 ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = NoNode
 
 -----------------------------------------------------------------------------
 (* Properties of steps *)
 
-\* Caveat 7 (read side): a session becomes Runnable only when its whole path is readable.
+\* Caveat 7 (read side): a session becomes Runnable only when its whole path is readable.  A parked
+\* session is the exception by design: its request was admitted and reads through sglang's own
+\* load_back, which the forward waits for (or its wait expired and it holds nothing).
 RunnableOnlyWhenLoaded ==
-    [][\A s \in Sessions : (phase'[s] \in {"Runnable", "Handover"} /\ phase[s] \notin {"Runnable", "Handover"})
+    [][\A s \in Sessions : (phase'[s] \in {"Runnable", "Handover"} /\ phase[s] \notin {"Runnable", "Handover", "Parked"})
                             => PathValid(ref[s])']_vars
 
 \* A tool_start is refused for host room only when sglang could not free enough for it either
@@ -869,5 +945,8 @@ PinReleased == \A s \in Sessions : phase[s] \in Pinning ~> phase[s] \notin Pinni
 
 \* Every hand-over ends, whether or not the next request comes.
 HandoverEnds == \A s \in Sessions : phase[s] = "Handover" ~> phase[s] # "Handover"
+
+\* Every park ends, whether or not the next request comes.
+ParkEnds == \A s \in Sessions : phase[s] = "Parked" ~> phase[s] # "Parked"
 
 =============================================================================

@@ -57,6 +57,13 @@ NeverPrefetchWarm ==
 NeverKeptResumed ==
     [][~(act'[1] = "ToolEnd" /\ phase[act'[2]] = "Kept" /\ phase'[act'[2]] = "Handover")]_vars
 
+\* Load-adaptive protection: a parked session's request is admitted and sglang's load_back loads
+\* its evicted KV; and a hand-over gives its pin up for the room (Unpin to Parked).
+NeverParkedAdmitted ==
+    [][~(act'[1] = "Admit" /\ phase[act'[2]] = "Parked" /\ loadAcks'[ref[act'[2]]] > loadAcks[ref[act'[2]]])]_vars
+NeverUnpinnedParked ==
+    [][~(act'[1] = "Unpin" /\ phase'[act'[2]] = "Parked")]_vars
+
 \* Policy: HiCache evicts the host copy of a demoted session.
 NeverDemotedEvicted ==
     [][~(act'[1] = "HostEvict" /\ \E s \in Sessions : phase[s] = "Released" /\ act'[2] = ref[s])]_vars

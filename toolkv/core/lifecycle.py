@@ -131,6 +131,10 @@ TIER_TRANSITIONS: tuple[Row, ...] = (
     ("ttl_sweep", "CpuProtected", "CpuUnprotected"),  # TTL released the protection
     ("demote", "CpuProtected", "CpuUnprotected"),  # the policy released the protection
     ("prefetch", ("CpuProtected", "CpuUnprotected"), "Loading"),  # an early restore's load_back
+    # a parked session's request is admitted: sglang's init_load_back loads the evicted path, or (no
+    # room) the request recomputes it and the protection simply goes
+    ("admit", ("CpuProtected", "CpuUnprotected"), "Loading"),
+    ("admit", "CpuProtected", "CpuUnprotected"),
     ("close", "CpuProtected", "CpuUnprotected"),  # close released the protection
     ("tree_reset", ("GPU", "CpuProtected", "CpuUnprotected"), "Evicted"),  # nothing in flight (is_fully_idle)
 )

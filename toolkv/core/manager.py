@@ -856,7 +856,7 @@ class ToolKVManager:
             self._check_pin_room(rec, queued=self.config.adaptive)
             runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
         except DeviceMemoryFull:
-            if self.config.adaptive:
+            if self.config.adaptive and self._parks():
                 self._park(rec)
                 return
             self._restore_refused(rec)
@@ -876,6 +876,35 @@ class ToolKVManager:
         log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
 
     # ---- Park (load-adaptive protection) ----------------------------------------------------------------
+    def park(self, session_id: str, epoch: int) -> dict[str, object]:
+        """Spec ``Park`` as an explicit call: the tool call of ``epoch`` is over and the session's
+        KV stays protected on host until its next request is admitted. :meth:`tool_end` parks on
+        its own when the device cannot take the restore next to the queued requests; the
+        conformance replay takes the spec's step with this call. Refused (nothing changed) for a
+        stale epoch or a session that is not ``Offloading``/``Offloaded`` on its host copy."""
+        rec = self._get(session_id)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise BadRequest("epoch must be an integer")
+        if not self._epoch_matches(rec, epoch):
+            raise StaleEpoch(
+                f"epoch {epoch} is stale for session {session_id!r} (current {rec.epoch})",
+                current_epoch=rec.epoch,
+            )
+        if rec.state not in ("Offloading", "Offloaded") or rec.l3 or not self._parks():
+            raise WrongState(
+                f"park needs an offloaded session on a backend with a host tier; {session_id!r} is {rec.state}",
+                state=rec.state,
+            )
+        self._park(rec)
+        self._observe_call(rec)
+        self.counters["tool_end"] += 1
+        return self._meta(rec)
+
+    def _parks(self) -> bool:
+        """Whether the backend can leave a restore to sglang's own load-back: only on HiCache, whose
+        host copy lives in the tree (a plain RadixCache's pin or shadow copy has none to load)."""
+        return bool(getattr(self.backend, "parks", False))
+
     def _park(self, rec: SessionRecord) -> None:
         """Spec ``Park``: the tool call is over but its next request would wait behind others (the
         device cannot take the restore's pin next to what running and queued requests need).
@@ -1000,18 +1029,28 @@ class ToolKVManager:
         there or none is left. A session whose path is backed up on host is protected there
         again (``Parked``: its admission loads whatever sglang evicted meanwhile); one that is
         not (a kept path never written) is ``Runnable``. Returns how many pins went."""
-        if not self._handover or not self.config.adaptive or getattr(self.backend, "pin_cost", None) is None:
+        if not self._handover or not self.config.adaptive or not self._parks():
             return 0
         n = 0
         for rec in reversed(list(self._handover.values())):
             if not self._room_short():
                 break
-            self.unpin(rec)
+            self._unpin(rec)
             n += 1
         return n
 
-    def unpin(self, rec: SessionRecord) -> None:
-        """Spec ``Unpin`` of one hand-over (see :meth:`unpin_for_room`)."""
+    def unpin(self, session_id: str) -> dict[str, object]:
+        """Spec ``Unpin`` of one hand-over, as an explicit call (the conformance replay takes the
+        spec's step with it; the tick's :meth:`unpin_for_room` decides when on a server)."""
+        rec = self._get(session_id)
+        if rec.state != "Handover":
+            raise WrongState(
+                f"unpin needs a Handover session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        self._unpin(rec)
+        return self._meta(rec)
+
+    def _unpin(self, rec: SessionRecord) -> None:
         assert rec.state == "Handover", rec.state
         self.backend.unpin(rec)
         self._handover.pop(rec.session_id, None)

@@ -183,8 +183,10 @@ def radix_shares(u: Mapping[str, Any], v: Mapping[str, Any], b: Bounds) -> str |
     These are the places where a synchronous backend without a host tier differs by design: a
     backed-up node that the spec keeps host-only is deleted; a session the spec still has
     ``Restoring`` is already runnable, so a sweep or a reset that the spec applies to it does not;
-    and a session the policy released (let go, demoted) keeps its KV on the device, where the spec
-    may have moved it to the host or lost it."""
+    a session the policy released (let go, demoted) keeps its KV on the device, where the spec
+    may have moved it to the host or lost it; and load-adaptive protection (Park, Unpin) leaves a
+    session's KV to sglang's own load-back from the host tier, which a plain RadixCache lacks (its
+    tool_end restores or answers 503, as without ``adaptive``)."""
     act = v["act"]
     name = act[0]
     restoring = [s for s in b.sessions if u["phase"][s] == "Restoring"]
@@ -194,6 +196,8 @@ def radix_shares(u: Mapping[str, Any], v: Mapping[str, Any], b: Bounds) -> str |
         return "sweep expires a restoring session"
     if name == "TreeReset" and restoring:
         return "reset loses a restoring session"
+    if name in ("Park", "Unpin"):
+        return "load-adaptive protection needs HiCache's host tier and load-back"
     if name == "ToolEnd" and u["phase"][act[1]] == "Released":
         n = v["ref"][act[1]]
         if n == NO_NODE or not specstep.path_valid(v, n, len(b.nodes)):

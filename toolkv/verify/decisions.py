@@ -66,6 +66,7 @@ SILENT_WHY: dict[str, str] = {
     "prefetch": "the tick started an early restore",
     "demote": "another session's tool_start demoted it to make host room",
     "admit": "its next request was admitted",
+    "unpin": "the tick gave its hand-over's pin up to queued requests",
     "insert": "a turn finished",
     "ttl_sweep": "the hand-over's TTL ran out",
     "tree_reset": "the cache was flushed (its line comes at the next tick)",
@@ -91,8 +92,8 @@ OP_TRIGGERS: dict[str, tuple[str, ...]] = {
     "tool_start": ("tool_start", "keep", "let_go"),  # the policy's choice (ToolKVManager.tool_start)
     "auto_offload": ("tool_start", "keep", "let_go"),  # zero-change: the same tool_start
     "retain": ("keep",),  # kv_hints' retain
-    "tool_end": ("tool_end",),
-    "restore_on_request": ("tool_end",),  # the session's next request ends its tool call
+    "tool_end": ("tool_end", "park"),  # restore, or park when its request would wait (load-adaptive)
+    "restore_on_request": ("tool_end", "park"),  # the session's next request ends its tool call
     "close": ("close",),
     "admit": ("admit",),
     "ttl_sweep": ("ttl_sweep",),

@@ -13,7 +13,7 @@ correspondence in a :class:`NodeMap`. Everything else is read off the real objec
 | ``host[n]`` | in the tree and ``node.host_value is not None``; for a detached node of the current generation: its host slots are still allocated (an orphaned host buffer, caveat 3) |
 | ``lockRef[n]``, ``hostRef[n]`` | ``node.lock_ref``, ``node.host_ref_counter`` (0 once the node's tree was reset) |
 | ``writeKey[n]`` | name of the node whose id is ``node.write_through_pending_id`` |
-| ``loadKey[n]`` | the manager's own loads: ``backend.loading_chains()`` |
+| ``loadKey[n]`` | the manager's own loads: ``backend.loading_chains()``, and the loads a parked session's admitted request started (``request_loads``: sglang keeps no record of which nodes a load fills, so the driver that admitted it passes them) |
 | ``loadAcks[k]`` | loads carrying ``k``'s id that are started (``ack_load_queue``) or queued (``load_queue``) |
 | ``queued`` | ``Ring > 0``: the spec nodes named by the ops on the controller's ``load_queue`` (``load_back`` enqueued them, nothing started them yet); ``Ring = 0``: empty (the spec does not model the ring: a queued load is in flight, its start an internal step) |
 | ``ring`` | ``Ring > 0``: one entry per started load whose copy has not finished, oldest first: the acks on ``ack_load_queue`` whose ``finish_event`` has not fired, each with the spec nodes among its ``node_ids`` (``keys``; sglang's own loads name prefixes outside the spec's nodes, which drop out) and who started it (``who``: ``sys`` for sglang's own starts of a prefill batch, ``tkv`` for toolkv's, as the driver's ``load_starter`` says: both start through the same sglang call, ``ready_to_load_host_cache``); checked against ``layer_done_counter``: its busy producer slots are exactly these loads. ``Ring = 0``: empty |
@@ -143,12 +143,15 @@ def abstract_state(
     resets: int,
     env_host_slots: set[int] | None = None,
     load_starter: Callable[[Any], str | None] | None = None,
+    request_loads: Sequence[tuple[TreeNode, list[TreeNode]]] = (),
 ) -> dict[str, Any]:
     """The implementation's state in the spec's variables (``core`` of ``ToolKV.tla``).
 
     ``env_host_slots``: host slots other requests hold (so a detached node's stale ``host_value``
     pointing at reallocated slots is not mistaken for an orphan). ``load_starter``: who started a
-    load (``"tkv"`` or ``"sys"``) given its ack; needed only when the spec models the ring."""
+    load (``"tkv"`` or ``"sys"``) given its ack; needed only when the spec models the ring.
+    ``request_loads``: (key node, nodes it fills) of the in-flight loads an admitted request of a
+    parked session started (spec ``Admit``), which sglang does not record by node."""
     tree = mgr.tree
     by_id = {id(o): n for n, o in nodes.obj.items()}
     gen = mgr.tree_gen
@@ -201,6 +204,7 @@ def abstract_state(
 
     real_id_to_name = {nodes.obj[n].id: n for n in in_tree}
     chains = mgr.backend.loading_chains() if hasattr(mgr.backend, "loading_chains") else []
+    chains = [*chains, *request_loads]
     load_key: dict[str, str] = {}
     for leaf, filled in chains:
         for m in filled:
@@ -291,10 +295,10 @@ def ring_state(
 
 
 # ---- the spec's invariants, in Python, over an abstract state ---------------------------------------
-PROTECTING = {"Offloading", "Offloaded", "Restoring", "Prefetching"}
+PROTECTING = {"Offloading", "Offloaded", "Restoring", "Prefetching", "Parked"}
 PINNING = {"Restoring", "Prefetching", "Kept", "Handover"}  # spec Pinning: the phases that hold a path lock
 # spec Expiring: until tool_end is accepted, and a hand-over until its request is admitted
-EXPIRING = {"Offloading", "Offloaded", "Prefetching", "Kept", "Handover"}
+EXPIRING = {"Offloading", "Offloaded", "Prefetching", "Kept", "Handover", "Parked"}
 
 
 def _path(st: Mapping[str, Any], n: str, limit: int) -> list[str]:

@@ -231,6 +231,7 @@ class Replayer:
         self._ballast_dev: torch.Tensor | None = None
         self._ballast_host: torch.Tensor | None = None
         self.starts: list[tuple[Any, str]] = []  # (load ack, "sys"): sglang's own starts (spec `who`)
+        self.request_loads: list[tuple[TreeNode, list[TreeNode]]] = []  # spec Admit of a parked session
         self.others: list[TreeNode] = []  # other requests' prefixes that sglang's own loads load
         self._other_fresh = OTHER_TOKENS
 
@@ -264,7 +265,10 @@ class Replayer:
             resets=self.resets,
             env_host_slots=self.env_host_slots,
             load_starter=self.starter_of,
-        )
+            request_loads=[
+                (leaf, chain) for leaf, chain in self.request_loads if leaf.id in self.h.tree.ongoing_load_back
+            ] if self.h.is_hi else [],
+        )  # fmt: skip
         st["extLock"] = {n: n in self.ext for n in self.b.nodes}
         return st
 
@@ -603,11 +607,25 @@ def policy_tool_start(r: Replayer, label: str, s: str, pre: Mapping[str, Any]) -
 
 def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     """Spec ``Admit``: the session's next request is admitted; it locks the prefix (as
-    ``PrefillAdder`` does) and the scheduler hook ends the hand-over."""
+    ``PrefillAdder`` does) and the scheduler hook ends the hand-over. A parked session's request
+    is admitted as sglang admits a host hit: ``load_back`` of the evicted path where the spec's
+    device takes it (DevFits), the request's lock on the path; else it recomputes (no lock)."""
     n = pre["ref"][a[0]]
     o = r.resolve(n)
     if o is None:
         raise NotApplicable("the node is not in this backend's tree")
+    if pre["phase"][a[0]] == "Parked":
+        missing = [m for m in specstep.path(pre, n, len(r.b.nodes)) if not pre["dev"][m]]
+        if len(missing) <= pre["devFree"]:
+            chain = [m for m in path_to(r.h.tree, o) if m.value is None]
+            if missing and r.h.tree.load_back(o) is None:
+                raise Unrealizable("sglang would not load this path back")
+            if chain:
+                r.request_loads.append((o, chain))
+            r.h.tree.inc_lock_ref(o)
+            r.ext.add(n)
+        r.mgr.admitted(a[0])
+        return
     r.h.tree.inc_lock_ref(o)
     r.ext.add(n)
     r.mgr.admitted(a[0])
@@ -779,7 +797,19 @@ def hi_prefetch(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.mgr.prefetch(a[0])
 
 
-POLICY: dict[str, Executor] = {"Keep": keep, "LetGo": let_go, "Demote": demote, "Prefetch": hi_prefetch}
+def park(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``Park``: the explicit call (a server's tool_end parks when its queue needs the room)."""
+    r.mgr.park(a[0], int(a[1]))
+
+
+def unpin(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """Spec ``Unpin``: the explicit call (a server's tick unpins when its queue needs the room)."""
+    r.mgr.unpin(a[0])
+
+
+POLICY: dict[str, Executor] = {
+    "Keep": keep, "LetGo": let_go, "Demote": demote, "Prefetch": hi_prefetch, "Park": park, "Unpin": unpin,
+}  # fmt: skip
 
 
 def lock(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:

@@ -23,10 +23,10 @@ from typing import Any
 
 NO = "NoNode"
 ROOT = "Root"
-PROTECTING = ("Offloading", "Offloaded", "Restoring", "Prefetching")
+PROTECTING = ("Offloading", "Offloaded", "Restoring", "Prefetching", "Parked")
 PINNING = ("Restoring", "Prefetching", "Kept", "Handover")  # spec Pinning: the phases that hold a path lock
 # spec Expiring: the TTL stops once tool_end is accepted; it bounds a kept or prefetched pin and a hand-over
-EXPIRING = ("Offloading", "Offloaded", "Prefetching", "Kept", "Handover")
+EXPIRING = ("Offloading", "Offloaded", "Prefetching", "Kept", "Handover", "Parked")
 HOLDING = (*PROTECTING, "Kept", "Handover")  # spec Holding: what a tree reset loses
 
 
@@ -409,7 +409,7 @@ def ttl_sweep(st: State, r: Rules) -> State | None:
     s = copy.deepcopy(st)
     _released(st, s, r, due)
     for x in due:
-        s["phase"][x] = "Runnable" if st["phase"][x] == "Handover" else "Expired"
+        s["phase"][x] = "Runnable" if st["phase"][x] in ("Handover", "Parked") else "Expired"
         if r.bug == "EpochReuse":
             s["epoch"][x] = 0
     s["tgt"] = sorted({st["prot"][x] if st["prot"][x] != NO else st["ref"][x] for x in due})
@@ -446,7 +446,74 @@ def host_room(st: State, r: Rules, sid: str, m: str) -> State | None:
     return s
 
 
+def _admit_parked(st: State, r: Rules, sid: str) -> State | None:
+    """Spec ``Admit`` of a parked session: sglang's init_load_back loads the evicted path if it
+    fits (the load and the request's lock hold it), else the request recomputes it; the
+    protection goes."""
+    n = st["ref"][sid]
+    lim = len(r.nodes)
+    if n == NO or st["status"][n] != "InTree" or st["extLock"][n] or st["loadAcks"][n] != 0:
+        return None
+    pn = path(st, n, lim)
+    if any(st["loadKey"][m] != NO for m in pn):
+        return None
+    s = copy.deepcopy(st)
+    if st["prot"][sid] != NO:
+        s["hostRef"][st["prot"][sid]] -= 1
+    s["prot"][sid] = NO
+    s["phase"][sid] = "Runnable"
+    c = [m for m in pn if not st["dev"][m]]
+    fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
+    if fits:
+        loads = 1 if c else 0
+        for m in c:
+            s["dev"][m] = True
+            s["loadKey"][m] = n
+        s["devFree"] -= len(c)
+        s["loadAcks"][n] += loads
+        s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1 + loads)
+        s["extLock"][n] = True
+        if r.ring > 0 and c:
+            s["queued"] = sorted({*st["queued"], n})
+    s["tgt"] = [n]
+    return s
+
+
+def park(st: State, r: Rules, sid: str, e: Any) -> State | None:
+    """Spec ``Park``: the tool call is over; nothing is loaded or pinned, the protection stays."""
+    e = int(e)
+    if not (r.policy and st["phase"][sid] in ("Offloading", "Offloaded") and e == st["epoch"][sid]):
+        return None
+    s = copy.deepcopy(st)
+    s["phase"][sid] = "Parked"
+    s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
+    if r.bug == "ParkUnprotected":
+        s["hostRef"][st["prot"][sid]] -= 1
+        s["prot"][sid] = NO
+    s["tgt"] = [st["ref"][sid]]
+    return s
+
+
+def unpin(st: State, r: Rules, sid: str) -> State | None:
+    """Spec ``Unpin``: the hand-over's pin goes; a path backed up whole is protected again."""
+    if not (r.policy and r.bug != "EarlyRelease" and st["phase"][sid] == "Handover"):
+        return None
+    n = st["ref"][sid]
+    backed = all(st["host"][m] for m in path(st, n, len(r.nodes)))
+    s = copy.deepcopy(st)
+    s["lockRef"] = _locked(st, r, st["lockRef"], [n], -1)
+    s["phase"][sid] = "Parked" if backed else "Runnable"
+    if backed:
+        s["prot"][sid] = n
+        s["hostRef"][n] += 1
+        s["deadline"][sid] = min(st["now"] + r.ttl, r.max_time)
+    s["tgt"] = [n]
+    return s
+
+
 def admit(st: State, r: Rules, sid: str) -> State | None:
+    if st["phase"][sid] == "Parked":
+        return _admit_parked(st, r, sid)
     n = st["ref"][sid]
     ok = st["phase"][sid] == "Handover" and n != NO and path_valid(st, n, len(r.nodes))
     if not (ok and not st["extLock"][n]):
@@ -677,6 +744,8 @@ ACTIONS: dict[str, Action] = {
     "Prefetch": prefetch,
     "HostRoom": host_room,
     "Admit": admit,
+    "Park": park,
+    "Unpin": unpin,
     "Lock": lock,
     "Unlock": unlock,
     "GpuEvict": gpu_evict,

@@ -281,6 +281,9 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins):
     def release_protection(self, rec: SessionRecord) -> None:
         self._release_protection(rec)
 
+    # load-adaptive protection: sglang's own load_back at admission reads the protected host copy
+    parks = True
+
     def reprotect(self, rec: SessionRecord) -> bool:
         """Protect the session's path on host again (spec ``Unpin`` to ``Parked``): only when every
         node of it has a host copy (a restored path keeps the copies it was loaded from; a kept
