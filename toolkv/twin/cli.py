@@ -9,6 +9,9 @@
                 [--plot FILE.png] [--out FILE.json]          (one server with an L3 store, long tools)
     toolkv twin fleet --servers 8,16,32,64 [--drain-share 0.25 --drain-at 300] [--out FILE.json]
                                                              (N servers sharing one L3, some drained)
+    toolkv twin map [--map-sessions 24,48,96,192 --host-gb 8,16,32,64 --map-shapes traces,long,named
+                --seeds 0,1,2,3,4 --jobs N] [--out FILE.json] [--plot FILE.png]
+                                                             (the regime map: toolkv against stock)
 
 The workload options are ``toolkv bench agent``'s (same generator, same seeds).
 """
@@ -27,7 +30,7 @@ from toolkv.tools.agent_workload import SHAPES, Workload
 from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
 from toolkv.twin.profile import profile_file
 
-ACTIONS = ("run", "sweep", "speed", "l3", "fleet")
+ACTIONS = ("run", "sweep", "speed", "l3", "fleet", "map")
 # l3 and fleet run the long-tool shape of issue 27 (toolkv.twin.fleet.long_workload); their defaults
 L3_DEFAULTS = {"l3": {"sessions": 8, "duration": 900.0}, "fleet": {"sessions": 6, "duration": 900.0}}
 VALIDATED = "stock,stock-large,offload,auto"
@@ -36,7 +39,11 @@ VALIDATED = "stock,stock-large,offload,auto"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Workload()
     p.add_argument(
-        "action", nargs="?", choices=ACTIONS, default="run", help="run (default), sweep, speed, l3 or fleet"
+        "action",
+        nargs="?",
+        choices=ACTIONS,
+        default="run",
+        help="run (default), sweep, speed, l3, fleet or map",
     )
     p.add_argument(
         "--configs", default=None,
@@ -104,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-write-gbps", type=float, default=5.0, help="l3/fleet: a server's L3 write GB/s")
     p.add_argument("--l3-capacity-gb", type=float, default=4000.0, help="l3/fleet: the shared L3 store's GB")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from toolkv.twin.regime_map import add_map_arguments
+
+    add_map_arguments(p)
 
 
 def workload(a: argparse.Namespace, tool_shape: str | None = None, **over: Any) -> Workload:
@@ -282,6 +292,10 @@ def _l3_out(a: argparse.Namespace, data: dict[str, Any], text: str, x: str) -> i
 
 def run(a: argparse.Namespace) -> int:
     d = Workload()
+    if a.action == "map":
+        from toolkv.twin.regime_map import main
+
+        return main(a)
     extra = L3_DEFAULTS.get(a.action, {})
     if a.sessions is None:
         a.sessions = extra.get("sessions", d.initial_sessions)

@@ -433,7 +433,8 @@ def check_step(
         bad.append("StaleEpochNoop")
     for s in b.sessions:
         ready = ("Runnable", "Handover")
-        if post["phase"][s] in ready and pre["phase"][s] not in ready:
+        # a parked session's admitted request reads through sglang's own load_back (spec exception)
+        if post["phase"][s] in ready and pre["phase"][s] not in (*ready, "Parked"):
             r = post["ref"][s]
             path = _path(post, r, len(b.nodes)) if r != NO_NODE else []
             if r == NO_NODE or not all(

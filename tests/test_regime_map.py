@@ -1,0 +1,41 @@
+"""Never slower than stock: a fast slice of the regime map (``toolkv twin map``) in ``make test``.
+
+Two cells of the map, each over two seeds, on the twin of one sglang 0.5.16 server (sglang's real
+HiRadixCache and scheduler parts, modelled GPU time): the GPU value load (48 sessions, 16 GB host)
+and the same load with twice the sessions, where toolkv was slower than stock before load-adaptive
+protection. ``offload`` and ``auto`` must stay within the never-worse bars of
+:mod:`toolkv.twin.regime_map` (>= 0.98x stock's closed throughput, <= 1.05x its resumed TTFT p90,
+medians over seeds) in both, and reach the target (>= 1.5x throughput or <= 0.7x p90) on the
+value load, where the live KV is 3x the host. The same toolkv without load-adaptive protection
+(``offload-pinned``, TOOLKV_ADAPTIVE=0) runs in the larger cell too: the bars must catch it, or the
+slice could not see the regression it is here for. The whole map: ``make test-long``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from toolkv.twin.regime_map import cells, never_worse, run_map, short_of_target, tasks
+
+pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
+
+
+@pytest.fixture(scope="module")
+def recs() -> list[dict[str, object]]:
+    todo = tasks([48], [16.0], ["traces"], [0, 1], ["stock", "offload", "auto"])
+    todo += tasks([96], [16.0], ["traces"], [0, 1], ["stock", "offload", "auto", "offload-pinned"])
+    return cells(run_map(todo, jobs=2, quiet=True))
+
+
+def test_offload_and_auto_are_never_slower_than_stock(recs: list[dict[str, object]]) -> None:
+    assert never_worse(recs) == []
+
+
+def test_on_the_value_load_they_reach_the_target(recs: list[dict[str, object]]) -> None:
+    value = [r for r in recs if r["sessions"] == 48]
+    assert value and short_of_target(value) == []
+
+
+def test_the_bars_catch_pinning_through_the_queue(recs: list[dict[str, object]]) -> None:
+    caught = never_worse(recs, configs=("offload-pinned",))
+    assert any("96 sessions" in m for m in caught), caught
