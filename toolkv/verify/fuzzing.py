@@ -62,13 +62,11 @@ OPTIONAL = frozenset(
         "demote",
         "prefetch",
         "tool_end_promised",
-        "park",
-        "unpin",
     }
 )
 
 # the optional actions that do something only on an offloaded session
-_NEED_OFFLOADED = frozenset({"demote", "prefetch", "tool_end_promised", "park"})
+_NEED_OFFLOADED = frozenset({"demote", "prefetch", "tool_end_promised"})
 
 
 def _depth(st: dict[str, Any], n: str) -> int:
@@ -274,7 +272,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
         "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 2, "prefetch": 2,
-        "tool_end_promised": 2, "admit": 3, "park": 2, "unpin": 1,
+        "tool_end_promised": 2, "admit": 3,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
 
@@ -410,21 +408,11 @@ class ToolKVMachine(RuleBasedStateMachine):
         self._do(["Prefetch", data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")])
 
     def admit(self, data: st.DataObject) -> None:
-        """The next request of a handed-over or parked session is admitted (it locks the prefix; a
-        parked one's request loads it back through sglang's own load_back)."""
-        s = data.draw(st.sampled_from(self._biased(("Handover", "Parked"))), label="session")
+        """The next request of a handed-over session is admitted (it locks the prefix)."""
+        s = data.draw(st.sampled_from(self._biased(("Handover",))), label="session")
         n = self.state["ref"][s]
-        if self.state["phase"][s] in ("Handover", "Parked") and n != NO_NODE and not self.state["extLock"][n]:
+        if self.state["phase"][s] == "Handover" and n != NO_NODE and not self.state["extLock"][n]:
             self._do(["Admit", s])
-
-    def park(self, data: st.DataObject) -> None:
-        """tool_end of an offloaded session whose request would wait (spec Park): nothing loaded."""
-        s = data.draw(st.sampled_from(self._biased(("Offloaded", "Offloading"))), label="session")
-        self._do(["Park", s, self.state["epoch"][s]])
-
-    def unpin(self, data: st.DataObject) -> None:
-        """Queued requests need the room a hand-over pins (spec Unpin)."""
-        self._do(["Unpin", data.draw(st.sampled_from(self._biased(("Handover",))), label="session")])
 
     def write_ack(self, data: st.DataObject) -> None:
         """The copy engine finishes the oldest write; sglang retires it; the manager reacts."""

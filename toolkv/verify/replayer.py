@@ -231,7 +231,8 @@ class Replayer:
         self._ballast_dev: torch.Tensor | None = None
         self._ballast_host: torch.Tensor | None = None
         self.starts: list[tuple[Any, str]] = []  # (load ack, "sys"): sglang's own starts (spec `who`)
-        self.request_loads: list[tuple[TreeNode, list[TreeNode]]] = []  # spec Admit of a parked session
+        # spec Admit of a parked session: (key node, the deepest ancestor on device before its load)
+        self.request_loads: list[tuple[TreeNode, TreeNode]] = []
         self.others: list[TreeNode] = []  # other requests' prefixes that sglang's own loads load
         self._other_fresh = OTHER_TOKENS
 
@@ -266,7 +267,9 @@ class Replayer:
             env_host_slots=self.env_host_slots,
             load_starter=self.starter_of,
             request_loads=[
-                (leaf, chain) for leaf, chain in self.request_loads if leaf.id in self.h.tree.ongoing_load_back
+                (leaf, _chain_to(leaf, boundary))
+                for leaf, boundary in self.request_loads
+                if leaf.id in self.h.tree.ongoing_load_back
             ] if self.h.is_hi else [],
         )  # fmt: skip
         st["extLock"] = {n: n in self.ext for n in self.b.nodes}
@@ -620,10 +623,14 @@ def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         # (the fuzz campaign) sglang's load_back does, and a load it refuses is not this step
         if r.capacity != "spec" or len(missing) <= pre["devFree"]:
             chain = [m for m in path_to(r.h.tree, o) if m.value is None]
+            need = sum(len(m.key) for m in chain)
+            if r.capacity != "spec" and need > r.h.allocator.available_size():
+                # load_back would evict for it: GpuEvict steps the spec's Admit does not take
+                raise Unrealizable("no free device memory for the admitted request's load-back")
             if missing and r.h.tree.load_back(o) is None:
                 raise Unrealizable("sglang would not load this path back")
             if chain:
-                r.request_loads.append((o, chain))
+                r.request_loads.append((o, chain[0].parent))
             r.h.tree.inc_lock_ref(o)
             r.ext.add(n)
         r.mgr.admitted(a[0])
@@ -797,6 +804,17 @@ def hi_prefetch(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     """Spec ``Prefetch``: enabled only where the evicted path fits (DevFits), so the device is
     sized as the spec says and the manager's early restore must go through."""
     r.mgr.prefetch(a[0])
+
+
+def _chain_to(leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
+    """The nodes a load keyed by ``leaf`` fills: from ``leaf`` up to ``boundary`` (exclusive),
+    walked now, so that a node a split inserted into the chain while it loads is in it too."""
+    out = []
+    node: TreeNode | None = leaf
+    while node is not None and node is not boundary:
+        out.append(node)
+        node = node.parent
+    return out
 
 
 def park(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:

@@ -71,6 +71,8 @@ ACTIONS = {
     "Prefetch": "Prefetch(a[2])",
     "HostRoom": "HostRoom(a[2], a[3])",
     "Admit": "Admit(a[2])",
+    "Park": "Park(a[2], a[3])",
+    "Unpin": "Unpin(a[2])",
 }
 
 
