@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from toolkv.twin.regime_map import cells, never_worse, run_map, short_of_target, tasks
+import json
+from pathlib import Path
+
+from toolkv.twin.regime_map import cells, never_worse, read_journal, run_map, short_of_target, tasks
 
 pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
 
@@ -39,3 +42,17 @@ def test_on_the_value_load_they_reach_the_target(recs: list[dict[str, object]]) 
 def test_the_bars_catch_pinning_through_the_queue(recs: list[dict[str, object]]) -> None:
     caught = never_worse(recs, configs=("offload-pinned",))
     assert any("96 sessions" in m for m in caught), caught
+
+
+def test_a_stopped_map_resumes_from_its_journal(tmp_path: Path) -> None:
+    """Runs already in the journal are not run again (a pool would start for the rest); a torn last
+    line, as a map killed mid-write leaves, is skipped."""
+    todo = tasks([24], [8.0], ["traces"], [0], ["stock", "offload"])
+    journal = tmp_path / "map.runs.jsonl"
+    rows = [{"sessions": t.sessions, "host_gb": t.host_gb, "tool_shape": t.shape, "seed": t.seed,
+             "config": t.config, "closed_turns_per_s": 1.0} for t in todo]  # fmt: skip
+    journal.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"sessions": 24, "host')
+    assert len(read_journal(journal)) == 2
+    got = run_map(todo, jobs=1, quiet=True, journal=journal)
+    assert sorted(r["config"] for r in got) == ["offload", "stock"]
+    assert len(journal.read_text().splitlines()) == 3  # nothing appended: nothing ran

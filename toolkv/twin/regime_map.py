@@ -125,16 +125,57 @@ def run_task(t: Task) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_map(todo: Sequence[Task], jobs: int, quiet: bool = False) -> list[dict[str, Any]]:
-    """Run every task on ``jobs`` processes, a progress line per finished run on stderr."""
+def task_of(row: dict[str, Any]) -> Task:
+    """The task a finished run's row answers."""
+    return Task(int(row["sessions"]), float(row["host_gb"]), str(row["tool_shape"]), int(row["seed"]),
+                str(row["config"]))  # fmt: skip
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run journal (one JSON object a line); a torn last line (a run killed while
+    writing) is skipped, so a map stopped at any moment resumes."""
+    rows: list[dict[str, Any]] = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and {"sessions", "host_gb", "tool_shape", "seed", "config"} <= row.keys():
+            rows.append(row)
+    return rows
+
+
+def run_map(
+    todo: Sequence[Task], jobs: int, quiet: bool = False, journal: Path | None = None
+) -> list[dict[str, Any]]:
+    """Run every task on ``jobs`` processes, a progress line per finished run on stderr.
+
+    With a ``journal``, every finished run is appended to it as it ends and the runs already in it
+    are not run again: the full map takes hours on a small machine, and a stopped one resumes."""
     import multiprocessing as mp
 
-    rows: list[dict[str, Any]] = []
+    done: dict[Task, dict[str, Any]] = {}
+    if journal is not None:
+        want = set(todo)
+        done = {task_of(r): r for r in read_journal(journal) if task_of(r) in want}
+        if done and not quiet:
+            print(f"toolkv twin map: {len(done)} runs already in {journal}, {len(todo) - len(done)} to run",
+                  file=sys.stderr)  # fmt: skip
+    rows: list[dict[str, Any]] = list(done.values())
+    todo = [t for t in todo if t not in done]
+    commit = _commit()
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no inherited torch threads
     with ctx.Pool(processes=max(1, jobs), maxtasksperchild=40) as pool:
         for i, row in enumerate(pool.imap_unordered(run_task, todo), 1):
+            row["commit"] = commit
             rows.append(row)
+            if journal is not None:
+                journal.parent.mkdir(parents=True, exist_ok=True)
+                with journal.open("a") as fh:
+                    fh.write(json.dumps(row, default=str) + "\n")
             if not quiet:
                 el = time.monotonic() - t0
                 eta = el / i * (len(todo) - i)
@@ -147,6 +188,18 @@ def run_map(todo: Sequence[Task], jobs: int, quiet: bool = False) -> list[dict[s
                     flush=True,
                 )
     return rows
+
+
+def _commit() -> str | None:
+    """The git commit the runs were made at (provenance in the journal), or None outside a checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _ratio(a: float, b: float) -> float:
@@ -360,7 +413,8 @@ def main(a: argparse.Namespace) -> int:
     if not a.quiet:
         print(f"toolkv twin map: {len(todo)} runs on {jobs} processes", file=sys.stderr)
     t0 = time.monotonic()
-    rows = run_map(todo, jobs, quiet=a.quiet)
+    journal = Path(a.journal) if a.journal else (Path(a.out).with_suffix(".runs.jsonl") if a.out else None)
+    rows = run_map(todo, jobs, quiet=a.quiet, journal=journal)
     recs = cells(rows)
     bad = never_worse(recs)
     short = short_of_target(recs)
@@ -377,6 +431,7 @@ def main(a: argparse.Namespace) -> int:
                  "win_p90": WIN_P90},
         "cells": recs, "runs": sorted(rows, key=lambda r: (r["tool_shape"], r["sessions"], r["host_gb"], r["seed"],
                                                           r["config"])),
+        "commits": sorted({str(r.get("commit")) for r in rows}),
         "never_worse_violations": bad, "short_of_target": short, "wall_s": time.monotonic() - t0,
     }  # fmt: skip
     if a.out:
@@ -404,3 +459,9 @@ def add_map_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map-shapes", default=",".join(SHAPES), help="map: comma list of tool shapes")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="map: comma list of seeds")
     p.add_argument("--jobs", type=int, default=None, help="map: worker processes (default: every core)")
+    p.add_argument(
+        "--journal",
+        default=None,
+        help="map: append each finished run to this JSONL file and skip the runs already in it "
+        "(default: next to --out, as <out>.runs.jsonl), so a stopped map resumes",
+    )
