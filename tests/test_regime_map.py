@@ -13,10 +13,10 @@ slice could not see the regression it is here for. The whole map: ``make test-lo
 
 from __future__ import annotations
 
-import pytest
-
 import json
 from pathlib import Path
+
+import pytest
 
 from toolkv.twin.regime_map import cells, never_worse, read_journal, run_map, short_of_target, tasks
 
