@@ -360,7 +360,8 @@ def test_openapi_document_is_current() -> None:
     """docs/openapi.json is generated from the app; regenerate with TOOLKV_WRITE_OPENAPI=1."""
     doc = openapi_document()
     paths = doc["paths"]
-    assert set(paths) == {"/session/tool_start", "/session/tool_end", "/session/kv_meta", "/session/close"}
+    assert set(paths) == {"/session/tool_start", "/session/tool_end", "/session/kv_meta", "/session/close",
+                          "/session/status", "/session/drain"}  # fmt: skip
     assert {"400", "404", "409", "503", "507"} <= set(paths["/session/tool_end"]["post"]["responses"])
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     if os.environ.get("TOOLKV_WRITE_OPENAPI") == "1":

@@ -81,6 +81,16 @@ class DeviceMemoryFull(ToolKVError):
     code = "device_memory_full"
 
 
+class Draining(ToolKVError):
+    """The operator drains the server (``POST /session/drain``): no new tool call is accepted, so
+    that the calls in flight can finish or expire and toolkv can be switched off or sglang upgraded
+    without cutting a session off mid-call. Nothing changed: the session's KV stays where sglang
+    keeps it, and the agent's turn goes on without toolkv."""
+
+    http_status = 503
+    code = "draining"
+
+
 class StartupRefused(SystemExit):
     """toolkv is enabled but cannot run: a bad ``TOOLKV_*`` value, a missing dependency, or an
     sglang release toolkv was not verified against. Stops the launch with ``message``.

@@ -7,9 +7,14 @@ Routes (added to sglang's own FastAPI ``app``, so sglang's API-key middleware co
 * ``POST /session/tool_end`` ``{"session_id", "epoch"}`` -> session kv_meta
 * ``GET /session/kv_meta[?session_id=]`` -> one session, or server-wide metrics
 * ``POST /session/close`` ``{"session_id"}`` -> session kv_meta (releases everything it holds)
+* ``GET /session/status[?limit=]`` -> the operator's view (``toolkv doctor``): server-wide kv_meta,
+  the sglang release, the settings in force, the drain, the sessions that hold KV and their TTL left
+* ``POST /session/drain`` ``{"drain": true|false}`` -> the drain's state: while draining,
+  ``tool_start`` answers 503 ``draining``; calls in flight finish or expire as usual
 
 Status codes: 400 malformed body, 415 a body not declared ``application/json``, 404 unknown session, 409 stale epoch / wrong state / KV lost,
-507 host budget or pool exhausted, 503 device memory full or toolkv not loaded in the scheduler,
+507 host budget or pool exhausted, 503 device memory full, toolkv not loaded in the scheduler, or
+the server draining (tool_start),
 504 scheduler did not answer in time, 401 without the server's ``--api-key`` (sglang's
 middleware). Every error body is ``{"error": code, "message": text, ...details}`` and, except
 504, the call changed nothing.
@@ -116,6 +121,49 @@ class ServerMeta(BaseModel):
     now: float
 
 
+class DrainBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    drain: bool = Field(
+        default=True,
+        description="true (the default): refuse new tool_start calls until the drain ends; false: end it",
+    )
+
+
+class DrainMeta(BaseModel):
+    """The drain's state: poll it until ``drained`` before switching toolkv off or upgrading sglang."""
+
+    model_config = ConfigDict(extra="allow")
+    draining: bool = Field(description="new tool_start calls are refused (503 draining)")
+    drained: bool = Field(description="draining, and no session holds KV any more: safe to switch off")
+    drain_since: float | None = Field(description="when the drain began (agreed server clock)")
+    drain_refused: int = Field(description="tool calls refused since the drain began")
+    held_sessions: int = Field(description="sessions in a phase that holds KV (protected or pinned)")
+    held_tokens: int = Field(description="tokens toolkv holds now")
+    states: dict[str, int]
+    now: float
+
+
+class HeldSession(SessionMeta):
+    """A session that holds KV, with the time left before its TTL releases it."""
+
+    ttl_left_s: float | None = Field(
+        description="seconds until the TTL releases it (agreed clock); null: no TTL"
+    )
+
+
+class StatusMeta(DrainMeta):
+    """The operator's view (``toolkv doctor``): everything of the server-wide kv_meta, and more."""
+
+    version: str = Field(description="toolkv's version")
+    sglang: str = Field(description="the sglang release the server runs")
+    backend: str
+    tp_size: int
+    sessions: int
+    counters: dict[str, int]
+    settings: dict[str, Any] = Field(description="every TOOLKV_* setting in force, by field name")
+    held: list[HeldSession] = Field(description="sessions holding KV, soonest expiry first, at most limit")
+
+
 class ErrorBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     error: str = Field(description="stable machine-readable code, e.g. stale_epoch")
@@ -130,7 +178,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorBody, "description": "Stale epoch, wrong lifecycle state, or KV lost"},
     503: {
         "model": ErrorBody,
-        "description": "Device memory full / no load slot (retry), or toolkv unavailable",
+        "description": "Device memory full / no load slot (retry), toolkv unavailable, or the server is "
+        "draining (tool_start: error draining)",
     },
     504: {"model": ErrorBody, "description": "Scheduler did not answer in time"},
     507: {"model": ErrorBody, "description": "Host pool or toolkv host budget exhausted"},
@@ -145,6 +194,28 @@ def _body_spec(model: type[BaseModel]) -> dict[str, Any]:
         }
     }
 
+
+# the two operator routes cannot be refused for a session: no 404, 409 or 507
+_OPERATOR_ERRORS: dict[int | str, dict[str, Any]] = {
+    k: v for k, v in _ERRORS.items() if k not in (404, 409, 507)
+}
+_OPERATOR_ERRORS[503] = {
+    "model": ErrorBody,
+    "description": "toolkv unavailable (not loaded in the scheduler)",
+}
+
+STATUS_LIMIT_MAX = 1000  # toolkv.sglang.scheduler_side.STATUS_LIMIT_MAX (that module needs sglang)
+_STATUS_QUERY: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "limit",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0, "maximum": STATUS_LIMIT_MAX, "default": 20},
+            "description": "How many of the sessions that hold KV to list (soonest expiry first)",
+        }
+    ]
+}
 
 _KV_META_QUERY: dict[str, Any] = {
     "parameters": [
@@ -337,6 +408,23 @@ def _query_session_id(request: Request) -> str | None:
     return sid
 
 
+def _query_limit(request: Request) -> int | None:
+    """``GET /session/status``'s only parameter: ``limit``, an integer from 0 to the cap."""
+    q = request.query_params
+    extra = set(q) - {"limit"}
+    if extra:
+        raise BadRequest(f"unknown query parameter(s) {sorted(extra)}")
+    values = q.getlist("limit")
+    if not values:
+        return None
+    if len(values) > 1:
+        raise BadRequest("limit given more than once", field="limit")
+    raw = values[0]
+    if not raw.isascii() or not raw.isdigit() or int(raw) > STATUS_LIMIT_MAX:
+        raise BadRequest(f"limit must be an integer from 0 to {STATUS_LIMIT_MAX}", field="limit")
+    return int(raw)
+
+
 async def _forward(transport: Transport, op: str, body: Mapping[str, Any]) -> JSONResponse:
     try:
         status, out = await transport.call(op, body)
@@ -381,6 +469,23 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
             return _error(e)
         return await _forward(transport, "kv_meta", {} if session_id is None else {"session_id": session_id})
 
+    async def status(request: Request) -> JSONResponse:
+        """The operator's view of toolkv on this server (``toolkv doctor``). Read-only."""
+        try:
+            limit = _query_limit(request)
+        except ToolKVError as e:
+            return _error(e)
+        return await _forward(transport, "server_status", {} if limit is None else {"limit": limit})
+
+    async def drain(request: Request) -> JSONResponse:
+        """Start (``{"drain": true}``, the default) or end (``{"drain": false}``) the drain; answers
+        the drain's state. Idempotent: poll it, or ``GET /session/status``, until ``drained``."""
+        try:
+            body = await _parse(request, DrainBody)
+        except ToolKVError as e:
+            return _error(e)
+        return await _forward(transport, "drain", body)
+
     tags: list[str | Enum] = ["toolkv"]
     app.add_api_route(
         "/session/tool_start", tool_start, methods=["POST"], tags=tags, response_model=SessionMeta,
@@ -397,6 +502,16 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
     app.add_api_route(
         "/session/close", close, methods=["POST"], tags=tags, response_model=SessionMeta,
         responses=_ERRORS, openapi_extra=_body_spec(CloseBody), summary="Forget a session",
+    )  # fmt: skip
+    app.add_api_route(
+        "/session/status", status, methods=["GET"], tags=tags, response_model=StatusMeta,
+        responses=_OPERATOR_ERRORS, openapi_extra=_STATUS_QUERY,
+        summary="toolkv on this server: release, settings, drain, sessions holding KV and their TTL left",
+    )  # fmt: skip
+    app.add_api_route(
+        "/session/drain", drain, methods=["POST"], tags=tags, response_model=DrainMeta,
+        responses=_OPERATOR_ERRORS, openapi_extra=_body_spec(DrainBody),
+        summary="Refuse new tool calls (or accept them again) and report what is still held",
     )  # fmt: skip
 
 

@@ -16,7 +16,10 @@ from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
 # Operations the scheduler side understands. "auto_offload" is the zero-change trigger: like
 # tool_start, but a no-op (not an error) for sessions toolkv does not track or that are busy.
-OPS = frozenset({"tool_start", "tool_end", "kv_meta", "close", "auto_offload", "status"})
+# "drain" starts or ends the drain; "server_status" is the operator's read (toolkv doctor).
+OPS = frozenset(
+    {"tool_start", "tool_end", "kv_meta", "close", "auto_offload", "status", "drain", "server_status"}
+)
 
 
 class ToolKVReqInput(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]

@@ -263,8 +263,9 @@ def _apply_retain(tk: SchedulerToolKV, sid: str, action: HintAction) -> dict[str
 
     m = tk.manager
     rec = m.sessions.get(sid)
-    if rec is None or rec.state != "Running":
-        # the HTTP tool_start's answer for this case (unknown session, wrong state, a replay)
+    if rec is None or rec.state != "Running" or tk.draining:
+        # the HTTP tool_start's answer for this case (unknown session, wrong state, a replay, the
+        # drain's refusal)
         return _apply_tool_start(tk, sid, action)
     meta = m.kv_meta(sid)
     device_tokens = meta.get("device_tokens")

@@ -21,6 +21,7 @@ Names (documented in docs/operations.md, "Metrics"):
   shadowed tokens on a plain RadixCache)
 * ``toolkv:host_used_tokens``, ``toolkv:host_total_tokens`` gauges: HiCache's host pool
 * ``toolkv:device_free_tokens``, ``toolkv:device_evictable_tokens``, ``toolkv:device_locked_tokens``
+* ``toolkv:draining`` gauge: 1 while the server drains (``POST /session/drain``), else 0
 * ``toolkv:decisions_total{op,outcome}`` counter: every control decision; ``outcome`` is ``ok``,
   a refusal code (``host_memory_full``, ``stale_epoch``, ...) or ``skip:<reason>``
 * ``toolkv:events_total{event}`` counter: the manager's lifetime events (turns, expired, lost, ...)
@@ -28,6 +29,14 @@ Names (documented in docs/operations.md, "Metrics"):
 * ``toolkv:offload_seconds``, ``toolkv:restore_seconds`` histograms: tool_start until the GPU copy
   is freed, tool_end until the session is runnable
 * ``toolkv:offload_bytes``, ``toolkv:restore_bytes`` histograms: KV bytes per offload / restore
+
+Every series above exists from the moment the collectors are built, at 0 (for the labelled
+families: the label values listed in :data:`EVENTS`, :data:`TOKEN_KINDS` and
+:data:`DECISION_SERIES`). prometheus_client creates a labelled series only when its label values
+are first used, so without this a counter appeared only at its first increment: a dashboard showed
+"no data" instead of 0, an alert on ``rate()`` or ``increase()`` could not see the first event
+(its series starts above zero), and an alert on a missing series could not tell "never happened"
+from "not exported".
 """
 
 from __future__ import annotations
@@ -47,6 +56,39 @@ GAUGES = (
     "device_free_tokens",
     "device_evictable_tokens",
     "device_locked_tokens",
+    "draining",
+)
+# The manager's lifetime counters (``ToolKVManager.counters``) exported as ``events_total{event}``,
+# and the ``*_tokens`` ones as ``tokens_total{kind}``: created at 0 at start-up. A counter not listed
+# here is still exported at its first increment (tests/test_metrics_states.py checks that every
+# counter the code names is listed). The per-call policy's ``decision_*``/``reason_*`` counters are
+# named at run time and appear when first counted.
+EVENTS: tuple[str, ...] = (
+    "turns", "tool_start", "tool_end", "expired", "lost", "closed", "stale_epoch", "kv_lost",
+    "restore_deferred", "restore_below_threshold", "reset_mid_copy", "forgotten", "handover", "admitted",
+    "admitted_parked", "parked", "unpinned_parked", "unpinned_runnable", "kept", "let_go", "demoted",
+    "demoted_l3", "prefetched", "prefetch_deferred", "tool_end_l3", "l3_from_host", "l3_prefetch",
+    "l3_prefetch_refused", "l3_prefetch_short", "l3_restored", "l3_store", "l3_store_refused",
+    "l3_store_short",
+)  # fmt: skip
+TOKEN_KINDS: tuple[str, ...] = ("offloaded", "freed", "restored", "l3_stored")
+# decisions_total{op,outcome} created at 0: every decision's acceptance, and the refusals the shipped
+# alert rules and the drain's dashboard panel read.
+DECISION_OPS = (
+    "tool_start",
+    "tool_end",
+    "close",
+    "auto_offload",
+    "restore_on_request",
+    "ttl_sweep",
+    "tree_reset",
+)
+DECISION_SERIES: tuple[tuple[str, str], ...] = (
+    *((op, "ok") for op in DECISION_OPS),
+    ("tool_start", "host_memory_full"),
+    ("auto_offload", "skip:host_memory_full"),
+    ("tool_start", "draining"),
+    ("auto_offload", "skip:draining"),
 )
 # Every phase of the lifecycle table, read from it (a phase added there is exported at once).
 STATES: tuple[str, ...] = SESSION_STATES
@@ -80,6 +122,7 @@ class ToolKVMetrics:
             "device_free_tokens": gauge("device_free_tokens", "Free device KV tokens"),
             "device_evictable_tokens": gauge("device_evictable_tokens", "Evictable device KV tokens"),
             "device_locked_tokens": gauge("device_locked_tokens", "Locked (in use) device KV tokens"),
+            "draining": gauge("draining", "1 while the server drains (new tool calls refused), else 0"),
         }
         self.decisions = Counter(
             "toolkv:decisions",
@@ -105,6 +148,22 @@ class ToolKVMetrics:
             )
             for kind in ("offload", "restore")
         }
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Every series at 0 from the start (see the module docstring for why)."""
+        for state in STATES:
+            self.sessions.labels(**self.labels, state=state).set(0)
+        for g in self.gauges.values():
+            g.labels(**self.labels).set(0)
+        for op, outcome in DECISION_SERIES:
+            self.decisions.labels(**self.labels, op=op, outcome=outcome)
+        for event in EVENTS:
+            self.events.labels(**self.labels, event=event)
+        for kind in TOKEN_KINDS:
+            self.tokens.labels(**self.labels, kind=kind)
+        for family in (*self.latency.values(), *self.nbytes.values()):
+            family.labels(**self.labels)
 
     # ---- events ----------------------------------------------------------------------------------------
     def decision(self, op: str, outcome: str) -> None:
@@ -130,7 +189,7 @@ class ToolKVMetrics:
         for state in sorted(self._seen_states):
             self.sessions.labels(**self.labels, state=state).set(int(states.get(state, 0)))
         held = sum(int(meta.get(k) or 0) for k in ("protected_tokens", "pinned_tokens", "host_tokens"))
-        values = {"protected_tokens": held}
+        values = {"protected_tokens": held, "draining": int(bool(meta.get("draining")))}
         if meta.get("host_total_tokens") is not None:
             values["host_total_tokens"] = int(meta["host_total_tokens"])
             values["host_used_tokens"] = int(meta["host_total_tokens"]) - int(

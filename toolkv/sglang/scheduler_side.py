@@ -10,16 +10,18 @@ CPU over a real cache (``tests/test_plugin.py``, ``tests/test_tp.py``).
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from toolkv import __version__
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.compat import decode_offload_reasons
-from toolkv.core.lifecycle import HOLDING
+from toolkv.core.lifecycle import EXPIRING, HOLDING
 from toolkv.core.manager import ToolKVManager, make_backend
 from toolkv.core.treeops import Tree
-from toolkv.errors import BadRequest, DeviceMemoryFull, ToolKVError, Unsupported
+from toolkv.errors import BadRequest, DeviceMemoryFull, Draining, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.kv_hints import kv_hints_supported
@@ -185,6 +187,22 @@ def _need_str(body: Mapping[str, Any], key: str) -> str:
     return v
 
 
+# GET /session/status lists at most this many of the sessions that hold KV (soonest expiry first):
+# the reply travels through sglang's ZMQ channel, and an operator at a terminal reads the first few.
+STATUS_LIMIT_DEFAULT = 20
+STATUS_LIMIT_MAX = 1000
+
+
+def _limit(value: Any) -> int:
+    """The status read's ``limit``: an integer from 0 to :data:`STATUS_LIMIT_MAX` (the HTTP side
+    checks it too; the scheduler checks again because it is the last line before the tree)."""
+    if value is None:
+        return STATUS_LIMIT_DEFAULT
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= STATUS_LIMIT_MAX:
+        raise BadRequest(f"limit must be an integer from 0 to {STATUS_LIMIT_MAX}", field="limit")
+    return value
+
+
 CLIP_MAX_NEW_TOKENS = 4096  # sglang's schedule_policy clips a request's decode budget here
 
 
@@ -251,6 +269,12 @@ class SchedulerToolKV:
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.skipped: dict[str, int] = {}
+        # The drain (POST /session/drain). Set and cleared only by a control request, which sglang
+        # broadcasts to every TP rank like tool_start, so every rank holds the same flag at the
+        # same iteration and refuses the same calls: no agreement (collective) is needed for it.
+        self.draining = False
+        self.drain_since: float | None = None  # agreed clock when the drain began
+        self.drain_refused = 0  # tool calls refused since then
         self.decisions = DecisionLog(
             self.manager,
             tp_rank=tp_rank,
@@ -327,6 +351,7 @@ class SchedulerToolKV:
             replay = replayed_tool_start(m, sid, prior_epoch(body))
             if replay is not None:
                 return _jsonable(replay)
+            self._refuse_while_draining(sid)
             return _jsonable(m.tool_start(sid, tool=tool, expected_s=expected, policy=policy))
         if op == "tool_end":
             sid = _need_str(body, "session_id")
@@ -342,6 +367,10 @@ class SchedulerToolKV:
             return self.on_tool_calls(_need_str(body, "session_id"), tool if isinstance(tool, str) else None)
         if op == "status":
             return self.status()
+        if op == "server_status":
+            return self.server_status(_limit(body.get("limit")))
+        if op == "drain":
+            return self.set_drain(body.get("drain", True))
         raise BadRequest(f"unknown toolkv operation {op!r}")
 
     def ipc_handler(self, req: ToolKVReqInput) -> ToolKVReqOutput:
@@ -362,6 +391,95 @@ class SchedulerToolKV:
             "kv_hints": kv_hints_supported(),  # sglang 0.5.21+ carries kv_hints (toolkv.sglang.kv_hints)
         }
 
+    # ---- the drain and the operator's status read -------------------------------------------------
+    def _refuse_while_draining(self, sid: str) -> None:
+        """A new tool call while draining: refused before anything changes (validate, then act)."""
+        if not self.draining:
+            return
+        self.drain_refused += 1
+        held = self._held_sessions()
+        raise Draining(
+            f"toolkv is draining: no new tool call is accepted (session {sid!r} stays where sglang "
+            f'keeps it; {held} session(s) still hold KV). POST /session/drain {{"drain": false}} '
+            "ends the drain",
+            held_sessions=held,
+        )
+
+    def _held_sessions(self, states: Mapping[str, int] | None = None) -> int:
+        """Sessions in a phase that holds KV (a host protection or a pin: spec ``Holding``)."""
+        if states is None:
+            states = Counter(r.state for r in self.manager.sessions.values())
+        return sum(n for state, n in states.items() if state in HOLDING)
+
+    def _held_tokens(self) -> int:
+        """Tokens toolkv holds now, whatever the backend calls them (the gauge's sum)."""
+        b: Any = self.manager.backend
+        return sum(
+            int(getattr(b, a)) for a in ("protected_tokens", "pinned_tokens", "host_tokens") if hasattr(b, a)
+        )
+
+    def set_drain(self, on: Any) -> dict[str, Any]:
+        """Start (``on``) or end the drain; idempotent. While draining, ``tool_start`` (and the
+        zero-change and ``kv_hints`` offloads) is refused with 503 ``draining``; every call already
+        in flight (offloading, offloaded, restoring, parked, handed over, kept) finishes or expires
+        by its TTL as usual. Returns :meth:`drain_status`."""
+        if not isinstance(on, bool):
+            raise BadRequest("drain must be true or false", field="drain")
+        if on and not self.draining:
+            self.draining, self.drain_since, self.drain_refused = True, self.manager.now, 0
+            log.log(
+                self.decisions.level, "toolkv drain started: new tool calls are refused rank=%d", self.tp_rank
+            )
+        elif not on and self.draining:
+            self.draining, self.drain_since = False, None
+            log.log(
+                self.decisions.level,
+                "toolkv drain ended: tool calls are accepted again rank=%d",
+                self.tp_rank,
+            )
+        return self.drain_status()
+
+    def drain_status(self) -> dict[str, Any]:
+        """What an operator polls during a drain: ``drained`` once no session holds KV and toolkv
+        holds no token, i.e. toolkv can be switched off (or sglang upgraded) without cutting a
+        tool call off. Read from the agreed state (the TTL sweep runs on the agreed clock)."""
+        states = Counter(r.state for r in self.manager.sessions.values())
+        held, tokens = self._held_sessions(states), self._held_tokens()
+        return _jsonable(
+            {
+                "draining": self.draining,
+                "drained": self.draining and held == 0 and tokens == 0,
+                "drain_since": self.drain_since,
+                "drain_refused": self.drain_refused,
+                "held_sessions": held,
+                "held_tokens": tokens,
+                "states": dict(states),
+                "now": self.manager.now,
+            }
+        )
+
+    def server_status(self, limit: int = STATUS_LIMIT_DEFAULT) -> dict[str, Any]:
+        """``GET /session/status`` (``toolkv doctor``): the server-wide ``kv_meta`` plus what an
+        operator needs at a terminal: the sglang release, every setting in force, the drain, and
+        the sessions that hold KV with the time left on their TTL (soonest first, at most
+        ``limit``). Every rank computes it (the request is broadcast); rank 0's answer is sent.
+        The TTL left is read on the agreed clock, the one the sweep decides on."""
+        m = self.manager
+        out = self.metrics()
+        out.update(self.drain_status())
+        out["sglang"] = installed_sglang_version()
+        out["settings"] = _jsonable(self.config.describe())
+        held = [r for r in m.sessions.values() if r.state in HOLDING]
+        held.sort(key=lambda r: (r.deadline if r.state in EXPIRING else math.inf, r.session_id))
+        listed = []
+        for rec in held[:limit]:
+            meta = _jsonable(m.kv_meta(rec.session_id))
+            deadline = meta.get("deadline")
+            meta["ttl_left_s"] = None if deadline is None else round(max(0.0, deadline - m.now), 3)
+            listed.append(meta)
+        out["held"] = listed
+        return out
+
     def metrics(self) -> dict[str, Any]:
         """Server-wide kv_meta: lifecycle counts, counters, and the memory toolkv holds."""
         m = self.manager
@@ -375,7 +493,9 @@ class SchedulerToolKV:
             zero_change=self.config.zero_change,
             kv_hints=kv_hints_supported(),
             skipped=dict(self.skipped),
+            draining=self.draining,
         )
+        out["held_sessions"] = self._held_sessions(out.get("states"))
         b: Any = m.backend
         for attr in ("protected_tokens", "pinned_tokens", "host_tokens"):
             if hasattr(b, attr):
@@ -412,6 +532,9 @@ class SchedulerToolKV:
         """Zero-change: the turn ended in tool calls, offload like an explicit tool_start would
         (with ``TOOLKV_POLICY=auto``: decide per call, by the model's tool name)."""
         decision = decide_on_tool_calls(self._state(sid), zero_change=self.config.zero_change)
+        if decision == "offload" and self.draining:
+            self.drain_refused += 1
+            decision = "skip:draining"
         if decision != "offload":
             return self._skip(decision)
         try:
