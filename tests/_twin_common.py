@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import random
 
-from toolkv.tools.agent_workload import Plan, SessionPlan, Workload, make_plan
 from toolkv.twin.configs import get
 from toolkv.twin.profile import TimeProfile, default_profile
 from toolkv.twin.run import Options, Outcome, simulate
+from toolkv.workload.plan import Plan, SessionPlan, Workload, make_plan
 
 SMALL = Workload(initial_sessions=4, ramp_s=1.0, turns_median=3, first_tokens=1200, growth_per_turn=300,
                  output_tokens=20, duration_s=12.0, seed=3)  # fmt: skip

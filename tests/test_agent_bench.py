@@ -17,9 +17,9 @@ from toolkv.sglang.config import ToolKVConfig
 from toolkv.testing.harness import HarnessConfig
 from toolkv.tools.agent_bench import main as bench_main
 from toolkv.tools.agent_bench import parser, run_plan
-from toolkv.tools.agent_metrics import Turn, occupancy, pct, summarize
-from toolkv.tools.agent_report import suite_markdown
-from toolkv.tools.agent_workload import ToolMixture, Workload, make_plan
+from toolkv.workload.metrics import Turn, occupancy, pct, summarize
+from toolkv.workload.plan import ToolMixture, Workload, make_plan
+from toolkv.workload.report import suite_markdown
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SMALL = Workload(

@@ -1,4 +1,4 @@
-"""The agent-load table in docs/benchmarks.md is what ``toolkv.tools.agent_report`` prints from the
+"""The agent-load table in docs/benchmarks.md is what ``toolkv.workload.report`` prints from the
 committed results JSON (a stale figure fails here), and the 5xx accounting of the load generator."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from toolkv.tools.agent_bench import unexpected_5xx
-from toolkv.tools.agent_report import table
+from toolkv.workload.report import table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 RUNS = ["stock", "explicit", "on_request"]

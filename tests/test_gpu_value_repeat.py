@@ -74,7 +74,7 @@ def test_with_no_time_left_no_bench_starts_and_the_server_still_stops(tmp_path: 
 def test_the_named96_load_is_96_sessions_of_named_tools_for_100_s(tmp_path: Path) -> None:
     """LOAD=named96's bench arguments, checked by agent_bench before any server starts: refused
     while this tree's workload has no ``named`` tool shape, a server started once it has."""
-    from toolkv.tools.agent_workload import SHAPES
+    from toolkv.workload.plan import SHAPES
 
     r = _dry_run(tmp_path, LOAD="named96", BENCH_ARGS="", DURATION="", BUDGET_S="50", MIN_LEFT_S="")
     assert "REPEATS=1 " in r.stdout and "DURATION=100 " in r.stdout and "MIN_LEFT_S=125" in r.stdout

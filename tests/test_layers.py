@@ -1,74 +1,34 @@
-"""The package layers of ``toolkv/__init__``: every import inside toolkv points down (or sideways
-within its own package). Read with ``ast``, so lazy imports inside functions count too."""
+"""The package map of ``toolkv/__init__`` and docs/architecture.md holds: every import inside toolkv
+points down (or sideways within its own package), and no two packages import each other. The rules
+are ``toolkv.tools.layout.ALLOWED``; imports are read with ``ast``, so lazy imports inside functions
+count too."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "toolkv"
+from toolkv.tools.layout import (
+    ALLOWED,
+    PKG,
+    TOP,
+    imports_of,
+    layer_of,
+    module_cycles,
+    module_name,
+    modules,
+    package_cycles,
+    package_graph,
+)
 
-# package -> the toolkv packages it may import (besides itself)
-ALLOWED: dict[str, set[str]] = {
-    "toolkv": set(),
-    "toolkv.errors": set(),
-    "toolkv.core": {"toolkv", "toolkv.errors"},
-    "toolkv.client": {"toolkv", "toolkv.errors"},
-    "toolkv.testing": {"toolkv"},
-    "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.client"},
-    "toolkv.verify": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.testing"},
-    "toolkv.tools": set(),  # top layer: anything
-    # the twin drives the real cache (testing), toolkv's scheduler side and the benchmark's workload
-    # and metrics (tools); only the command line imports it
-    "toolkv.twin": {
-        "toolkv",
-        "toolkv.errors",
-        "toolkv.core",
-        "toolkv.sglang",
-        "toolkv.testing",
-        "toolkv.tools",
-    },
-}
-
-
-def layer_of(module: str) -> str:
-    parts = module.split(".")
-    if len(parts) == 1:
-        return "toolkv"
-    cand = ".".join(parts[:2])
-    return cand if cand in ALLOWED else "toolkv"
-
-
-def module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "toolkv"]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "toolkv":
-            if node.module == "toolkv":  # `from toolkv import x` names a submodule or __version__
-                out += [(node.lineno, f"toolkv.{a.name}") for a in node.names]
-            else:
-                out.append((node.lineno, node.module))
-    return out
-
-
-MODULES = sorted(PKG.rglob("*.py"))
+MODULES = modules()
 
 
 @pytest.mark.parametrize("path", MODULES, ids=[module_name(p) for p in MODULES])
 def test_imports_point_down(path: Path) -> None:
     me = layer_of(module_name(path))
-    if me == "toolkv.tools":
+    if me == TOP:
         return
     bad = []
     for line, target in imports_of(path):
@@ -79,15 +39,63 @@ def test_imports_point_down(path: Path) -> None:
 
 
 def test_every_module_has_a_layer() -> None:
-    """A new top-level module must be placed in ALLOWED deliberately."""
+    """A new top-level module or package must be placed in ALLOWED deliberately."""
     top = {module_name(p) for p in PKG.glob("*.py")} | {module_name(p) for p in PKG.glob("*/__init__.py")}
     assert top <= set(ALLOWED), sorted(top - set(ALLOWED))
 
 
+def test_no_package_imports_the_command_line() -> None:
+    """``tools`` is the top: nothing imports it (the twin imports the workload, never tools)."""
+    importers = sorted(a for a, bs in package_graph().items() if TOP in bs)
+    assert importers == [], importers
+
+
+def test_the_twin_is_imported_by_the_command_line_only() -> None:
+    importers = sorted(a for a, bs in package_graph().items() if "toolkv.twin" in bs)
+    assert importers in ([], [TOP]), importers
+
+
+def test_no_import_cycles() -> None:
+    """No two packages import each other (around any loop, lazy imports included), and no module
+    imports itself back at import time."""
+    assert package_cycles() == []
+    assert module_cycles() == []
+
+
+def test_rules_have_no_cycle() -> None:
+    """The map itself is a stack: the allowed imports form no loop."""
+    seen: set[str] = set()
+
+    def below(p: str, path: tuple[str, ...]) -> None:
+        assert p not in path, " -> ".join((*path, p))
+        if p in seen:
+            return
+        for q in ALLOWED[p] - {p}:
+            below(q, (*path, p))
+        seen.add(p)
+
+    for p in ALLOWED:
+        below(p, ())
+
+
 def test_checker_catches_an_upward_import(tmp_path: Path) -> None:
-    """The check itself can fail: an upward import in core is reported."""
+    """The check itself can fail: an upward import in core is reported, and so is the twin
+    importing the command line."""
     f = tmp_path / "x.py"
-    f.write_text("def f():\n    from toolkv.verify.tla import run_tlc\n")
+    f.write_text(
+        "def f():\n    from toolkv.verify.tla import run_tlc\n    import toolkv.tools.value_report\n"
+    )
     targets = [t for _, t in imports_of(f)]
-    assert [layer_of(t) for t in targets] == ["toolkv.verify"]
+    assert [layer_of(t) for t in targets] == ["toolkv.verify", TOP]
     assert "toolkv.verify" not in ALLOWED["toolkv.core"]
+    assert TOP not in ALLOWED["toolkv.twin"]
+
+
+def test_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "toolkv"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("import toolkv.core.b\n")
+    (pkg / "core" / "b.py").write_text("from toolkv.core import a\n")
+    assert module_cycles(pkg) == [["toolkv.core.a", "toolkv.core.b"]]

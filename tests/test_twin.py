@@ -30,11 +30,11 @@ from _twin_common import (
     run,
 )
 
-from toolkv.tools.agent_workload import Workload, make_plan
 from toolkv.twin.configs import get
 from toolkv.twin.opt import belady, opt_reuse
 from toolkv.twin.profile import TimeProfile, default_profile
 from toolkv.twin.run import Options
+from toolkv.workload.plan import Workload, make_plan
 
 
 @pytest.mark.parametrize("name", ["stock", "offload", "auto", "pin", "radix"])

@@ -19,10 +19,10 @@ if not has_unified_radix_cache():
 
 import _twin_common as common
 
-from toolkv.tools.agent_workload import make_plan
 from toolkv.twin.configs import get
 from toolkv.twin.profile import default_profile
 from toolkv.twin.run import Twin
+from toolkv.workload.plan import make_plan
 
 
 def test_the_twin_builds_sglangs_unified_stack() -> None:

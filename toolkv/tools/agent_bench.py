@@ -1,6 +1,6 @@
 """Agent-trace load generator for a running sglang server (``toolkv bench agent``).
 
-Sessions arrive open loop on the schedule of a :class:`~toolkv.tools.agent_workload.Plan` (seeded,
+Sessions arrive open loop on the schedule of a :class:`~toolkv.workload.plan.Plan` (seeded,
 identical for every configuration). Each session is a sequence of turns: send the prompt (its
 context plus the new tool result) to ``/generate`` as token ids (dummy weights,
 ``--skip-tokenizer-init``, temperature 0), stream the answer, "run a tool" for the planned
@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from toolkv.tools.agent_metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
-from toolkv.tools.agent_workload import SHAPES, Plan, SessionPlan, Workload, make_plan
 from toolkv.tools.argtypes import OneLineParser
+from toolkv.workload.metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
+from toolkv.workload.plan import SHAPES, Plan, SessionPlan, Workload, make_plan
 
 MODES = ("stock", "explicit", "on-request")
 POLICIES = ("offload", "auto")  # what --policy may ask for in tool_start (toolkv's TOOLKV_POLICY values)

@@ -8,6 +8,9 @@ model-checking table of docs/spec.md::
     toolkv docs --spec-check spec-check.json         # docs/spec-check.json + the table in docs/spec.md
 
 The JSON is stored without machine-specific fields (the spec directory's absolute path).
+
+``toolkv docs --layout`` rewrites the layout measures in docs/architecture.md instead (file sizes,
+import cycles, upward imports: :mod:`toolkv.tools.layout`, read from the package itself).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from toolkv.errors import InputError
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SPEC_JSON = DOCS / "spec-check.json"
 SPEC_MD = DOCS / "spec.md"
+ARCH_MD = DOCS / "architecture.md"
 BEGIN, END = "<!-- BEGIN spec-check (generated: toolkv docs) -->", "<!-- END spec-check -->"
 MACHINE_FIELDS = ("spec_dir",)
 
@@ -58,9 +62,24 @@ def replace_block(text: str, block: str) -> str:
     return pattern.sub(lambda _: block, text)
 
 
+def replace_layout_block(text: str, block: str) -> str:
+    from toolkv.tools.layout import BEGIN as L_BEGIN
+    from toolkv.tools.layout import END as L_END
+
+    pattern = re.compile(re.escape(L_BEGIN) + r".*?" + re.escape(L_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated block ({L_BEGIN}) in the document")
+    return pattern.sub(lambda _: block, text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spec-check", type=Path, metavar="FILE", help="JSON written by `toolkv spec-check --json`"
+    )
+    p.add_argument(
+        "--layout",
+        action="store_true",
+        help="rewrite the layout measures (file sizes, import cycles, upward imports) in docs/architecture.md",
     )
     p.add_argument(
         "--json",
@@ -85,7 +104,30 @@ def load_summary(path: Path) -> tuple[dict[str, Any], str]:
         raise InputError(f"{path}: not `toolkv spec-check --json` output ({type(e).__name__}: {e})") from None
 
 
+def run_layout(args: argparse.Namespace) -> int:
+    from toolkv.tools.layout import block
+
+    if not ARCH_MD.is_file():
+        raise InputError(
+            f"no {ARCH_MD}: `toolkv docs --layout` rewrites the docs/ of a toolkv checkout; run it there"
+        )
+    before = ARCH_MD.read_text()
+    text = replace_layout_block(before, block())
+    ARCH_MD.write_text(text)
+    if args.json:
+        print(
+            json.dumps({"source": "toolkv", "written": [str(ARCH_MD)], "changed": text != before}, indent=2)
+        )
+    else:
+        print(f"{ARCH_MD.name}: layout measures regenerated")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "layout", False):
+        if args.spec_check is not None:
+            raise InputError("--layout and --spec-check are separate runs: give one")
+        return run_layout(args)
     if not SPEC_MD.is_file():  # an installed toolkv: there is no docs/ to regenerate
         raise InputError(
             f"no {SPEC_MD}: `toolkv docs` regenerates the docs/ of a toolkv checkout; run it there"

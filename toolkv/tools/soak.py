@@ -1,6 +1,6 @@
 """The CPU soak: toolkv's scheduler side and HTTP side in one process over sglang's REAL caches.
 
-Many agent sessions (``toolkv.tools.agent_workload``'s sessions, scaled to CPU-sized prompts) talk
+Many agent sessions (``toolkv.workload.plan``'s sessions, scaled to CPU-sized prompts) talk
 to toolkv's real FastAPI routes (``http_api.build_app``) through httpx's ASGI transport; the
 routes reach the scheduler side through a queue that the simulated scheduler loop drains once per
 iteration, in the order sglang's ``event_loop_normal`` runs (scheduler.py:1520):
@@ -63,7 +63,7 @@ from toolkv.sglang.http_api import ChannelTransport, build_app
 from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.sglang.tp import AgreedClock
-from toolkv.tools.agent_workload import SessionPlan, Workload, plan_session
+from toolkv.workload.plan import SessionPlan, Workload, plan_session
 
 StackKind = Literal["hiradix", "pin", "shadow", "unified"]
 STACKS: tuple[StackKind, ...] = ("hiradix", "pin", "shadow", "unified")

@@ -28,7 +28,7 @@ but not for the ratios). A file with no completed turn (a server that died) is l
 warning. A compact per-run table follows. ``--json`` then writes ``{"runs": {run: rows},
 "summary": rows}``.
 
-Standard library only.
+Standard library only (with :mod:`toolkv.workload.metrics`, which computes each run's row).
 """
 
 from __future__ import annotations
@@ -42,76 +42,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-class EmptyRun(ValueError):
-    """A result file without a single completed turn (the server died or never answered)."""
-
-
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return math.nan
-    ys = sorted(xs)
-    k = (len(ys) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
-
-
-def stats(res: dict[str, Any]) -> dict[str, Any]:
-    """Closed-load figures of one run, from its per-turn records."""
-    ok = [t for t in res["turns"] if t.get("status") == 200]
-    if not ok:
-        raise EmptyRun(f"{res['config']}: no completed turn")
-    ends = sorted(t["start_s"] + t["e2e_s"] for t in ok)
-    first = min(t["start_s"] for t in ok)
-    k = math.ceil(0.9 * len(ends))
-    t90 = ends[k - 1] - first
-    resumed = [t for t in ok if t["turn"] > 0]
-    prompt = sum(t["prompt_tokens"] for t in resumed)
-    cached = sum(min(t["cached_tokens"], t["prompt_tokens"]) for t in resumed)
-    calls: dict[str, int] = res["summary"].get("calls", {})
-    return {
-        "config": res["config"],
-        "turns": len(ok),
-        "t90_s": t90,
-        "makespan_s": ends[-1] - first,
-        "closed_turns_per_s": k / t90,
-        "resumed_turns": len(resumed),
-        "resumed_ttft_p50_s": _pct([t["ttft_s"] for t in resumed], 50),
-        "resumed_ttft_p90_s": _pct([t["ttft_s"] for t in resumed], 90),
-        "reuse": cached / prompt if prompt else 0.0,
-        "resumed_zero_cached": sum(1 for t in resumed if t["cached_tokens"] == 0),
-        "prefill_computed_tokens": sum(t["prompt_tokens"] - t["cached_tokens"] for t in ok),
-        "tool_start_refused": sum(
-            v for c, v in calls.items() if c.startswith("tool_start ") and c != "tool_start 200"
-        ),
-        "tool_end_refused": sum(
-            v for c, v in calls.items() if c.startswith("tool_end ") and c != "tool_end 200"
-        ),
-        "http_5xx": res["summary"].get("http_5xx", 0),
-        "by_answer": by_answer(res),
-    }
-
-
-def by_answer(res: dict[str, Any]) -> dict[str, list[int]]:
-    """Resumed turns split by what toolkv answered to the tool call before them (``tool_start``
-    status / ``tool_end`` status, ``-`` for no call): ``[turns, turns with 0 cached tokens]``.
-    Shows where the KV was lost: after an accepted restore, or after a refusal."""
-    start: dict[str, str] = {}
-    end: dict[str, str] = {}
-    out: dict[str, list[int]] = {}
-    for _t, sid, what in sorted(res.get("events", [])):
-        w = str(what).split()
-        if w[0] == "tool_start":
-            start[sid] = w[1]
-        elif w[0] == "tool_end":
-            end[sid] = w[1]
-        elif w[0] == "turn" and w[1] != "0":
-            cached = int(next(x for x in w if x.startswith("cached=")).split("=")[1])
-            key = f"{start.pop(sid, '-')} / {end.pop(sid, '-')}"
-            row = out.setdefault(key, [0, 0])
-            row[0] += 1
-            row[1] += cached == 0
-    return out
+# one run's closed-load figures (a row of the table) are the workload's metrics, shared with the twin
+from toolkv.workload.metrics import EmptyRun
+from toolkv.workload.metrics import closed_stats as stats
 
 
 def host_gb(config: str) -> str:

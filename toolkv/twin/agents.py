@@ -18,9 +18,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkv.tools.agent_metrics import Turn
-from toolkv.tools.agent_workload import SessionPlan
 from toolkv.twin.sessions import Sessions
+from toolkv.workload.metrics import Turn
+from toolkv.workload.plan import SessionPlan
 
 
 @dataclass

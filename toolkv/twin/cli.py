@@ -26,9 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from toolkv.tools.agent_workload import SHAPES, Workload
 from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
 from toolkv.twin.profile import profile_file
+from toolkv.workload.plan import SHAPES, Workload
 
 ACTIONS = ("run", "sweep", "speed", "l3", "fleet", "map")
 # l3 and fleet run the long-tool shape of issue 27 (toolkv.twin.fleet.long_workload); their defaults

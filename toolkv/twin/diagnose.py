@@ -59,8 +59,8 @@ def counts(a: argparse.Namespace, name: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
 
-    from toolkv.tools.agent_workload import Workload
     from toolkv.twin.cli import VALIDATED, add_arguments
+    from toolkv.workload.plan import Workload
 
     p = argparse.ArgumentParser(prog="python -m toolkv.twin.diagnose", description=__doc__.splitlines()[0])
     add_arguments(p)

@@ -46,8 +46,6 @@ import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from toolkv.tools.agent_metrics import summarize
-from toolkv.tools.agent_workload import Workload
 from toolkv.twin.agents import Agents
 from toolkv.twin.configs import TwinConfig, get
 from toolkv.twin.l3 import L3Config, L3Store, Link
@@ -56,6 +54,8 @@ from toolkv.twin.profile import TimeProfile
 from toolkv.twin.report import reuse
 from toolkv.twin.run import Options, Stalled, Twin
 from toolkv.twin.sessions import Sessions
+from toolkv.workload.metrics import summarize
+from toolkv.workload.plan import Workload
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Axes: sessions (a closed load: all start at once) × HiCache host pool GB × too
 run with several seeds (different sessions, prompts and tool durations). In every cell and seed
 the twin runs stock sglang, toolkv ``offload`` and ``auto`` at the cell's host size, and stock at
 4× that host (what more memory buys instead). Each run gives the value report's closed-load
-figures (``toolkv.tools.value_report.stats``: 90 % of the turns over the time they took, resumed
+figures (``toolkv.workload.metrics.closed_stats``: 90 % of the turns over the time they took, resumed
 turns' TTFT, reuse) and the offline bound on reuse (``--opt``); each configuration's ratios are
 taken against the stock run of the same seed, then summarised per cell as the median and range
 over seeds.
@@ -77,7 +77,7 @@ def tasks(
 
 
 def _workload(t: Task) -> Any:
-    from toolkv.tools.agent_workload import Workload
+    from toolkv.workload.plan import Workload
 
     return Workload(initial_sessions=t.sessions, tool_shape=t.shape, duration_s=DURATION_S[t.shape], seed=t.seed,
                     **LOAD)  # type: ignore[arg-type]  # fmt: skip
@@ -85,7 +85,7 @@ def _workload(t: Task) -> Any:
 
 def live_kv_bytes(t: Task, kv_bytes_per_token: int) -> float:
     """The KV the load holds live at its largest: every session's last context, in bytes."""
-    from toolkv.tools.agent_workload import make_plan
+    from toolkv.workload.plan import make_plan
 
     plan = make_plan(_workload(t))
     w = plan.workload
@@ -100,12 +100,12 @@ def run_task(t: Task) -> dict[str, Any]:
     # each worker is a fresh interpreter with its own single-process gloo group: its own port (the
     # parent's MASTER_PORT, inherited, may be taken by the parent's group)
     os.environ["MASTER_PORT"] = str(20_000 + os.getpid() % 30_000)
-    from toolkv.tools.value_report import stats
     from toolkv.twin.configs import REGIMES, get
     from toolkv.twin.profile import default_profile
     from toolkv.twin.report import result
     from toolkv.twin.run import Options, simulate
     from toolkv.twin.sessions import Sessions
+    from toolkv.workload.metrics import closed_stats
 
     name = "stock" if t.config == "stock4x" else t.config
     cfg = get(name).with_host_gb(t.host_gb * (4 if t.config == "stock4x" else 1))
@@ -114,7 +114,7 @@ def run_task(t: Task) -> dict[str, Any]:
     t0 = time.process_time()
     o = simulate(Sessions.lazy(w), cfg, prof, Options(device_tokens=REGIMES["constrained"]), progress=False)
     r = result(o, prof, window=(w.ramp_s, w.duration_s), opt=True)
-    s = stats(r)
+    s = closed_stats(r)
     opt = (r["twin"].get("opt") or {}).get("reuse")
     return {
         "sessions": t.sessions, "host_gb": t.host_gb, "tool_shape": t.shape, "seed": t.seed, "config": t.config,

@@ -1,5 +1,5 @@
 """The twin's JSON and report: the same JSON shape ``toolkv bench agent`` writes (so
-``agent_report``'s tables read it), plus what only a twin knows (leaks after evicting
+``toolkv.workload.report``'s tables read it), plus what only a twin knows (leaks after evicting
 everything, the optimal-retention bound, its own speed)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from toolkv.tools.agent_metrics import Turn, occupancy, summarize
-from toolkv.tools.agent_report import suite_table
 from toolkv.twin.configs import GPU_LABEL
 from toolkv.twin.opt import opt_reuse
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.run import Outcome
+from toolkv.workload.metrics import Turn, occupancy, summarize
+from toolkv.workload.report import suite_table
 
 
 def reuse(
@@ -122,7 +122,7 @@ def twin_table(results: list[dict[str, Any]]) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    """The benchmark's own table (``agent_report.suite_table``) and the twin's."""
+    """The benchmark's own table (``toolkv.workload.report.suite_table``) and the twin's."""
     return suite_table(results) + "\n\n" + twin_table(results)
 
 

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from toolkv.tools.agent_workload import Plan
 from toolkv.twin.agents import Agents
 from toolkv.twin.configs import TwinConfig
 from toolkv.twin.copies import TimedCopies
@@ -35,6 +34,7 @@ from toolkv.twin.profile import TimeProfile
 from toolkv.twin.scheduler import Batch, TwinScheduler
 from toolkv.twin.sessions import Sessions
 from toolkv.twin.stack import Stack, build
+from toolkv.workload.plan import Plan
 
 VOCAB = 128_256  # Llama-3.1-8B; the workload draws ids below 120,000
 

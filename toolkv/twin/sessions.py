@@ -1,4 +1,4 @@
-"""Where the twin's agents get their sessions: a drawn :class:`~toolkv.tools.agent_workload.Plan`,
+"""Where the twin's agents get their sessions: a drawn :class:`~toolkv.workload.plan.Plan`,
 or the same sessions drawn lazily, one when it starts, and dropped when it ends.
 
 ``make_plan`` draws every token of every session up front: an hour of 1,000 sessions is about 75
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from toolkv.tools.agent_workload import Plan, SessionPlan, Workload, plan_session
+from toolkv.workload.plan import Plan, SessionPlan, Workload, plan_session
 
 
 def session_starts(w: Workload) -> list[float]:

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from toolkv.tools.agent_metrics import Turn
 from toolkv.twin.report import reuse
+from toolkv.workload.metrics import Turn
 
 TARGETS = {"turns_per_s": 0.15, "reuse": 0.15, "resumed_ttft_p90_s": 0.25}
 

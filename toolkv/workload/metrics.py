@@ -11,6 +11,9 @@ is tested on CPU. The steady-state window is ``[window_start_s, window_end_s]`` 
   the turns over the time it took to complete them (``t90_s``, from the first turn's start; the
   last tenth waits mostly on the longest tool calls, not on the server).
 
+:func:`closed_stats` computes the closed-load figures from a recorded result's JSON (a row of the
+value table, ``toolkv.tools.value_report``, and a run of the twin's regime map).
+
 Standard library only (it runs on the GPU machine next to the server).
 """
 
@@ -121,4 +124,79 @@ def occupancy(samples: Sequence[Mapping[str, Any]], device_total: int | None) ->
         out[k] = {"mean": sum(xs) / len(xs), "max": max(xs)} if xs else None
     if device_total and out["device_used"]:
         out["device_used_share_mean"] = out["device_used"]["mean"] / device_total
+    return out
+
+
+# ---- closed-load figures of a recorded result (the value table and the regime map) -----------------
+class EmptyRun(ValueError):
+    """A result file without a single completed turn (the server died or never answered)."""
+
+
+def _interpolated_pct(xs: list[float], p: float) -> float:
+    """Percentile by linear interpolation between the nearest ranks (the value table's)."""
+    if not xs:
+        return math.nan
+    ys = sorted(xs)
+    k = (len(ys) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
+
+
+def closed_stats(res: dict[str, Any]) -> dict[str, Any]:
+    """Closed-load figures of one recorded run (the JSON ``toolkv bench agent`` writes, or the
+    twin's result in the same shape), from its per-turn records: the value table's row
+    (``toolkv.tools.value_report``) and the regime map's figures."""
+    ok = [t for t in res["turns"] if t.get("status") == 200]
+    if not ok:
+        raise EmptyRun(f"{res['config']}: no completed turn")
+    ends = sorted(t["start_s"] + t["e2e_s"] for t in ok)
+    first = min(t["start_s"] for t in ok)
+    k = math.ceil(0.9 * len(ends))
+    t90 = ends[k - 1] - first
+    resumed = [t for t in ok if t["turn"] > 0]
+    prompt = sum(t["prompt_tokens"] for t in resumed)
+    cached = sum(min(t["cached_tokens"], t["prompt_tokens"]) for t in resumed)
+    calls: dict[str, int] = res["summary"].get("calls", {})
+    return {
+        "config": res["config"],
+        "turns": len(ok),
+        "t90_s": t90,
+        "makespan_s": ends[-1] - first,
+        "closed_turns_per_s": k / t90,
+        "resumed_turns": len(resumed),
+        "resumed_ttft_p50_s": _interpolated_pct([t["ttft_s"] for t in resumed], 50),
+        "resumed_ttft_p90_s": _interpolated_pct([t["ttft_s"] for t in resumed], 90),
+        "reuse": cached / prompt if prompt else 0.0,
+        "resumed_zero_cached": sum(1 for t in resumed if t["cached_tokens"] == 0),
+        "prefill_computed_tokens": sum(t["prompt_tokens"] - t["cached_tokens"] for t in ok),
+        "tool_start_refused": sum(
+            v for c, v in calls.items() if c.startswith("tool_start ") and c != "tool_start 200"
+        ),
+        "tool_end_refused": sum(
+            v for c, v in calls.items() if c.startswith("tool_end ") and c != "tool_end 200"
+        ),
+        "http_5xx": res["summary"].get("http_5xx", 0),
+        "by_answer": by_answer(res),
+    }
+
+
+def by_answer(res: dict[str, Any]) -> dict[str, list[int]]:
+    """Resumed turns split by what toolkv answered to the tool call before them (``tool_start``
+    status / ``tool_end`` status, ``-`` for no call): ``[turns, turns with 0 cached tokens]``.
+    Shows where the KV was lost: after an accepted restore, or after a refusal."""
+    start: dict[str, str] = {}
+    end: dict[str, str] = {}
+    out: dict[str, list[int]] = {}
+    for _t, sid, what in sorted(res.get("events", [])):
+        w = str(what).split()
+        if w[0] == "tool_start":
+            start[sid] = w[1]
+        elif w[0] == "tool_end":
+            end[sid] = w[1]
+        elif w[0] == "turn" and w[1] != "0":
+            cached = int(next(x for x in w if x.startswith("cached=")).split("=")[1])
+            key = f"{start.pop(sid, '-')} / {end.pop(sid, '-')}"
+            row = out.setdefault(key, [0, 0])
+            row[0] += 1
+            row[1] += cached == 0
     return out

@@ -1,5 +1,5 @@
 """The agent-load results table in docs, generated from the JSON that ``toolkv bench agent``
-writes (``python -m toolkv.tools.agent_report FILE...``). Docs embed its output verbatim and a test
+writes (``python -m toolkv.workload.report FILE...``). Docs embed its output verbatim and a test
 checks they still agree, so a figure can never go stale."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from toolkv.tools.agent_metrics import REFUSALS, unexpected_5xx
+from toolkv.workload.metrics import REFUSALS, unexpected_5xx
 
 COLUMNS = (
     ("mode", "mode"),
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "suite":
         return suite_main(args[1:])
     if not args:
-        print("usage: python -m toolkv.tools.agent_report RESULTS.json...", file=sys.stderr)
+        print("usage: python -m toolkv.workload.report RESULTS.json...", file=sys.stderr)
         return 2
     missing = [a for a in args if not Path(a).is_file()]
     if missing:
@@ -230,7 +230,7 @@ def plots(root: Path, out: Path) -> list[Path]:
 def suite_main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m toolkv.tools.agent_report suite")
+    ap = argparse.ArgumentParser(prog="python -m toolkv.workload.report suite")
     ap.add_argument(
         "root", help="folder with constrained/ and plentiful/ results of scripts/gpu_agent_suite.sh"
     )
