@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from toolkv.core.compat import DECODE_OFFLOAD_FLAG, DECODE_RADIX_FLAG, decode_offload_reasons
+from toolkv.sglang.startup import DECODE_OFFLOAD_FLAG, DECODE_RADIX_FLAG, decode_offload_reasons
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from toolkv import __version__
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
-from toolkv.core.compat import decode_offload_reasons
 from toolkv.core.lifecycle import EXPIRING, HOLDING
 from toolkv.core.manager import ToolKVManager, make_backend
 from toolkv.core.treeops import Tree
@@ -29,7 +28,13 @@ from toolkv.sglang.metrics import ToolKVMetrics
 from toolkv.sglang.observe import DecisionLog
 from toolkv.sglang.replay import prior_epoch, replayed_tool_start
 from toolkv.sglang.sizing import host_pool, kv_bytes_per_token
-from toolkv.sglang.startup import SUPPORTED, fallback_warnings, flag_reasons, installed_sglang_version
+from toolkv.sglang.startup import (
+    SUPPORTED,
+    decode_offload_reasons,
+    fallback_warnings,
+    flag_reasons,
+    installed_sglang_version,
+)
 from toolkv.sglang.tp import AgreedClock
 
 log = logging.getLogger("toolkv")
