@@ -62,6 +62,15 @@ def test_no_import_cycles() -> None:
     assert module_cycles() == []
 
 
+def test_wire_errors_are_one_class_on_both_sides() -> None:
+    """The server raises them from ``toolkv.errors``; agents keep importing them from the client."""
+    from toolkv import client, errors
+
+    assert client.ToolKVUnavailable is errors.ToolKVUnavailable
+    assert client.SchedulerTimeout is errors.SchedulerTimeout
+    assert {"ToolKVUnavailable", "SchedulerTimeout"} <= set(client.__all__)
+
+
 def test_rules_have_no_cycle() -> None:
     """The map itself is a stack: the allowed imports form no loop."""
     seen: set[str] = set()

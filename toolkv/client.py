@@ -42,6 +42,9 @@ import httpx
 
 from toolkv import errors
 
+# the server answers these too (toolkv.sglang.http_api); re-exported here for agents
+from toolkv.errors import SchedulerTimeout, ToolKVUnavailable
+
 __all__ = [
     "DEFAULT_TOOL_CALL_DEADLINE_S",
     "NO_RETRY",
@@ -75,21 +78,6 @@ class Unauthorized(errors.ToolKVError):
 
     http_status = 401
     code = "unauthorized"
-
-
-class ToolKVUnavailable(errors.ToolKVError):
-    """The scheduler does not run toolkv (the HTTP side's handshake failed) or the server is
-    still starting."""
-
-    http_status = 503
-    code = "toolkv_unavailable"
-
-
-class SchedulerTimeout(errors.ToolKVError):
-    """No scheduler reply within the timeout. The operation may still take effect: check kv_meta."""
-
-    http_status = 504
-    code = "scheduler_timeout"
 
 
 _BY_CODE: dict[str, type[errors.ToolKVError]] = {

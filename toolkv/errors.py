@@ -91,6 +91,21 @@ class Draining(ToolKVError):
     code = "draining"
 
 
+class ToolKVUnavailable(ToolKVError):
+    """The scheduler does not run toolkv (the HTTP side's handshake failed) or the server is
+    still starting."""
+
+    http_status = 503
+    code = "toolkv_unavailable"
+
+
+class SchedulerTimeout(ToolKVError):
+    """No scheduler reply within the timeout. The operation may still take effect: check kv_meta."""
+
+    http_status = 504
+    code = "scheduler_timeout"
+
+
 class StartupRefused(SystemExit):
     """toolkv is enabled but cannot run: a bad ``TOOLKV_*`` value, a missing dependency, or an
     sglang release toolkv was not verified against. Stops the launch with ``message``.

@@ -39,8 +39,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from toolkv.client import SchedulerTimeout, ToolKVUnavailable
-from toolkv.errors import BadRequest, ToolKVError, UnsupportedMediaType
+from toolkv.errors import (
+    BadRequest,
+    SchedulerTimeout,
+    ToolKVError,
+    ToolKVUnavailable,
+    UnsupportedMediaType,
+)
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 
 log = logging.getLogger("toolkv")

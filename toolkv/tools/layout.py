@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "toolkv.core": {"toolkv", "toolkv.errors"},
     "toolkv.client": {"toolkv", "toolkv.errors"},
     "toolkv.testing": {"toolkv"},
-    "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.client"},
+    "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.core"},
     "toolkv.verify": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.testing"},
     # the twin drives the real caches (testing) and toolkv's scheduler side (sglang) under the
     # agent workload; only the command line (tools) imports it
