@@ -22,6 +22,31 @@ def test_architecture_diagrams_match_the_lifecycle_tables() -> None:
     assert _block(text, "tiers") == tier_diagram(), "run: toolkv diagram tiers"
 
 
+def test_architecture_map_is_the_layer_rules() -> None:
+    """docs/architecture.md's package table says, for every package, exactly what
+    ``toolkv.tools.layout.ALLOWED`` (the rules tests/test_layers.py enforces) lets it import."""
+    from toolkv.tools.layout import ALLOWED
+
+    text = (DOCS / "architecture.md").read_text()
+    rows = dict(re.findall(r"^\| `toolkv/([a-z_]+)(?:\.py|/)` \|.*\| ([^|]+) \|$", text, re.M))
+    assert set(rows) == {p.removeprefix("toolkv.") for p in ALLOWED if p != "toolkv"}, sorted(rows)
+    for pkg, cell in rows.items():
+        said = set(re.findall(r"`([a-z_]+)`", cell))
+        want = {p.removeprefix("toolkv.") for p in ALLOWED[f"toolkv.{pkg}"] if p != "toolkv"}
+        if cell.strip() == "anything":
+            assert pkg == "tools"
+            continue
+        assert said == want, f"{pkg}: the map says {sorted(said)}, the rules {sorted(want)}"
+
+
+def test_layout_measures_are_current() -> None:
+    """The layout block of docs/architecture.md is what the package measures now."""
+    from toolkv.tools.layout import BEGIN, END, block
+
+    text = (DOCS / "architecture.md").read_text()
+    assert text[text.index(BEGIN) : text.index(END) + len(END)] == block(), "run: toolkv docs --layout"
+
+
 # ---- operator docs ------------------------------------------------------------------------------
 ROOT = DOCS.parent
 OWN = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
