@@ -14,66 +14,13 @@ The pin and shadow backends copy synchronously: nothing is in flight after ``too
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
-
 import pytest
-import torch
+from _spec_steps import kv_intact, leak_free, spec_bounds, step
 
-from toolkv.core.treeops import attached, path_to, walk
-from toolkv.verify.refinement import Bounds, check_refinement_step
+from toolkv.core.treeops import attached, path_to
 from toolkv.verify.replayer import Replayer
 
-B = Bounds(
-    nodes=("n1", "n2", "n3"),
-    sessions=("a", "b"),
-    dev_slots=10**6,
-    host_slots=10**6,
-    max_time=10**6,
-    ttl=100,
-    max_epoch=10**6,
-    max_resets=10**6,
-)
-
-
-@pytest.fixture
-def stack(request: pytest.FixtureRequest) -> Iterator[Replayer]:
-    r = Replayer(B, backend=request.param, capacity="real", device_tokens=1024)
-    r.initial = r.h.accounting()  # type: ignore[attr-defined]
-    try:
-        yield r
-    finally:
-        r.close()
-
-
-def step(r: Replayer, act: Sequence[Any]) -> dict[str, Any]:
-    """One spec action; on a HiRadixCache also the spec's successor and properties must hold."""
-    pre = r.abstract()
-    res = r.apply(list(act), pre)
-    assert res.error is None, (act, res.error)
-    if r.backend_name == "hiradix":
-        assert not res.violations, (act, res.violations)
-        assert res.post is not None
-        mismatch = check_refinement_step(pre, res.post, list(act), B, fits=res.fits, slots=False)
-        assert not mismatch, f"{act} is not a spec step: {mismatch}"
-    return r.abstract()
-
-
-def kv_intact(r: Replayer, session: str) -> None:
-    """The session's whole path is on the device with exactly the bytes computed for its tokens."""
-    rec = r.mgr.sessions[session]
-    node, matched = walk(r.h.tree, rec.tokens)
-    assert matched == len(rec.tokens) and attached(r.h.tree, node)
-    r.h.scribble_unreferenced()
-    idx = torch.cat([m.value for m in path_to(r.h.tree, node)])
-    assert torch.equal(r.h.device_kv(idx).float(), r.h.expected_kv(list(rec.tokens)))
-
-
-def leak_free(r: Replayer) -> None:
-    for sid in list(r.mgr.sessions):
-        r.mgr.close(sid)
-    r.h.drain()
-    assert r.h.accounting() == r.initial  # type: ignore[attr-defined]
+BOUNDS = spec_bounds("n1", "n2", "n3")
 
 
 # ---- HiRadixCache ------------------------------------------------------------------------------------
@@ -84,9 +31,9 @@ def admitted(r: Replayer, s: str) -> dict[str, object]:
     return step(r, ["Unlock", r.abstract()["ref"][s]])
 
 
-@pytest.mark.parametrize("stack", ["hiradix"], indirect=True)
-def test_hiradix_split_during_the_write(stack: Replayer) -> None:
-    r = stack
+@pytest.mark.parametrize("replayer", ["hiradix"], indirect=True)
+def test_hiradix_split_during_the_write(replayer: Replayer) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n1"])
     st = step(r, ["ToolStart", "a"])
     assert st["phase"]["a"] == "Offloading" and st["writeKey"]["n1"] == "n1"
@@ -104,9 +51,9 @@ def test_hiradix_split_during_the_write(stack: Replayer) -> None:
     leak_free(r)
 
 
-@pytest.mark.parametrize("stack", ["hiradix"], indirect=True)
-def test_hiradix_split_during_the_load(stack: Replayer) -> None:
-    r = stack
+@pytest.mark.parametrize("replayer", ["hiradix"], indirect=True)
+def test_hiradix_split_during_the_load(replayer: Replayer) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n1"])
     step(r, ["ToolStart", "a"])
     step(r, ["WriteAck", "n1"])
@@ -124,9 +71,9 @@ def test_hiradix_split_during_the_load(stack: Replayer) -> None:
     leak_free(r)
 
 
-@pytest.mark.parametrize("stack", ["hiradix"], indirect=True)
-def test_hiradix_split_of_a_protected_host_copy(stack: Replayer) -> None:
-    r = stack
+@pytest.mark.parametrize("replayer", ["hiradix"], indirect=True)
+def test_hiradix_split_of_a_protected_host_copy(replayer: Replayer) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n1"])
     step(r, ["ToolStart", "a"])
     step(r, ["WriteAck", "n1"])
@@ -145,10 +92,10 @@ def test_hiradix_split_of_a_protected_host_copy(stack: Replayer) -> None:
 
 
 # ---- pin (plain RadixCache) --------------------------------------------------------------------------
-@pytest.mark.parametrize("stack", ["pin"], indirect=True)
+@pytest.mark.parametrize("replayer", ["pin"], indirect=True)
 @pytest.mark.parametrize("split", ["n1", "n2"], ids=["the pinned leaf", "a pinned ancestor"])
-def test_pin_split_keeps_the_path_pinned_and_returns_every_lock(stack: Replayer, split: str) -> None:
-    r = stack
+def test_pin_split_keeps_the_path_pinned_and_returns_every_lock(replayer: Replayer, split: str) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n2"])
     step(r, ["Insert", "a", "n2", "n1"])  # a's path: n2 -> n1
     step(r, ["ToolStart", "a"])  # pinned: one path lock from n1 up
@@ -166,9 +113,9 @@ def test_pin_split_keeps_the_path_pinned_and_returns_every_lock(stack: Replayer,
 
 
 # ---- shadow (plain RadixCache) -----------------------------------------------------------------------
-@pytest.mark.parametrize("stack", ["shadow"], indirect=True)
-def test_shadow_split_of_the_shared_prefix_while_the_branch_is_on_host(stack: Replayer) -> None:
-    r = stack
+@pytest.mark.parametrize("replayer", ["shadow"], indirect=True)
+def test_shadow_split_of_the_shared_prefix_while_the_branch_is_on_host(replayer: Replayer) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n1"])  # n1: the prefix a and b share
     step(r, ["Insert", "a", "n1", "n2"])  # a's own branch
     step(r, ["Insert", "b", "n1", "n3"])
@@ -184,9 +131,9 @@ def test_shadow_split_of_the_shared_prefix_while_the_branch_is_on_host(stack: Re
     leak_free(r)
 
 
-@pytest.mark.parametrize("stack", ["shadow"], indirect=True)
-def test_shadow_split_of_the_restored_branch(stack: Replayer) -> None:
-    r = stack
+@pytest.mark.parametrize("replayer", ["shadow"], indirect=True)
+def test_shadow_split_of_the_restored_branch(replayer: Replayer) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n1"])
     step(r, ["ToolStart", "a"])
     step(r, ["ToolEnd", "a", 1])  # a fresh node object holds the restored tokens

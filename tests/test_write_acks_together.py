@@ -10,52 +10,15 @@ does), and every step must still be the spec's successor; the old executor retir
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from _spec_steps import leak_free, spec_bounds, step
 
-import pytest
-
-from toolkv.verify.refinement import Bounds, check_refinement_step
 from toolkv.verify.replayer import Replayer
 
-B = Bounds(
-    nodes=("n1", "n2"),
-    sessions=("a", "b"),
-    dev_slots=10**6,
-    host_slots=10**6,
-    max_time=10**6,
-    ttl=100,
-    max_epoch=10**6,
-    max_resets=10**6,
-)
+BOUNDS = spec_bounds("n1", "n2")
 
 
-@pytest.fixture
-def r() -> Iterator[Replayer]:
-    rep = Replayer(B, backend="hiradix", capacity="real", device_tokens=1024)
-    initial = rep.h.accounting()
-    try:
-        yield rep
-        for sid in list(rep.mgr.sessions):
-            rep.mgr.close(sid)
-        rep.h.drain()
-        assert rep.h.accounting() == initial, "a lock, host reference or slot was not returned"
-    finally:
-        rep.close()
-
-
-def step(r: Replayer, act: Sequence[Any]) -> dict[str, Any]:
-    pre = r.abstract()
-    res = r.apply(list(act), pre)
-    assert res.error is None, (act, res.error)
-    assert not res.violations, (act, res.violations)
-    assert res.post is not None
-    mismatch = check_refinement_step(pre, res.post, list(act), B, fits=res.fits, slots=False)
-    assert not mismatch, f"{act} is not a spec step: {mismatch}"
-    return r.abstract()
-
-
-def test_writes_finished_together_are_retired_one_spec_step_at_a_time(r: Replayer) -> None:
+def test_writes_finished_together_are_retired_one_spec_step_at_a_time(replayer: Replayer) -> None:
+    r = replayer
     step(r, ["Insert", "a", "Root", "n1"])
     step(r, ["Insert", "b", "Root", "n2"])
     step(r, ["ToolStart", "a"])
@@ -74,3 +37,4 @@ def test_writes_finished_together_are_retired_one_spec_step_at_a_time(r: Replaye
     st = step(r, ["WriteAck", other])
     assert st["writeKey"] == {"n1": "NoNode", "n2": "NoNode"}
     assert st["phase"] == {"a": "Offloaded", "b": "Offloaded"}
+    leak_free(r)
