@@ -91,6 +91,6 @@ def test_a_new_command_is_listed_even_without_an_audience(monkeypatch: pytest.Mo
     from toolkv.tools import cli
 
     monkeypatch.setitem(
-        cli.SUBCOMMANDS, "doctor", ("toolkv.tools.diagram", "is toolkv on, and what it holds")
+        cli.SUBCOMMANDS, "inspect", ("toolkv.tools.diagram", "a command no audience row names yet")
     )
-    assert "other commands:\n  doctor" in cli.commands_help()
+    assert "other commands:\n  inspect" in cli.commands_help()

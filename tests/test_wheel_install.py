@@ -1,5 +1,5 @@
 """The built wheel, installed with pip into a fresh virtual environment without sglang, torch or
-the test extras (what ``pip install toolkv`` gives on a machine that only runs the CLI): every
+the test extras (what installing toolkv's wheel gives on a machine that only runs the CLI): every
 command runs once and ends with its result or a one-line error, never a traceback; a command
 whose dependencies are missing names the extra to install.
 
@@ -100,12 +100,21 @@ def test_every_command_once(installed: Installed, tmp_path: Path) -> None:
     cases: list[tuple[list[str], int, list[str]]] = [
         (["--version"], 0, ["toolkv 0.1.0"]),
         (["--help"], 0, ["spec-check", "trace-check"]),
-        (["demo"], 2, ["toolkv demo: error: needs", "pip install 'toolkv[sglang]'"]),
-        (["fuzz", "--examples", "1"], 2, ["toolkv fuzz: error: needs", "pip install 'toolkv["]),
-        (["bench", "overhead"], 2, ["toolkv bench: error: needs", "pip install 'toolkv[sglang]'"]),
-        (["bench", "transfer", "--device", "cuda"], 2, ["pip install 'toolkv[sglang]'"]),
+        (
+            ["demo"],
+            2,
+            ["toolkv demo: error: needs", "pip install 'dist/toolkv-0.1.0-py3-none-any.whl[sglang]'"],
+        ),
+        (
+            ["fuzz", "--examples", "1"],
+            2,
+            ["toolkv fuzz: error: needs", "pip install 'dist/toolkv-0.1.0-py3-none-any.whl["],
+        ),
+        (["bench", "overhead"], 2, ["toolkv bench: error: needs", "toolkv-0.1.0-py3-none-any.whl[sglang]'"]),
+        (["bench", "transfer", "--device", "cuda"], 2, ["toolkv-0.1.0-py3-none-any.whl[sglang]'"]),
         (["bench", "agent", "--url", "http://127.0.0.1:9", "--out", "a.json"], 2, ["no healthy server at"]),
-        (["fuzz-http", "http://127.0.0.1:9", "--session", "s"], 2, ["toolkv[test]"]),
+        (["fuzz-http", "http://127.0.0.1:9", "--session", "s"], 2, ["toolkv-0.1.0-py3-none-any.whl[test]"]),
+        (["doctor", "http://127.0.0.1:9"], 2, ["toolkv doctor: error: needs httpx", "whl[client]'"]),
         (["trace-check", "notes.txt"], 2, ["toolkv trace-check: error: notes.txt: line 1 is not JSON"]),
         (["diagram", "sessions"], 0, ["stateDiagram"]),
         (["spec-check", "--list"], 0, ["mut_HostLockLeak"]),
@@ -137,7 +146,7 @@ def test_installed_trace_check_accepts_a_campaign_trace(installed: Installed, tm
     """End to end (slow: the campaign needs sglang, here in the test environment): a trace the
     checkout's fuzz campaign wrote is a spec behaviour for the installed ``toolkv trace-check``."""
     from toolkv.tools.fuzz_cli import campaign
-    from toolkv.verify.tla import find_jar
+    from toolkv.verify.tla.tlc import find_jar
 
     r = campaign(examples=1, steps=6, seed=3, profile="ci", trace_dir=tmp_path)
     assert r["failure"] is None

@@ -50,13 +50,16 @@ __all__ = [
     "NO_RETRY",
     "AsyncToolKVClient",
     "DeadlineExceeded",
+    "DrainStatus",
     "HTTPFailure",
+    "HeldSession",
     "KVMeta",
     "NoReply",
     "Outcome",
     "RetryPolicy",
     "SchedulerTimeout",
     "ServerMeta",
+    "ServerStatus",
     "ServerUnreachable",
     "ToolCall",
     "ToolKVClient",
@@ -92,6 +95,7 @@ _BY_CODE: dict[str, type[errors.ToolKVError]] = {
         errors.HostMemoryFull,
         errors.Unsupported,
         errors.DeviceMemoryFull,
+        errors.Draining,
         ToolKVUnavailable,
         SchedulerTimeout,
         Unauthorized,
@@ -214,6 +218,7 @@ REFUSALS = frozenset(
         errors.SessionKVLost.code,
         errors.HostMemoryFull.code,
         errors.DeviceMemoryFull.code,
+        errors.Draining.code,  # the operator drains the server: the tool runs without toolkv
     }
 )
 
@@ -290,6 +295,88 @@ class ServerMeta:
             counters=dict(d.get("counters", {})),
             raw=d,
         )
+
+
+@dataclass(frozen=True)
+class DrainStatus:
+    """``POST /session/drain``'s answer (and part of :class:`ServerStatus`): whether new tool calls
+    are refused, and what is still held. ``drained``: draining and nothing held any more, so
+    toolkv can be switched off or sglang upgraded without cutting a tool call off."""
+
+    draining: bool
+    drained: bool
+    held_sessions: int
+    held_tokens: int
+    drain_refused: int
+    drain_since: float | None
+    states: dict[str, int]
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DrainStatus:
+        since = d.get("drain_since")
+        return cls(
+            draining=bool(d.get("draining", False)),
+            drained=bool(d.get("drained", False)),
+            held_sessions=int(d.get("held_sessions") or 0),
+            held_tokens=int(d.get("held_tokens") or 0),
+            drain_refused=int(d.get("drain_refused") or 0),
+            drain_since=None if since is None else float(since),
+            states=dict(d.get("states") or {}),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True)
+class HeldSession:
+    """A session that holds KV in :class:`ServerStatus`: its record, and the seconds left before
+    its TTL releases it (None: no TTL runs, e.g. a restore in flight)."""
+
+    meta: KVMeta
+    ttl_left_s: float | None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HeldSession:
+        left = d.get("ttl_left_s")
+        return cls(meta=KVMeta.from_json(d), ttl_left_s=None if left is None else float(left))
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """``GET /session/status`` (``toolkv doctor``): toolkv's and sglang's releases, the backend,
+    every setting in force, the drain, sessions by state and those that hold KV (soonest expiry
+    first, at most the ``limit`` asked for; ``drain.held_sessions`` counts them all)."""
+
+    version: str
+    sglang: str
+    backend: str
+    tp_size: int
+    settings: dict[str, Any]
+    sessions: int
+    states: dict[str, int]
+    counters: dict[str, int]
+    drain: DrainStatus
+    held: list[HeldSession]
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ServerStatus:
+        try:
+            return cls(
+                version=str(d.get("version", "")),
+                sglang=str(d.get("sglang", "")),
+                backend=str(d.get("backend", "")),
+                tp_size=int(d.get("tp_size") or 1),
+                settings=dict(d.get("settings") or {}),
+                sessions=int(d.get("sessions") or 0),
+                states=dict(d.get("states") or {}),
+                counters=dict(d.get("counters") or {}),
+                drain=DrainStatus.from_json(d),
+                held=[HeldSession.from_json(h) for h in d.get("held") or ()],
+                raw=d,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise HTTPFailure(f"the answer is not toolkv's status ({type(e).__name__}: {e})") from None
 
 
 class ToolKVNotRunning(ToolKVUnavailable):
@@ -542,6 +629,7 @@ class _Base:
     retry: RetryPolicy
     tool_call_deadline_s: float
     _epochs: dict[str, int]
+    _said_not_running: bool = False  # tool_call has logged a server without toolkv (see _quiet)
 
     def _note(self, data: dict[str, Any]) -> None:
         """Remember the latest epoch per session (tool_start's ``prior_epoch``)."""
@@ -551,6 +639,17 @@ class _Base:
                 self._epochs.pop(sid, None)
             else:
                 self._epochs[sid] = epoch
+
+    def _quiet(self, err: errors.ToolKVError) -> bool:
+        """Whether :meth:`ToolCall._failed` logs ``err`` at DEBUG instead of WARNING: a server
+        without toolkv (:class:`ToolKVNotRunning`) is said once per client at WARNING. Once an
+        operator switches toolkv off (``TOOLKV_ENABLE=0``) every tool call gets that answer, and an
+        agent's log should say so once, not once per tool call."""
+        if not isinstance(err, ToolKVNotRunning):
+            return False
+        said = self._said_not_running
+        self._said_not_running = True
+        return said
 
 
 # What one side of a tool call came to: ``accepted`` (toolkv answered; the record says what it did),
@@ -595,7 +694,7 @@ class ToolCall:
         else:
             self.end, self.end_outcome = meta, "accepted"
 
-    def _failed(self, op: str, err: errors.ToolKVError) -> None:
+    def _failed(self, op: str, err: errors.ToolKVError, *, quiet: bool = False) -> None:
         self.failures.append(err)
         outcome: Outcome = (
             "deadline_exceeded"
@@ -608,7 +707,7 @@ class ToolCall:
             self.start_outcome = outcome
         else:
             self.end_outcome = outcome
-        level = logging.DEBUG if outcome == "refused" else logging.WARNING
+        level = logging.DEBUG if outcome == "refused" or quiet else logging.WARNING
         log.log(
             level, "toolkv %s for session %s: %s (%s); the agent goes on", op, self.session_id, err.code, err
         )
@@ -729,6 +828,18 @@ class ToolKVClient(_Base):
     def server_meta(self) -> ServerMeta:
         return ServerMeta.from_json(self._call("kv_meta", "GET", "/session/kv_meta"))
 
+    def server_status(self, *, limit: int | None = None) -> ServerStatus:
+        """The operator's view (``GET /session/status``): read-only, retried like ``kv_meta``.
+        ``limit``: how many of the sessions that hold KV to list (server default 20, at most 1000)."""
+        params = None if limit is None else {"limit": limit}
+        return ServerStatus.from_json(self._call("kv_meta", "GET", "/session/status", params=params))
+
+    def drain(self, on: bool = True) -> DrainStatus:
+        """Start (``on``) or end the drain (``POST /session/drain``); idempotent, so an operator
+        sends it again rather than have it retried. While draining the server refuses new tool
+        calls with :class:`toolkv.errors.Draining` (``tool_call`` runs the tool anyway)."""
+        return DrainStatus.from_json(self._call("drain", "POST", "/session/drain", body={"drain": on}))
+
     def close_session(self, session_id: str) -> KVMeta:
         return _as_meta(
             self._call("close", "POST", "/session/close", session_id=session_id,
@@ -765,7 +876,7 @@ class ToolKVClient(_Base):
                 "tool_start", self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=limit)
             )
         except errors.ToolKVError as e:
-            call._failed("tool_start", e)
+            call._failed("tool_start", e, quiet=self._quiet(e))
         try:
             yield call
         finally:
@@ -908,6 +1019,13 @@ class AsyncToolKVClient(_Base):
     async def server_meta(self) -> ServerMeta:
         return ServerMeta.from_json(await self._call("kv_meta", "GET", "/session/kv_meta"))
 
+    async def server_status(self, *, limit: int | None = None) -> ServerStatus:
+        params = None if limit is None else {"limit": limit}
+        return ServerStatus.from_json(await self._call("kv_meta", "GET", "/session/status", params=params))
+
+    async def drain(self, on: bool = True) -> DrainStatus:
+        return DrainStatus.from_json(await self._call("drain", "POST", "/session/drain", body={"drain": on}))
+
     async def close_session(self, session_id: str) -> KVMeta:
         return _as_meta(
             await self._call("close", "POST", "/session/close", session_id=session_id,
@@ -933,7 +1051,7 @@ class AsyncToolKVClient(_Base):
                 await self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=limit),
             )
         except errors.ToolKVError as e:
-            call._failed("tool_start", e)
+            call._failed("tool_start", e, quiet=self._quiet(e))
         try:
             yield call
         finally:

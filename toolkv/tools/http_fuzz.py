@@ -132,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         import schemathesis
     except ImportError:
-        print("toolkv fuzz-http: needs schemathesis (pip install 'toolkv[test]')", file=sys.stderr)
+        from toolkv.tools.cli import install_hint
+
+        print(f"toolkv fuzz-http: error: needs schemathesis, which is not installed here: {install_hint('schemathesis')}",
+              file=sys.stderr)  # fmt: skip
         return 2
     import httpx
     from schemathesis.core.errors import LoaderError
