@@ -72,3 +72,52 @@ def test_a_kept_session_scrapes_as_kept_then_zero(tk: Any) -> None:
     got = scrape(reg)
     assert got["Kept"] == 0 and got[meta["state"]] == 1
     assert sum(got.values()) == 1 == t.manager.kv_meta()["sessions"]
+
+
+def _families(registry: CollectorRegistry) -> dict[str, list[Any]]:
+    text = generate_latest(registry).decode()
+    return {fam.name: fam.samples for fam in text_string_to_metric_families(text)}
+
+
+def test_every_series_exists_at_zero_from_the_start() -> None:
+    """Before any refresh or decision: every family has its series, all at 0, so a dashboard shows
+    0 instead of "no data" and ``increase()`` sees the first event of a server's life."""
+    from toolkv.sglang.metrics import DECISION_SERIES, EVENTS, GAUGES, TOKEN_KINDS
+
+    reg = CollectorRegistry()
+    ToolKVMetrics(LABELS, registry=reg)
+    fams = _families(reg)
+    for name in ("toolkv:sessions", *(f"toolkv:{g}" for g in GAUGES), "toolkv:decisions", "toolkv:events",
+                 "toolkv:tokens", "toolkv:offload_seconds", "toolkv:restore_seconds", "toolkv:offload_bytes",
+                 "toolkv:restore_bytes"):  # fmt: skip
+        assert fams.get(name), f"{name} has no series at start-up"
+        values = [s.value for s in fams[name] if not s.name.endswith("_created")]
+        assert values and all(v == 0 for v in values), (name, values)
+    label = {s.labels.get("event") for s in fams["toolkv:events"]}
+    assert set(EVENTS) <= label and {"lost", "expired", "l3_prefetch_short"} <= label
+    assert {s.labels.get("kind") for s in fams["toolkv:tokens"]} >= set(TOKEN_KINDS)
+    got = {(s.labels.get("op"), s.labels.get("outcome")) for s in fams["toolkv:decisions"]}
+    assert set(DECISION_SERIES) <= got and ("tool_start", "host_memory_full") in got
+
+
+def test_every_counter_the_code_names_is_created_at_start() -> None:
+    """Each ``counters["name"]`` the manager and its backends count is exported from the start
+    (``EVENTS`` or, for ``*_tokens``, ``TOKEN_KINDS``): a counter added later without a line there
+    fails here rather than appearing only at its first increment."""
+    import re
+    from pathlib import Path
+
+    import toolkv
+    from toolkv.sglang.metrics import EVENTS, TOKEN_KINDS
+
+    root = Path(toolkv.__file__).parent
+    named = set()
+    for path in [*root.glob("core/**/*.py"), *root.glob("sglang/*.py")]:
+        named |= set(re.findall(r'counters\["([a-z0-9_]+)"\]', path.read_text()))
+    assert named, "no counter found: the pattern no longer matches the code"
+    missing = {
+        n
+        for n in named
+        if (n[: -len("_tokens")] not in TOKEN_KINDS if n.endswith("_tokens") else n not in EVENTS)
+    }
+    assert not missing, f"add to toolkv.sglang.metrics.EVENTS / TOKEN_KINDS: {sorted(missing)}"
