@@ -240,3 +240,16 @@ def test_fallback_warning_cases() -> None:
     assert fallback_warnings("0.5.16", plain, {"TOOLKV_FALLBACK": "shadow"}) == []
     assert fallback_warnings("0.5.16", SimpleNamespace(enable_hierarchical_cache=True), {}) == []
     assert fallback_warnings("0.5.23", plain, {}) == []  # refused there (a required flag), not warned
+
+
+def test_a_missing_dependency_names_the_wheel_not_a_package_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No index has toolkv, so the refusal names the requirement and the wheel built from a checkout."""
+    from toolkv.errors import StartupRefused
+    from toolkv.sglang import startup
+
+    monkeypatch.setattr(startup, "missing_dependencies", lambda: ["transitions>=0.9,<0.10"])
+    with pytest.raises(StartupRefused) as ei:
+        startup.check_dependencies()
+    msg = ei.value.message
+    assert "pip install 'transitions>=0.9,<0.10'" in msg and "pip install toolkv," not in msg
+    assert "dist/toolkv-0.1.0-py3-none-any.whl" in msg and "python -m pip wheel --no-deps -w dist ." in msg

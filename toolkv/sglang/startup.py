@@ -174,11 +174,18 @@ def missing_dependencies(names: Iterable[str] = DEPENDENCIES) -> list[str]:
 
 
 def check_dependencies() -> None:
+    """Refuse to start without toolkv's own runtime dependencies, naming how to get them. No
+    package index has toolkv: it is installed from the wheel built in a checkout (README,
+    "Operating it"), which brings them unless it was installed with ``--no-deps``."""
     missing = missing_dependencies()
     if missing:
+        from toolkv import __version__
+
+        wheel = f"dist/toolkv-{__version__}-py3-none-any.whl"
         raise StartupRefused(
-            f"missing dependencies {missing}: install toolkv with its dependencies "
-            f"(pip install toolkv, not --no-deps) or pip install {' '.join(repr(m) for m in missing)}"
+            f"missing dependencies {missing}: pip install {' '.join(repr(m) for m in missing)}, or install "
+            f"toolkv's wheel with its dependencies (pip install {wheel}, without --no-deps; the wheel is "
+            "built in a toolkv checkout with: python -m pip wheel --no-deps -w dist .)"
         )
 
 
