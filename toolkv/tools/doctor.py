@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -164,7 +165,10 @@ def render(url: str, st: Any) -> str:
             f"{int(raw.get('device_locked_tokens') or 0):,} locked"
         )
     settings = " ".join(f"{k}={v}" for k, v in st.settings.items() if k != "enable")
-    lines.append(f"  settings:  {settings}")
+    lines.append(
+        textwrap.fill(settings, width=100, initial_indent="  settings:  ", subsequent_indent=" " * 13,
+                      break_long_words=False, break_on_hyphens=False)
+    )  # fmt: skip
     return "\n".join(lines)
 
 
