@@ -27,8 +27,9 @@ Run against a server (``TOOLKV_ENABLE=1``; add ``TOOLKV_ZERO_CHANGE=1`` for that
 
     python examples/agent_openai.py --base-url http://127.0.0.1:30000 --model MODEL --mode kv_hints
 
-Needs ``pip install openai 'toolkv[client]'``. ``tests/test_agent_example_0523.py`` runs all three
-modes in CI against a CPU stand-in of an sglang 0.5.23 server.
+Needs ``pip install openai 'dist/toolkv-0.1.0-py3-none-any.whl[client]'`` (toolkv's wheel with its
+client extra, built in a checkout: README, "Operating it"). ``tests/test_agent_example_0523.py`` runs
+all three modes in CI against a CPU stand-in of an sglang 0.5.23 server.
 """
 
 from __future__ import annotations

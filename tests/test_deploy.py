@@ -83,7 +83,9 @@ def exported() -> dict[str, set[str]]:
 
 def manager_events() -> set[str]:
     """events_total{event}: the manager's counter names (its source is the one list there is)."""
-    src = (ROOT / "toolkv" / "core" / "manager.py").read_text()
+    src = "\n".join(
+        f.read_text() for f in sorted((ROOT / "toolkv" / "core").rglob("*.py"))
+    )  # any module of it
     names = {n for n in re.findall(r'counters\["([a-z0-9_]+)"\]', src) if not n.endswith("_tokens")}
     return names | set(re.findall(r'counters\[f"([a-z_]+)\{', src))  # prefixes: decision_, reason_
 
