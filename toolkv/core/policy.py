@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Literal
 
@@ -307,6 +307,30 @@ class Pressure:
             )
 
 
+def with_queued(pressure: Pressure, queued_tokens: int) -> Pressure:
+    """``pressure`` with what queued requests will need taken off the spare device room: a pin
+    must leave it free, or a kept session is paid for by somebody else's recompute."""
+    if pressure.device_spare_tokens is None:
+        return pressure
+    return replace(pressure, device_spare_tokens=max(0, pressure.device_spare_tokens - queued_tokens))
+
+
+def keep_fits(pressure: Pressure, kv_tokens: int, device_reserve: float) -> bool:
+    """The keep rule, the one copy of it: pinning ``kv_tokens`` more on the GPU must leave
+    ``device_reserve`` of the pool *free* after what running requests were promised and queued
+    requests will need (``device_spare_tokens``, see :func:`with_queued`), or free and evictable
+    when the backend cannot tell promised tokens apart. Evictable cache does not count where it
+    can be told apart: it is other sessions' KV, and a pin taken from it under load is a prefix
+    somebody else recomputes. :func:`decide` keeps by it, the manager's early restore goes only
+    into the room it leaves, and kv_hints' ``retain`` keeps by it."""
+    spare = (
+        pressure.device_available_tokens
+        if pressure.device_spare_tokens is None
+        else min(pressure.device_spare_tokens, pressure.device_available_tokens)
+    )
+    return spare - kv_tokens >= device_reserve * pressure.device_total_tokens
+
+
 @dataclass(frozen=True)
 class Decision:
     """What to do with one session's KV at ``tool_start``, and why."""
@@ -392,12 +416,7 @@ def decide(
         return made("let_go", "no_kv")
 
     short = expected <= config.keep_max_s
-    spare = (
-        pressure.device_available_tokens
-        if pressure.device_spare_tokens is None
-        else min(pressure.device_spare_tokens, pressure.device_available_tokens)
-    )
-    device_fits = spare - kv_tokens >= config.device_reserve * pressure.device_total_tokens
+    device_fits = keep_fits(pressure, kv_tokens, config.device_reserve)
     host_fits = pressure.host_available_tokens >= (
         kv_tokens if host_need_tokens is None else host_need_tokens
     )

@@ -19,6 +19,7 @@ from toolkv.errors import StartupRefused
 if TYPE_CHECKING:  # imported lazily: the plugin entry point must load without toolkv's dependencies,
     # so that it can name the missing one instead of sglang's loader swallowing an ImportError
     from toolkv.core.manager import ManagerConfig
+    from toolkv.core.policy import PolicyConfig
 
 Fallback = Literal["pin", "shadow"]
 
@@ -181,6 +182,43 @@ def _unknown_message(found: list[tuple[str, str | None]]) -> str:
     return "; ".join(parts) + ". Known: see docs/operations.md, 'Enable'"
 
 
+# ToolKVConfig's fields that are ``PolicyConfig``'s, with how each is read: (kind, lower bound). The
+# bounds here are the parser's; PolicyConfig checks the rest (quantiles strictly inside 0..1, the
+# reserve at most 1, the prior's median within the durations it models) and its refusal is
+# reported under the variable's name.
+POLICY_KNOBS: dict[str, tuple[Literal["float", "int"], float]] = {
+    "prior_median_s": ("float", 0.0),
+    "prior_sigma": ("float", 0.0),
+    "prior_weight": ("float", 0.0),
+    "keep_max_s": ("float", 0.0),
+    "keep_quantile": ("float", 0.0),
+    "device_reserve": ("float", 0.0),
+    "min_offload_tokens": ("int", 0),
+    "prefetch_quantile": ("float", 0.0),
+    "prefetch_margin_s": ("float", 0.0),
+    "max_tools": ("int", 1),
+}
+
+
+def _policy_knobs(env: Mapping[str, str]) -> dict[str, Any]:
+    """The per-call policy's ``TOOLKV_*`` knobs, parsed and validated as ``PolicyConfig`` would
+    take them; a refusal names the variable and the value."""
+    from toolkv.core.policy import PolicyConfig
+
+    out: dict[str, Any] = {}
+    for name, (kind, lo) in POLICY_KNOBS.items():
+        var = f"TOOLKV_{name.upper()}"
+        default = getattr(ToolKVConfig, name)
+        out[name] = _int(env, var, default, lo=int(lo)) if kind == "int" else _float(env, var, default, lo=lo)
+    try:
+        PolicyConfig(**out)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0].removeprefix("PolicyConfig.")
+        var = f"TOOLKV_{field.upper()}"
+        raise ValueError(f"{var}={env.get(var)!r}: {str(exc).split(' ', 1)[1]}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class ToolKVConfig:
     """Everything the plugin reads from the environment (see ``docs/operations.md``).
@@ -224,6 +262,19 @@ class ToolKVConfig:
     # TOOLKV_SESSION_HEADER: an HTTP header whose value labels a request that has no session_id in
     # its body (lower-cased; "" = off): X-SMG-Routing-Key behind sglang's router
     session_header: str = ""
+    # The per-call policy's knobs (TOOLKV_POLICY=auto; toolkv.core.policy.PolicyConfig, whose
+    # defaults these are, docs/policy.md): the duration prior of an unseen tool, the keep rule, the
+    # early restore's timing, the bound on per-tool statistics
+    prior_median_s: float = 0.6  # TOOLKV_PRIOR_MEDIAN_S: an unseen tool's median duration
+    prior_sigma: float = 1.5  # TOOLKV_PRIOR_SIGMA: its log-space spread (the heavy tail)
+    prior_weight: float = 2.0  # TOOLKV_PRIOR_WEIGHT: observations the prior counts for
+    keep_max_s: float = 2.0  # TOOLKV_KEEP_MAX_S: keep a call on the GPU only if expected shorter
+    keep_quantile: float = 0.75  # TOOLKV_KEEP_QUANTILE: the duration quantile the keep test uses
+    device_reserve: float = 0.10  # TOOLKV_DEVICE_RESERVE: pool share a keep must leave free
+    min_offload_tokens: int = 256  # TOOLKV_MIN_OFFLOAD_TOKENS: below, let go rather than offload
+    prefetch_quantile: float = 0.5  # TOOLKV_PREFETCH_QUANTILE: when the early restore aims to finish
+    prefetch_margin_s: float = 0.05  # TOOLKV_PREFETCH_MARGIN_S: how much before that it starts
+    max_tools: int = 4096  # TOOLKV_MAX_TOOLS: tools whose duration statistics are kept (LRU)
 
     @classmethod
     def variables(cls) -> frozenset[str]:
@@ -326,7 +377,14 @@ class ToolKVConfig:
             l3=_bool(e, "TOOLKV_L3", True),
             l3_read_tokens_per_s=_float(e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, lo=1.0),
             session_header=_header(e, "TOOLKV_SESSION_HEADER"),
+            **_policy_knobs(e),
         )
+
+    def policy_config(self) -> PolicyConfig:
+        """The per-call policy's knobs as ``toolkv.core.policy.PolicyConfig`` (which validates them)."""
+        from toolkv.core.policy import PolicyConfig
+
+        return PolicyConfig(**{name: getattr(self, name) for name in POLICY_KNOBS})
 
     def describe(self) -> dict[str, Any]:
         """The effective configuration, for the start-up log line and ``kv_meta``."""
@@ -348,4 +406,5 @@ class ToolKVConfig:
             idle_ttl_s=self.idle_ttl_s,
             l3=self.l3,
             l3_read_tokens_per_s=self.l3_read_tokens_per_s,
+            policy_config=self.policy_config(),
         )

@@ -244,15 +244,10 @@ def _apply_tool_start(tk: SchedulerToolKV, sid: str, action: HintAction) -> dict
 
 
 def _device_room_for(tk: SchedulerToolKV, kv_tokens: int) -> bool:
-    """The policy's keep rule (policy.decide): after pinning, the pool's ``device_reserve`` must
-    stay free after what running requests were promised and queued requests will need."""
-    m = tk.manager
-    p = m.backend.pressure()
-    spare = p.device_available_tokens
-    if p.device_spare_tokens is not None:
-        spare = min(max(0, p.device_spare_tokens - int(m.queued_demand())), p.device_available_tokens)
-    reserve = m.config.policy_config.device_reserve * p.device_total_tokens
-    return spare - kv_tokens >= reserve
+    """The policy's keep rule (``policy.keep_fits``, the one the per-call policy keeps by): after
+    pinning, the pool's ``device_reserve`` must stay free after what running requests were
+    promised and queued requests will need."""
+    return tk.manager.keep_fits(kv_tokens)
 
 
 def _apply_retain(tk: SchedulerToolKV, sid: str, action: HintAction) -> dict[str, Any]:

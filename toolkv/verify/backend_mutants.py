@@ -1,9 +1,10 @@
-"""Seeded defects applied from outside the production code: subclasses of the real manager and
-backends that put a fixed bug back, for tests that must fail on it (mutation testing). Named as in
-the spec's BUG constant. Nothing in ``toolkv.core`` or ``toolkv.sglang`` imports this module.
+"""Seeded defects applied from outside the production code: subclasses of the real session
+machine and backends that put a fixed bug back, for tests that must fail on it (mutation
+testing). Named as in the spec's BUG constant. Nothing in ``toolkv.core`` or ``toolkv.sglang``
+imports this module.
 
-Each defect overrides one small production method that holds the correct behaviour (the manager's
-``_epoch_matches``, ``_node_current``, ...; the backends' ``_take_host_protection``,
+Each defect overrides one small production method that holds the correct behaviour (the session
+machine's ``_epoch_matches``, ``_node_current``, ...; the backends' ``_take_host_protection``,
 ``_free_candidate_ready``, ...), so the defective variant is a few lines and the production method
 bodies exist once. :func:`mutant_manager` builds a manager (and, when it builds the backend too,
 the backend) with any set of defects switched on, by composing these subclasses; the mutation
@@ -20,14 +21,16 @@ from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.backends.hiradix import HiRadixBackend, StorageCopy
 from toolkv.core.backends.unified import UnifiedBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
+from toolkv.core.result import SessionView
 from toolkv.core.session import SessionRecord
+from toolkv.core.session.machine import SessionMachine
 from toolkv.core.treeops import Tree, TreeNode
 from toolkv.errors import DeviceMemoryFull
 
 # ---- manager defects --------------------------------------------------------------------------------
 
 
-class HostLockLeakManager(ToolKVManager):
+class HostLockLeakMachine(SessionMachine):
     """Caveat 1 (``HostLockLeak``): a refused restore gives the session up without releasing its
     host protection."""
 
@@ -37,18 +40,18 @@ class HostLockLeakManager(ToolKVManager):
         rec.state = "Expired"
 
 
-class DoubleLoadManager(ToolKVManager):
+class DoubleLoadMachine(SessionMachine):
     """Caveat 2 (``DoubleLoad``): a retried tool_end of a restoring session issues a second load
     for a node already loading."""
 
-    def _tool_end_not_offloaded(self, rec: SessionRecord) -> dict[str, object]:
+    def _tool_end_not_offloaded(self, rec: SessionRecord) -> SessionView:
         if rec.state == "Restoring":
             self.backend.restore(rec)
             return self._meta(rec)
         return super()._tool_end_not_offloaded(rec)
 
 
-class StaleNodeManager(ToolKVManager):
+class StaleNodeMachine(SessionMachine):
     """Caveat 5 (``StaleNode``): the session's node is used without checking that it is still in
     the current tree."""
 
@@ -56,14 +59,14 @@ class StaleNodeManager(ToolKVManager):
         return True
 
 
-class NoTtlManager(ToolKVManager):
+class NoTtlMachine(SessionMachine):
     """Caveat 6 (``NoTtl``): the TTL sweep never runs."""
 
     def ttl_sweep(self) -> int:
         return 0
 
 
-class FreeBeforeAckManager(ToolKVManager):
+class FreeBeforeAckMachine(SessionMachine):
     """Caveat 7 (``FreeBeforeAck``, manager half): tool_start frees the GPU copies at once, with
     the writes still in flight (the backend half skips the per-node ack check)."""
 
@@ -71,14 +74,14 @@ class FreeBeforeAckManager(ToolKVManager):
         return True
 
 
-class NoEpochCheckManager(ToolKVManager):
+class NoEpochCheckMachine(SessionMachine):
     """``NoEpochCheck``: tool_end ignores the epoch, so a late tool_end of an older call acts."""
 
     def _epoch_matches(self, rec: SessionRecord, epoch: int) -> bool:
         return True
 
 
-class EpochReuseManager(ToolKVManager):
+class EpochReuseMachine(SessionMachine):
     """``EpochReuse``: expiry resets the epoch, so an old epoch becomes valid again."""
 
     def _expire(self, rec: SessionRecord) -> None:
@@ -86,7 +89,7 @@ class EpochReuseManager(ToolKVManager):
         rec.epoch = 0
 
 
-class DemoteKeepsRefManager(ToolKVManager):
+class DemoteKeepsRefMachine(SessionMachine):
     """``DemoteKeepsRef`` (policy): a demoted session keeps its host protection — released in
     name, protected in fact, and the host budget never recovers."""
 
@@ -94,7 +97,7 @@ class DemoteKeepsRefManager(ToolKVManager):
         return None
 
 
-class EarlyKeptManager(ToolKVManager):
+class EarlyKeptMachine(SessionMachine):
     """``EarlyKept`` (policy): an early restore counts as done at any load ack, before its own
     load is acknowledged, so a kept session may be served KV still in flight."""
 
@@ -102,7 +105,7 @@ class EarlyKeptManager(ToolKVManager):
         return True
 
 
-class KeepFullTtlManager(ToolKVManager):
+class KeepFullTtlMachine(SessionMachine):
     """``KeepFullTtl`` (keep TTL): a kept session is armed with the full TTL of a host protection,
     so a client that vanished mid-call pins the GPU for the TTL, not the keep TTL."""
 
@@ -110,7 +113,7 @@ class KeepFullTtlManager(ToolKVManager):
         return self.config.ttl_s
 
 
-class WarmFullTtlManager(ToolKVManager):
+class WarmFullTtlMachine(SessionMachine):
     """``WarmFullTtl`` (keep TTL): an early restore that becomes Kept keeps the offload's full-TTL
     deadline instead of the keep TTL."""
 
@@ -118,7 +121,7 @@ class WarmFullTtlManager(ToolKVManager):
         return None
 
 
-class EarlyReleaseManager(ToolKVManager):
+class EarlyReleaseMachine(SessionMachine):
     """``EarlyRelease`` (the manager before the hand-over): a restored or kept session lets go of
     its pin at the load ack / tool_end, so while its next request waits in sglang's queue the KV
     it was restored for may be evicted."""
@@ -189,20 +192,27 @@ class EarlyRunnableMixin:
         return True
 
 
-MANAGER_MUTANTS: dict[str, type[ToolKVManager]] = {
-    "HostLockLeak": HostLockLeakManager,
-    "DoubleLoad": DoubleLoadManager,
-    "StaleNode": StaleNodeManager,
-    "NoTtl": NoTtlManager,
-    "FreeBeforeAck": FreeBeforeAckManager,
-    "NoEpochCheck": NoEpochCheckManager,
-    "EpochReuse": EpochReuseManager,
-    "DemoteKeepsRef": DemoteKeepsRefManager,
-    "EarlyKept": EarlyKeptManager,
-    "EarlyRelease": EarlyReleaseManager,
-    "KeepFullTtl": KeepFullTtlManager,
-    "WarmFullTtl": WarmFullTtlManager,
+# defect -> the session machine that seeds it (a manager runs it as its ``machine_class``)
+MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
+    "HostLockLeak": HostLockLeakMachine,
+    "DoubleLoad": DoubleLoadMachine,
+    "StaleNode": StaleNodeMachine,
+    "NoTtl": NoTtlMachine,
+    "FreeBeforeAck": FreeBeforeAckMachine,
+    "NoEpochCheck": NoEpochCheckMachine,
+    "EpochReuse": EpochReuseMachine,
+    "DemoteKeepsRef": DemoteKeepsRefMachine,
+    "EarlyKept": EarlyKeptMachine,
+    "EarlyRelease": EarlyReleaseMachine,
+    "KeepFullTtl": KeepFullTtlMachine,
+    "WarmFullTtl": WarmFullTtlMachine,
 }
+
+
+def _manager_running(name: str, machine: type[SessionMachine]) -> type[ToolKVManager]:
+    """The manager class whose session machine is ``machine``."""
+    return type(name + "Manager", (ToolKVManager,), {"machine_class": machine})
+
 
 # backend class -> defect -> the mixin that seeds it there
 BACKEND_MUTANTS: dict[type, dict[str, type]] = {
@@ -232,7 +242,8 @@ def manager_class(caveats: frozenset[str]) -> type[ToolKVManager]:
     bases = tuple(MANAGER_MUTANTS[c] for c in sorted(caveats) if c in MANAGER_MUTANTS)
     if not bases:
         return ToolKVManager
-    return type("".join(sorted(c for c in caveats if c in MANAGER_MUTANTS)) + "Manager", bases, {})
+    name = "".join(sorted(c for c in caveats if c in MANAGER_MUTANTS))
+    return _manager_running(name, type(name + "Machine", bases, {}))
 
 
 @cache
@@ -333,7 +344,7 @@ class ReleaseDropsPinBackend(HiRadixBackend):
         self._l3.pop(rec.session_id, None)
 
 
-class RestoreBeforeStoreAckManager(ToolKVManager):
+class RestoreBeforeStoreAckMachine(SessionMachine):
     """``RestoreBeforeStoreAck`` (manager half): a tool_end while the session's store is in flight
     takes the store for done, gives up the host protection as a whole ``StoreAck`` would, and
     reads the session back from storage instead of from its host copy (``_store_left_for_host``)."""
@@ -341,6 +352,7 @@ class RestoreBeforeStoreAckManager(ToolKVManager):
     def _store_left_for_host(self, rec: SessionRecord) -> bool:
         self._storing.pop(rec.session_id, None)
         self.backend.release_protection(rec)
+        rec.l3 = "stored"  # taken for done, as a whole StoreAck would leave it
         return False
 
 
@@ -357,7 +369,10 @@ class RestoreBeforeStoreAckBackend(HiRadixBackend):
 
 # storage-tier defect -> (manager class, HiRadix backend class) that seed it
 STORAGE_MUTANTS: dict[str, tuple[type[ToolKVManager], type[HiRadixBackend]]] = {
-    "RestoreBeforeStoreAck": (RestoreBeforeStoreAckManager, RestoreBeforeStoreAckBackend),
+    "RestoreBeforeStoreAck": (
+        _manager_running("RestoreBeforeStoreAck", RestoreBeforeStoreAckMachine),
+        RestoreBeforeStoreAckBackend,
+    ),
     "TrustShortAck": (ToolKVManager, TrustShortAckBackend),
     "ReleaseDropsPin": (ToolKVManager, ReleaseDropsPinBackend),
 }

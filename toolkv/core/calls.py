@@ -1,0 +1,174 @@
+"""The call policies: what a tool call's ``tool_start`` does with the session's KV.
+
+A call policy owns the decision among the spec's ``ToolStart``, ``Keep`` and ``LetGo`` and what is
+done when the chosen action cannot be taken (its fallbacks); the session machine
+(``toolkv.core.session.machine``) only takes the action it is told. Two ship:
+
+* :class:`Offload` — every tool call offloads (``ToolStart``), demoting offloaded sessions
+  predicted back later when the host is full; a 507 when none can yield.
+* :class:`Auto` — the per-call policy of ``toolkv.core.policy.decide`` (docs/policy.md): keep a
+  short call's KV on the GPU when the device has spare room by the keep rule
+  (``policy.keep_fits``), offload a long one with an early restore timed to its predicted return,
+  let tiny or unaffordable KV go. Fallbacks: a keep whose path is not all resident offloads; an
+  offload the host cannot take (nothing to demote) lets go.
+
+Both remember the call (tool, start time, decision and reason) on the record, for the duration
+model at tool_end and for kv_meta. Everything here is deterministic: it runs on every
+tensor-parallel rank with the same inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Protocol
+
+from toolkv.core.policy import Decision, Pressure, decide, keep_fits, with_queued
+from toolkv.core.result import SessionView
+from toolkv.core.session.machine import SessionMachine
+from toolkv.core.session.phases import OFFLOADED, Phase
+from toolkv.core.session.record import SessionRecord
+from toolkv.core.treeops import path_to
+from toolkv.errors import HostMemoryFull, WrongState
+
+log = logging.getLogger("toolkv")
+
+
+class CallPolicy(Protocol):
+    """Decides and takes one tool call's ``tool_start`` on the session machine."""
+
+    name: str
+
+    def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
+        """``tool``/``expected_s`` are validated hints (the tool's name, the client's estimate)."""
+        ...
+
+
+class _Calls:
+    """What both policies share: noting the call on the record, and the keep rule's inputs."""
+
+    name = ""
+
+    def __init__(self, machine: SessionMachine) -> None:
+        self.m = machine
+
+    def note(self, rec: SessionRecord, tool: str | None, d: Decision) -> None:
+        """Remember the tool call (for the duration model at tool_end) and the decision taken; arm
+        the early restore an offload decision asked for (policy ``auto``, ``prefetch`` on)."""
+        m = self.m
+        rec.tool, rec.tool_started_at, rec.call_open = tool, m.now, True
+        rec.decision, rec.reason, rec.expected_s = d.action, d.reason, d.expected_s
+        m.counters[f"decision_{d.action}"] += 1
+        m.counters[f"reason_{rec.reason}"] += 1
+        m._touch(rec)
+        if d.prefetch_after_s is not None and m.config.prefetch and rec.state in OFFLOADED:
+            m.timers.arm_prefetch(rec, m.now + d.prefetch_after_s)
+        log.debug(
+            "tool_start %s tool=%s decision=%s reason=%s expected=%.2fs",
+            rec.session_id,
+            tool,
+            rec.decision,
+            rec.reason,
+            rec.expected_s,
+        )
+
+    def returns_at(self, tool: str | None, hint: float | None) -> float:
+        """When the call is expected back: the client's hint, else the tool's median."""
+        return self.m.now + (hint if hint is not None else self.m.durations.median(tool))
+
+
+def keep_fits_now(m: SessionMachine, kv_tokens: int) -> bool:
+    """The keep rule (``policy.keep_fits``) on the device as it is now, queued requests counted:
+    whether pinning ``kv_tokens`` more leaves the policy's reserve free."""
+    p = with_queued(m.backend.pressure(), int(m.queued_demand()))
+    return keep_fits(p, kv_tokens, m.config.policy_config.device_reserve)
+
+
+class Offload(_Calls):
+    """Every tool call offloads (spec ``ToolStart``)."""
+
+    name = "offload"
+
+    def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
+        m = self.m
+        rec = m._get(session_id)
+        hint = None if expected_s is None else float(expected_s)
+        expected = hint if hint is not None else m.durations.median(tool)
+        # a full host demotes offloaded sessions predicted back after this one, not a 507
+        m.tool_start(session_id, demote=True, returns_at=m.now + expected)
+        self.note(rec, tool, Decision("offload", "policy_offload", expected, 0.0, None))
+        return m.view(rec)  # with the decision and its reason, as the per-call policy answers
+
+
+class Auto(_Calls):
+    """The per-call policy: keep, offload or let go, by ``policy.decide``."""
+
+    name = "auto"
+
+    def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
+        m = self.m
+        rec = m._get(session_id)
+        if rec.state != Phase.RUNNING:
+            raise WrongState(
+                f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        node = m._live_node(rec)
+        if node is None:
+            return self._let_go(rec, tool, Decision("let_go", "no_kv", float(expected_s or 0.0), 0.0, None))
+        rec.node, rec.tree_gen = node, m.tree_gen
+        hint = None if expected_s is None else float(expected_s)
+        kv_tokens = sum(len(n.key) for n in path_to(m.tree, node))
+        sized = m.caps.host_sized
+        host_need = int(sized.host_need(node)) if sized is not None else kv_tokens
+        d = decide(
+            kv_tokens=kv_tokens,
+            tool=tool,
+            expected_s=hint,
+            pressure=self.pressure(session_id, tool, hint, host_need),
+            model=m.durations,
+            config=m.config.policy_config,
+            restore_tokens_per_s=m.restore_rate,
+            host_need_tokens=host_need,
+        )
+        back = self.returns_at(tool, hint)
+        if d.action == "keep" and m.backend.keep(rec, node):
+            m._kept(rec)
+            self.note(rec, tool, d)
+            return m.view(rec)
+        if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
+            try:
+                m.tool_start(session_id, demote=True, returns_at=back)
+            except HostMemoryFull:
+                return self._let_go(
+                    rec, tool, Decision("let_go", "host_full", float(expected_s or 0.0), 0.0, None)
+                )
+            reason = d.reason if d.action == "offload" else "not_resident"
+            self.note(rec, tool, Decision("offload", reason, d.expected_s, d.restore_s, d.prefetch_after_s))
+            return m.view(rec)
+        return self._let_go(rec, tool, d)
+
+    def _let_go(self, rec: SessionRecord, tool: str | None, d: Decision) -> SessionView:
+        self.m._let_go(rec)
+        self.note(rec, tool, d)
+        return self.m.view(rec)
+
+    def pressure(self, session_id: str, tool: str | None, hint: float | None, kv_tokens: int) -> Pressure:
+        """The backend's pressure, queued requests counted, with the host room that demotions
+        could make counted as room: the protected tokens of offloaded sessions predicted back
+        later than this call would be (they are worth less on the host than this one). ``decide``
+        only asks whether the host can take ``kv_tokens`` (what the offload would add), so the
+        scan over sessions runs only when it cannot already."""
+        m = self.m
+        p = with_queued(m.backend.pressure(), int(m.queued_demand()))
+        if p.host_available_tokens >= kv_tokens:
+            return p
+        demotable = m.demotable_tokens(session_id, self.returns_at(tool, hint))
+        if not demotable:
+            return p
+        return replace(p, host_available_tokens=min(p.host_total_tokens, p.host_available_tokens + demotable))
+
+
+def call_policies(machine: SessionMachine) -> dict[str, CallPolicy]:
+    """Every call policy over ``machine``, by the name ``ManagerConfig.policy`` and a call's
+    ``policy`` use."""
+    return {p.name: p for p in (Offload(machine), Auto(machine))}

@@ -1,0 +1,297 @@
+"""The L3 storage tier's sub-machine (``spec/storage/StorageTier.tla``): its phases, its transition
+table, and the session machine's actions on it.
+
+An ``Offloaded`` session's copy can go down to sglang's storage backend
+(``--hicache-storage-backend``) instead of being dropped when the host must make room. The session
+stays ``Offloaded`` in the main machine (a protected copy below the GPU, left by tool_end, the TTL,
+close or a tree reset) and ``rec.l3`` says where that copy is, in the storage spec's phases:
+
+=========== ==================== =========================================================
+``rec.l3``  StorageTier.tla      meaning
+=========== ==================== =========================================================
+``""``      Offloaded            on its protected host copy (or not offloaded at all)
+storing     Storing              ``Store``: written to L3, the host copy still protected
+stored      Stored               ``StoreAck`` whole: host protection released, L3 copy kept
+fetching    Prefetching          ``StoragePrefetch``: sglang reads it back, the copy pinned
+=========== ==================== =========================================================
+
+``rec.l3_then`` says what a fetch leads to at its ack: the restore of a tool_end (``"tool_end"``)
+or an early restore (``"prefetch"``). Every move of ``rec.l3`` goes through :func:`fire_l3`, which
+refuses one that :data:`L3_TRANSITIONS` (the spec's relation, checked against TLC's state graph by
+``model_tests/test_l3_table.py``) or :data:`L3_OUTSIDE` does not have. Every answer read off an
+asynchronous event is agreed across TP ranks inside the backend (``store_ack`` and
+``prefetch_ack`` read sglang's lockstep queues, drained with an all-reduce MIN), and the calls run
+in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from toolkv.core.capabilities import StorageTier
+from toolkv.core.lifecycle import IllegalTransition, Row, fire, relation
+from toolkv.core.result import SessionView
+from toolkv.core.session.core import MachineCore, log
+from toolkv.core.session.phases import Phase
+from toolkv.core.session.record import SessionRecord
+from toolkv.errors import DeviceMemoryFull, WrongState
+
+
+class L3(StrEnum):
+    """Where an offloaded session's copy is, relative to the storage tier (``rec.l3``)."""
+
+    NONE = ""
+    STORING = "storing"
+    STORED = "stored"
+    FETCHING = "fetching"
+
+
+#: StorageTier.tla's phase of each sub-phase; every other spec phase is :attr:`L3.NONE`
+SPEC_PHASE: dict[L3, str] = {L3.STORING: "Storing", L3.STORED: "Stored", L3.FETCHING: "Prefetching"}
+
+
+def of_spec_phase(phase: str) -> L3:
+    """The sub-phase of a StorageTier.tla phase (``Offloaded``, ``Running``, ... are NONE)."""
+    return next((k for k, v in SPEC_PHASE.items() if v == phase), L3.NONE)
+
+
+_IN_L3 = (L3.STORING, L3.STORED, L3.FETCHING)
+
+#: The sub-machine's moves, by the StorageTier.tla action that makes them (snake_case). Equal to
+#: the relation TLC's state graph of the storage spec projects onto the sub-phases.
+L3_TRANSITIONS: tuple[Row, ...] = (
+    ("store", L3.NONE, L3.STORING),  # the host must make room: write the host copy to L3
+    ("store_ack", L3.STORING, L3.STORED),  # whole: the host protection goes, the L3 copy is kept
+    ("store_ack", L3.STORING, L3.NONE),  # short: never restored from; back on the host copy
+    ("tool_end_from_host", (L3.STORING, L3.STORED), L3.NONE),  # the host copy is whole: read it
+    ("storage_prefetch", L3.STORED, L3.FETCHING),  # tool_end (or an early restore) reads L3
+    ("prefetch_ack", L3.FETCHING, L3.NONE),  # read back to host (or nothing came back)
+    ("expire", _IN_L3, L3.NONE),  # the TTL releases the copy
+    ("close", _IN_L3, L3.NONE),
+)
+
+#: Moves made by ToolKV.tla actions that StorageTier.tla does not model (its sessions are never
+#: demoted and its tree is never reset): the copy's protection goes with the session's.
+L3_OUTSIDE: tuple[Row, ...] = (
+    ("demote", _IN_L3, L3.NONE),
+    ("tree_reset", _IN_L3, L3.NONE),
+)
+
+_REL = relation(L3_TRANSITIONS) | relation(L3_OUTSIDE)
+
+
+def fire_l3(rec: SessionRecord, trigger: str, dest: L3) -> None:
+    """Move ``rec.l3`` to ``dest`` through the StorageTier.tla action ``trigger``; a move the
+    tables do not have is a bug (``IllegalTransition``)."""
+    src = L3(rec.l3)
+    if (src, dest, trigger) not in _REL:
+        raise IllegalTransition(f"{trigger}: l3 {src.value!r} -> {dest.value!r} is not in the L3 table")
+    rec.l3 = dest.value
+
+
+class L3Tier(MachineCore):
+    """The session machine's actions on the storage tier."""
+
+    def _storage(self) -> StorageTier:
+        storage = self.caps.storage
+        assert storage is not None, "an L3 action on a backend without a storage tier"
+        return storage
+
+    def _storage_on(self) -> bool:
+        storage = self.caps.storage
+        return bool(self.config.l3 and storage is not None and storage.storage_enabled())
+
+    def _l3_release(self, rec: SessionRecord, why: str) -> None:
+        """The session's protection ends (``why``: the action) and with it its L3 sub-phase."""
+        fire_l3(rec, why, L3.NONE)
+
+    # ---- Store, StoreAck ------------------------------------------------------------------------------
+    def can_store(self, rec: SessionRecord) -> bool:
+        return rec.state == Phase.OFFLOADED and not rec.l3 and self._storage_on()
+
+    def store(self, session_id: str) -> SessionView:
+        """Spec ``Store`` of the storage tier on its own: write an ``Offloaded`` session's protected
+        host copy to L3; the host copy stays protected until a whole ``StoreAck``, which the tick
+        takes. It is what the host-room rule does to a victim (``_yield_host``), callable as
+        ``demote`` is, so that the storage-tier conformance replay and fuzz campaign can take the
+        spec's ``Store`` step through the manager. Refused (``WrongState``) unless the session is
+        ``Offloaded`` on its host copy and a storage tier is on; a backend that cannot store it now
+        (a host write in flight, no page hashes, a backend that evicts on its own) changes nothing
+        (``l3_store_refused``)."""
+        rec = self._get(session_id)
+        if not self.can_store(rec):
+            raise WrongState(
+                f"store needs an Offloaded session on its host copy and a storage tier; {session_id!r} is "
+                f"{rec.state}" + (f" ({rec.l3})" if rec.l3 else ""),
+                state=rec.state,
+            )
+        self._store(rec)
+        return self.view(rec)
+
+    def _yield_host(self, session_id: str) -> None:
+        """Make host room with one victim: with a storage tier, Store its host copy to L3 (the host
+        copy goes only after the StoreAck; if sglang holds every page already the ack comes at
+        once); else, or if the backend refuses or cuts the write short, ``demote`` (drop) it."""
+        rec = self.sessions[session_id]
+        if self._storage_on() and self._store(rec) and rec.l3:
+            return
+        self.demote(session_id)
+
+    def _store(self, rec: SessionRecord) -> bool:
+        """Spec ``Store`` (then ``StoreAck`` at once if nothing is in flight). False: refused,
+        nothing changed."""
+        if not self._storage().store(rec):
+            self.counters["l3_store_refused"] += 1
+            return False
+        fire_l3(rec, "store", L3.STORING)
+        self._storing[rec.session_id] = rec
+        self.counters["l3_store"] += 1
+        self._store_ack(rec)
+        return True
+
+    def _store_ack(self, rec: SessionRecord) -> bool | None:
+        """Spec ``StoreAck``: whole → the copy lives in L3 (``stored``); short → the session stays
+        on its protected host copy (never restored from an incomplete write). None: in flight."""
+        got = self._storage().store_ack(rec)
+        if got is None:
+            return None
+        del self._storing[rec.session_id]
+        if got:
+            fire_l3(rec, "store_ack", L3.STORED)
+            self.counters["demoted_l3"] += 1
+            self.counters["l3_stored_tokens"] += rec.offload_tokens
+            if rec.prefetch_at != float("inf"):  # the early restore now reads L3 first: start sooner
+                lead = rec.offload_tokens / self.config.l3_read_tokens_per_s
+                self.timers.arm_prefetch(rec, max(self.now, rec.prefetch_at - lead))
+            log.debug("session %s demoted to L3", rec.session_id)
+        else:
+            fire_l3(rec, "store_ack", L3.NONE)
+            self.counters["l3_store_short"] += 1
+        return got
+
+    # ---- ToolEnd from L3: StoragePrefetch, ToolEndFromHost --------------------------------------------
+    def _fetch(self, rec: SessionRecord, then: str) -> str:
+        """Spec ``ToolEnd`` of a stored session (``then`` = "tool_end") or an early restore of one
+        ("prefetch"): ``storage_prefetch``. "host": the host copy was still there and is protected
+        again (the caller restores from it); "prefetching": sglang reads it into the host pool,
+        :meth:`process_storage_acks` goes on at its ack; "refused": retried at the next tick."""
+        rid = f"toolkv-l3:{rec.session_id}:{rec.epoch}:{self.timers.next_seq()}"  # the same on every rank
+        got: str = self._storage().storage_prefetch(rec, rid)
+        rec.l3_then = then
+        rec.prefetch_at = float("inf")  # the read is the early restore, or tool_end came first
+        if got == "host":
+            fire_l3(rec, "tool_end_from_host", L3.NONE)
+            rec.l3_then = ""
+            self._fetching.pop(rec.session_id, None)
+            self.counters["l3_from_host"] += 1
+            return got
+        self._fetching[rec.session_id] = rec  # "refused" stays "stored": retried by the tick
+        if got == "prefetching":
+            fire_l3(rec, "storage_prefetch", L3.FETCHING)
+            rec.restore_started_at = self.now
+            self.counters["l3_prefetch"] += 1
+        else:
+            self.counters["l3_prefetch_refused"] += 1
+        return got
+
+    def _tool_end_l3(self, rec: SessionRecord) -> bool:
+        """tool_end of a session with an L3 copy. True: handled here (the restore goes on at the
+        prefetch's ack); False: the host copy is protected, restore from it as usual."""
+        if rec.l3 == L3.STORING and self._store_left_for_host(rec):  # ToolEndFromHost
+            return False
+        if rec.l3_then == "tool_end":  # this call's tool_end was accepted already
+            raise WrongState(
+                f"tool_end already accepted; {rec.session_id!r} is being restored from L3", state=rec.state
+            )
+        if rec.l3 == L3.FETCHING:  # an early restore from L3 is reading: it becomes the restore
+            rec.l3_then = "tool_end"
+        elif self._fetch(rec, "tool_end") == "host":
+            return False
+        self._observe_call(rec)
+        self.counters["tool_end"] += 1
+        self.counters["tool_end_l3"] += 1
+        return True
+
+    def _l3_prefetch(self, rec: SessionRecord) -> bool:
+        """The early restore (spec ``Prefetch``) of a session with an L3 copy. True: handled here
+        (a storage prefetch, then the host→GPU prefetch at its ack)."""
+        if rec.l3 == L3.STORING and self._store_left_for_host(rec):  # prefetch from the host copy
+            return False
+        if rec.l3 == L3.FETCHING or rec.l3_then:
+            raise WrongState(f"session {rec.session_id!r} is being read from L3 already", state=rec.state)
+        return self._fetch(rec, "prefetch") != "host"
+
+    def _store_left_for_host(self, rec: SessionRecord) -> bool:
+        """A session whose store is still in flight is read back from its host copy, which is whole
+        and still protected, and the store is let go (spec ``ToolEndFromHost`` from ``Storing``):
+        never from a storage copy whose write is not acknowledged whole (``RestoreSourceWhole``;
+        mutant ``RestoreBeforeStoreAck`` reads it). True: restore from the host copy."""
+        self._storage().drop_storage(rec)
+        self._storing.pop(rec.session_id, None)
+        fire_l3(rec, "tool_end_from_host", L3.NONE)
+        return True
+
+    # ---- StoreAck, PrefetchAck (the tick) -------------------------------------------------------------
+    def process_storage_acks(self) -> int:
+        """Once per tick on every rank: ``StoreAck`` of the stores in flight, ``PrefetchAck`` of the
+        prefetches (then the host→GPU restore, or the early restore), and the prefetches of
+        released sessions (``poll_storage``: their pins end at their own acks). Returns how many
+        acks were taken."""
+        storage = self._storage()
+        n = 0
+        for rec in list(self._storing.values()):
+            if self._store_ack(rec) is not None:
+                n += 1
+        for rec in list(self._fetching.values()):
+            if rec.l3 == L3.STORED:  # sglang refused the prefetch last time: ask again
+                then = rec.l3_then
+                if self._fetch(rec, then) == "host":
+                    self._after_fetch(rec, then)
+                continue
+            got = storage.prefetch_ack(rec)
+            if got is None:
+                continue
+            n += 1
+            then = rec.l3_then
+            del self._fetching[rec.session_id]
+            fire_l3(rec, "prefetch_ack", L3.NONE)
+            rec.l3_then = ""
+            if got:
+                self.counters["l3_restored"] += 1
+            else:  # a page was missing: restore what came back, the next turn recomputes the rest
+                self.counters["l3_prefetch_short"] += 1
+                if not storage.protect_host_prefix(rec):
+                    self._nothing_came_back(rec, then)
+                    continue
+            self._after_fetch(rec, then)
+        n += storage.poll_storage()
+        return n
+
+    def _after_fetch(self, rec: SessionRecord, then: str) -> None:
+        """The session's copy is on host again, protected: restore it to the GPU (tool_end), or
+        start the early restore (prefetch). A device that cannot take it leaves the session
+        Offloaded on its protected host copy: the early restore is tried again later; the
+        tool_end's restore is left to sglang's own load-back of the next request or the TTL."""
+        whole = rec.offload_tokens
+        try:
+            if then == "tool_end":
+                self._restore_from_host(rec)
+                if rec.restore:
+                    rec.recompute_tokens = max(rec.recompute_tokens, whole - self._path_tokens(rec))
+            else:
+                self.prefetch(rec.session_id)
+        except DeviceMemoryFull:
+            rec.admit_pending = False  # nothing to hand over: the request runs on what sglang has
+            if then != "tool_end":
+                self.counters["prefetch_deferred"] += 1
+                self._defer_prefetch(rec, 0.25)
+
+    def _nothing_came_back(self, rec: SessionRecord, then: str) -> None:
+        """A prefetch that read no page: nothing is held; the next turn recomputes it all."""
+        self.backend.release(rec)
+        self._settle(rec, "prefetch_ack")
+        rec.admit_pending = False
+        fire(rec, "demote", Phase.RELEASED)
+        if then == "tool_end":
+            fire(rec, "tool_end", Phase.RUNNING)
+        rec.recompute_tokens, rec.restored_tokens, rec.restore = rec.offload_tokens, 0, "recompute"

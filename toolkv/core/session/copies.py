@@ -1,0 +1,269 @@
+"""The copy path of ``spec/ToolKV.tla``: ``ToolStart``, ``WriteAck``, ``ToolEnd``, ``LoadAck`` and
+the early restore ``Prefetch`` — the actions that move a session's KV GPU→host and back.
+
+Each action is a method named as the spec's (``ToolStart`` → :meth:`tool_start`); ``can_<action>``
+is the part of its guard that reads the session's phase alone (what a caller may ask before
+calling). The rest of a guard needs the tree (is the KV still there, does the device have room)
+and is checked inside the action, which raises before changing anything when it fails.
+"""
+
+from __future__ import annotations
+
+from toolkv.core.lifecycle import fire
+from toolkv.core.policy import keep_fits, with_queued
+from toolkv.core.result import SessionView
+from toolkv.core.session.core import MachineCore, log
+from toolkv.core.session.phases import OFFLOADED, Phase
+from toolkv.core.session.record import SessionRecord
+from toolkv.core.timers import Timers
+from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, WrongState
+
+
+class CopyActions(MachineCore):
+    """ToolStart, WriteAck, ToolEnd, LoadAck, Prefetch."""
+
+    # ---- ToolStart ------------------------------------------------------------------------------------
+    def can_tool_start(self, rec: SessionRecord) -> bool:
+        return rec.state == Phase.RUNNING
+
+    def tool_start(
+        self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
+    ) -> SessionView:
+        """Spec ``ToolStart``: offload the session's KV to the host. With ``demote``, a host that
+        is full (pool or budget) demotes offloaded sessions predicted back after ``returns_at``,
+        the latest first, until it fits (their copies become evictable: spec ``Demote`` then
+        ``HostRoom``, or ``Store`` with an L3 tier); a 507 only when none can yield."""
+        rec = self._get(session_id)
+        if not self.can_tool_start(rec):
+            raise WrongState(
+                f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        node = self._live_node(rec)
+        if node is None:
+            had = rec.node is not None
+            rec.node = None
+            self.counters["kv_lost"] += 1
+            raise SessionKVLost(
+                f"session {session_id!r} has no KV in the cache" + (" any more" if had else " yet"),
+                session_id=session_id,
+            )
+        rec.node, rec.tree_gen = node, self.tree_gen
+        while True:
+            try:
+                clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
+                break
+            except HostMemoryFull:
+                victims = self._demotion_candidates(session_id, returns_at) if demote else []
+                if not victims:
+                    raise
+                self._yield_host(victims[0])
+        rec.epoch += 1
+        self._arm_deadline(rec)
+        if self._free_at_tool_start(clean):
+            self.backend.free_gpu([rec])
+            fire(rec, "tool_start", Phase.OFFLOADED)
+        else:
+            fire(rec, "tool_start", Phase.OFFLOADING)
+            self._offloading[session_id] = rec
+        self.counters["tool_start"] += 1
+        self.counters["offloaded_tokens"] += rec.offload_tokens
+        log.debug(
+            "tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens
+        )
+        return self.view(rec)
+
+    def _free_at_tool_start(self, clean: bool) -> bool:
+        """Whether ``tool_start`` frees the GPU copies itself: only when no write on the path is
+        in flight (caveat 7: a GPU copy is freed only after its write is acknowledged; otherwise
+        ``write_ack`` frees it once sglang has retired the ack)."""
+        return clean
+
+    # ---- WriteAck -------------------------------------------------------------------------------------
+    def write_ack(self) -> int:
+        """Spec ``WriteAck``: finish every offload whose path writes are all acknowledged (its GPU
+        copies are freed); returns how many."""
+        if not self._offloading:
+            return 0
+        done = [r for r in self._offloading.values() if not self.backend.offload_pending(r)]
+        if not done:
+            return 0
+        self.backend.free_gpu(done)
+        for rec in done:
+            del self._offloading[rec.session_id]
+            fire(rec, "write_ack", Phase.OFFLOADED)
+            self.counters["freed_tokens"] += rec.freed_tokens
+        return len(done)
+
+    # ---- ToolEnd --------------------------------------------------------------------------------------
+    def can_tool_end(self, rec: SessionRecord) -> bool:
+        return rec.state in (Phase.KEPT, Phase.PREFETCHING, Phase.RELEASED) or rec.state in OFFLOADED
+
+    def tool_end(self, session_id: str, epoch: int) -> SessionView:
+        """Spec ``ToolEnd``: the tool call of ``epoch`` is over; bring the KV back for the next turn
+        (restore from host or L3, hand a kept or early-restored path over, or nothing to do for a
+        released one). A stale epoch changes nothing (``StaleEpoch``)."""
+        rec = self._get(session_id)
+        self._check_epoch(rec, epoch, count=True)
+        if rec.state == Phase.KEPT:  # the pin stays until the next request holds the path
+            self._settle(rec, "tool_end")
+            self._hand_over(rec, "tool_end")
+            self._tool_end_done(rec)
+            return self.view(rec)
+        if rec.state == Phase.PREFETCHING:  # the early restore becomes the restore
+            del self._prefetching[session_id]
+            self._restoring[session_id] = rec
+            fire(rec, "tool_end", Phase.RESTORING)
+            self._tool_end_done(rec)
+            return self.view(rec)
+        if rec.state == Phase.RELEASED:  # nothing was held: the next turn recomputes what is missing
+            fire(rec, "tool_end", Phase.RUNNING)
+            self._tool_end_done(rec)
+            return self.view(rec)
+        if rec.state not in OFFLOADED:
+            return self._tool_end_not_offloaded(rec)
+        if rec.l3 and self._tool_end_l3(rec):
+            return self.view(rec)
+        self._restore_from_host(rec)
+        self._tool_end_done(rec)
+        return self.view(rec)
+
+    def _tool_end_done(self, rec: SessionRecord) -> None:
+        self._observe_call(rec)
+        self.counters["tool_end"] += 1
+
+    def _restore_from_host(self, rec: SessionRecord) -> None:
+        """Spec ``ToolEnd`` from a protected host copy: the host→GPU load, or the hand-over at once
+        when nothing is to load. When the device cannot take it now, spec ``Park`` (with
+        ``adaptive``): the host copy stays protected and the next request's admission loads it;
+        without ``adaptive``, ``DeviceMemoryFull`` (nothing changed)."""
+        session_id = rec.session_id
+        try:
+            self._check_pin_room(rec, queued=self.config.adaptive)
+            runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
+        except DeviceMemoryFull:
+            if self.config.adaptive and self._parks():
+                self._park(rec)
+                return
+            self._restore_refused(rec)
+            raise
+        self._offloading.pop(session_id, None)
+        if runnable:  # nothing to load: pin what is resident until the next request holds it
+            self._settle(rec, "tool_end")
+            self._pin_for_handover(rec)
+            self._hand_over(rec, "tool_end")
+        else:
+            fire(rec, "tool_end", Phase.RESTORING)
+            self._restoring[session_id] = rec
+            rec.restore_started_at = self.now
+        self.counters["restored_tokens"] += rec.restored_tokens
+        if rec.recompute_tokens:  # nothing worth loading: the next request recomputes the suffix
+            self.counters["restore_below_threshold"] += 1
+        log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
+
+    def _tool_end_not_offloaded(self, rec: SessionRecord) -> SessionView:
+        """A current-epoch tool_end for a session that is not offloaded (already restoring, or
+        never offloaded): refused, so no node is ever loaded twice (caveat 2). Always raises."""
+        raise WrongState(
+            f"tool_end needs an offloaded session; {rec.session_id!r} is {rec.state}", state=rec.state
+        )
+
+    def _restore_refused(self, rec: SessionRecord) -> None:
+        """The backend refused the restore before changing anything: the session stays offloaded
+        and protected (caveat 1: its host protection is kept, for a retry or the TTL to release)."""
+        self.counters["restore_deferred"] += 1
+
+    # ---- LoadAck --------------------------------------------------------------------------------------
+    def load_ack(self) -> int:
+        """Spec ``LoadAck``: forget acknowledged loads; every restoring session whose path is now
+        readable is handed over (its protection is released, the load's pin stays), every early
+        restore that is readable is ``Kept`` until its tool_end."""
+        if not self._restoring and not self._prefetching and not self.backend.loads_in_flight():
+            return 0
+        self.backend.poll_loads()
+        done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
+        warm = [r for r in self._prefetching.values() if self._prefetch_readable(r)]
+        for rec in done:  # readable: the load's pin stays as the hand-over's, the protection goes
+            self.backend.release_protection(rec)
+            self._settle(rec, "load_ack")
+            self._hand_over(rec, "load_ack")
+            self._measured_restore(rec)
+        for rec in warm:  # an early restore is readable: Kept (pinned) until its tool_end
+            self.backend.release_protection(rec)
+            del self._prefetching[rec.session_id]
+            fire(rec, "load_ack", Phase.KEPT)
+            self._measured_restore(rec)
+            self._arm_warm(rec)
+        return len(done) + len(warm)
+
+    # ---- Prefetch -------------------------------------------------------------------------------------
+    def can_prefetch(self, rec: SessionRecord) -> bool:
+        return rec.state == Phase.OFFLOADED
+
+    def prefetch(self, session_id: str) -> SessionView:
+        """Spec ``Prefetch``: start the restore of an offloaded session before its tool_end, so
+        that the KV is on the GPU when the tool returns. The session keeps its protection until
+        the load is acknowledged, then it is Kept (pinned) until tool_end or the TTL. Raises
+        ``DeviceMemoryFull`` (nothing changed) when the device cannot take it now."""
+        rec = self._get(session_id)
+        if not self.can_prefetch(rec):
+            raise WrongState(
+                f"prefetch needs an Offloaded session; {session_id!r} is {rec.state}", state=rec.state
+            )
+        if rec.l3 and self._l3_prefetch(rec):
+            return self.view(rec)
+        runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
+        rec.prefetch_at = float("inf")
+        if runnable:  # nothing to load: the path is resident; pin it (the pin backend's offload pin is it)
+            kept = rec.pinned is not None or (rec.node is not None and self.backend.keep(rec, rec.node))
+            assert kept, "a restored path must be resident"
+            fire(rec, "prefetch", Phase.KEPT)
+            self._arm_warm(rec)
+        elif self._prefetch_readable(rec):  # never, with a load in flight (restore pinned the path)
+            self.backend.release_protection(rec)
+            fire(rec, "prefetch", Phase.KEPT)
+            self._arm_warm(rec)
+        else:
+            fire(rec, "prefetch", Phase.PREFETCHING)
+            self._prefetching[session_id] = rec
+            rec.restore_started_at = self.now
+        self.counters["prefetched"] += 1
+        return self.view(rec)
+
+    def run_prefetches(self) -> int:
+        """Start the early restores that are due (policy ``auto``). A device that cannot take one
+        now defers it to a later tick; a suffix sglang would not load is left to tool_end."""
+        n = 0
+        for when, _seq, sid in Timers.due(self.timers.prefetch_due, self.now):
+            rec = self.sessions.get(sid)
+            if rec is None or rec.prefetch_at != when or rec.state not in OFFLOADED:
+                continue
+            if rec.l3 == "fetching" or rec.l3_then:  # being read back from L3 already
+                continue
+            if rec.state == Phase.OFFLOADING:  # its writes are still in flight: look again shortly
+                self._defer_prefetch(rec, 0.05)
+                break
+            if not rec.l3 and not self.backend.worth_prefetching(rec):
+                continue
+            try:
+                if not self._spare_for(rec):
+                    # An early restore makes room by evicting other sessions' cache for a session
+                    # that is not back yet: only into spare room (under load it cost more than it
+                    # saved); otherwise its tool_end restores it.
+                    raise DeviceMemoryFull("no spare device room for an early restore")
+                self.prefetch(sid)
+                n += 1
+            except DeviceMemoryFull:
+                self.counters["prefetch_deferred"] += 1
+                self._defer_prefetch(rec, 0.25)
+                break  # the device is full for the others too; try again later
+        return n
+
+    def _spare_for(self, rec: SessionRecord) -> bool:
+        """Whether the device has spare room for the session's KV by the keep rule
+        (``policy.keep_fits``: free after promised and queued tokens, less the reserve).
+        Backends without the notion always have room."""
+        p = self.backend.pressure()
+        if p.device_spare_tokens is None:
+            return True
+        p = with_queued(p, int(self.queued_demand()))
+        return keep_fits(p, rec.offload_tokens, self.config.policy_config.device_reserve)

@@ -1,0 +1,238 @@
+"""The session machine's state and the helpers every action shares (``MachineCore``).
+
+The actions of ``spec/ToolKV.tla`` are split by concern over small mixins (``copies``: the
+offload/restore path; ``calls``: Keep, LetGo, Demote; ``handover``: Handover, Admit, Park, Unpin;
+``toolkv.core.l3``: the storage tier; ``machine``: Insert, TtlSweep, Close, TreeReset, Tick), all
+over this one state, as sglang's ``RadixCache`` keeps its tree and its eviction in one object. The
+actions call each other across mixins (a tool_end parks, a store demotes); the calls that cross are
+declared here as ``NotImplementedError`` stubs so that each mixin type-checks on its own.
+
+Single-threaded by design: every method runs on the scheduler thread (inside a request handler or
+the per-iteration tick), so on every tensor-parallel rank the same calls happen at the same
+iteration with the same inputs. Time comes in as an argument and asynchronous completion is read
+off the tree after sglang's own ``writing_check``/``loading_check`` (agreed across ranks), so
+nothing here reads a local clock or a local event without agreement.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from toolkv.core.backends.base import Agreement, Backend
+from toolkv.core.capabilities import Capabilities, capabilities_of
+from toolkv.core.config import ManagerConfig
+from toolkv.core.policy import DurationModel
+from toolkv.core.result import SessionView
+from toolkv.core.session.record import SessionRecord
+from toolkv.core.timers import Timers
+from toolkv.core.treeops import Tree, attached, path_to, walk
+from toolkv.errors import BadRequest, StaleEpoch, UnknownSession
+
+log = logging.getLogger("toolkv")
+
+
+class MachineCore:
+    """Every session's record and what is in flight for it, over one backend."""
+
+    def __init__(self, tree: Tree, backend: Backend, *, config: ManagerConfig, agree: Agreement) -> None:
+        self.config = config
+        self.agree = agree
+        self.tree = tree
+        self.backend = backend
+        self.caps: Capabilities = capabilities_of(backend)  # checked once, here
+        self.sessions: dict[str, SessionRecord] = {}
+        self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
+        self._offloading: dict[str, SessionRecord] = {}
+        self._restoring: dict[str, SessionRecord] = {}
+        self._prefetching: dict[str, SessionRecord] = {}
+        self._handover: dict[str, SessionRecord] = {}  # spec Handover: pinned, waiting for admission
+        # the L3 storage tier (spec/storage/StorageTier.tla): stores and prefetches in flight
+        self._storing: dict[str, SessionRecord] = {}
+        self._fetching: dict[str, SessionRecord] = {}
+        self.timers = Timers()
+        self.durations = DurationModel(self.config.policy_config)
+        self.restore_rate = self.config.restore_tokens_per_s  # EWMA of measured restores
+        self.now = 0.0
+        self.tree_gen = 0
+        self.counters: Counter[str] = Counter()
+        # Device tokens queued requests will need (the scheduler binds sglang's waiting queue):
+        # a pin must leave them free, or a kept session is paid for by somebody's recompute.
+        self.queued_demand: Callable[[], int] = lambda: 0
+
+    # ---- records --------------------------------------------------------------------------------------
+    def _get(self, session_id: str) -> SessionRecord:
+        """The session's record, open or closed (a closed one answers kv_meta and fences epochs)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise BadRequest("session_id must be a non-empty string")
+        rec = self.sessions.get(session_id)
+        if rec is None:
+            rec = self._closed.get(session_id)
+        if rec is None:
+            raise UnknownSession(f"unknown session {session_id!r}", session_id=session_id)
+        return rec
+
+    def view(self, rec: SessionRecord) -> SessionView:
+        """What a call answers about the session (``kv_meta``'s per-session object)."""
+        placement = SessionView.closed_placement() if rec.state == "Closed" else self.backend.describe(rec)
+        return SessionView.of(rec, self.backend.name, placement)
+
+    def _meta(self, rec: SessionRecord) -> SessionView:
+        """The view of ``rec`` (the name the seeded defects of ``verify.backend_mutants`` use)."""
+        return self.view(rec)
+
+    # ---- the session's node (caveat 5: never act on a stale node) -------------------------------------
+    def _node_current(self, rec: SessionRecord, node: Any) -> bool:
+        """True when the session's recorded node is still a node of the current tree: recorded
+        under this tree generation and still attached (caveat 5: a node split off, evicted or
+        left behind by a tree reset must not be acted on)."""
+        return rec.tree_gen == self.tree_gen and attached(self.tree, node)
+
+    def _live_node(self, rec: SessionRecord) -> Any:
+        """The session's node if it is still in the current tree, else a re-walk by its tokens
+        (caveat 5: never act on a stale node). Returns None when nothing is left."""
+        node = rec.node
+        if node is not None and self._node_current(rec, node):
+            return node
+        if not rec.tokens:
+            return None
+        found, matched = walk(self.tree, rec.tokens, rec.extra_key)
+        if matched == len(rec.tokens) and found is not self.tree.root_node:
+            return found
+        return None
+
+    def _path_tokens(self, rec: SessionRecord) -> int:
+        return sum(len(m.key) for m in path_to(self.tree, rec.node)) if rec.node is not None else 0
+
+    # ---- timers -----------------------------------------------------------------------------------------
+    def _arm_deadline(self, rec: SessionRecord, ttl_s: float | None = None) -> None:
+        self.timers.arm_deadline(rec, self.now + (self.config.ttl_s if ttl_s is None else ttl_s))
+
+    def _touch(self, rec: SessionRecord) -> None:
+        """The session did something: its idle expiry moves to ``now + idle_ttl_s``."""
+        rec.last_active = self.now
+        self.timers.arm_idle(rec, self.now + self.config.idle_ttl_s)
+
+    def _keep_ttl(self) -> float:
+        return min(self.config.ttl_s, self.config.keep_ttl_s)
+
+    def _arm_warm(self, rec: SessionRecord) -> None:
+        """An early restore became ``Kept``: its pin waits for tool_end at most the keep TTL, as a
+        kept session's does, and never past the offload's own deadline (spec ``WarmDeadline``)."""
+        self._arm_deadline(rec, min(self._keep_ttl(), max(0.0, rec.deadline - self.now)))
+
+    def _defer_prefetch(self, rec: SessionRecord, after_s: float) -> None:
+        """Try the session's early restore again ``after_s`` from now."""
+        self.timers.arm_prefetch(rec, self.now + after_s)
+
+    # ---- leaving the protecting phases ------------------------------------------------------------------
+    def _settle(self, rec: SessionRecord, why: str = "") -> None:
+        """The session left the protecting states: stop watching it (its old deadline stays on
+        record, as in the spec; the sweep ignores sessions that protect nothing). ``why`` is the
+        action, for the L3 sub-machine's table when the session had a copy in L3."""
+        self._offloading.pop(rec.session_id, None)
+        self._restoring.pop(rec.session_id, None)
+        self._prefetching.pop(rec.session_id, None)
+        self._handover.pop(rec.session_id, None)
+        self._storing.pop(rec.session_id, None)
+        self._fetching.pop(rec.session_id, None)
+        if rec.l3:
+            self._l3_release(rec, why)
+        rec.l3_then = ""
+        rec.prefetch_at = float("inf")
+
+    def _observe_call(self, rec: SessionRecord) -> None:
+        """The tool call is over (tool_end accepted): feed its duration (agreed clock) to the
+        duration model."""
+        self._touch(rec)
+        if rec.call_open:
+            self.durations.observe(rec.tool, self.now - rec.tool_started_at)
+            rec.call_open = False
+
+    def _epoch_matches(self, rec: SessionRecord, epoch: int) -> bool:
+        """Spec ``ToolEnd``'s guard ``e = epoch[s]``: a tool_end of an older tool call is refused
+        and changes nothing (``StaleEpochNoop``)."""
+        return epoch == rec.epoch
+
+    def _check_epoch(self, rec: SessionRecord, epoch: int, *, count: bool) -> None:
+        """Spec ``ToolEnd``'s (and ``Park``'s) ``e = epoch[s]``: raises, changing nothing, else."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise BadRequest("epoch must be an integer")
+        if not self._epoch_matches(rec, epoch):
+            if count:
+                self.counters["stale_epoch"] += 1
+            raise StaleEpoch(
+                f"epoch {epoch} is stale for session {rec.session_id!r} (current {rec.epoch})",
+                current_epoch=rec.epoch,
+            )
+
+    def _prefetch_readable(self, rec: SessionRecord) -> bool:
+        """An early restore is done when no load into the session's path is in flight (caveat 7's
+        read side: never Kept, i.e. served, before the load is acknowledged)."""
+        return not self.backend.restore_pending(rec)
+
+    def _measured_restore(self, rec: SessionRecord) -> None:
+        """Fold a finished load into the restore rate the policy assumes (EWMA, agreed clock)."""
+        took = self.now - rec.restore_started_at
+        if rec.restored_tokens > 0 and took > 0:
+            self.restore_rate = 0.8 * self.restore_rate + 0.2 * (rec.restored_tokens / took)
+
+    def _predicted_end(self, rec: SessionRecord) -> float:
+        """When the session's tool call is predicted to return, given how long it has run: its
+        tool's median conditioned on having lasted this long (a heavy-tailed call far past its
+        median is likely a long one), from the client's hint when it gave one."""
+        hinted = rec.reason.endswith("_hint")
+        return rec.tool_started_at + self.durations.residual_median(
+            rec.tool, self.now - rec.tool_started_at, rec.expected_s if hinted else None
+        )
+
+    def _forget_tokens(self, rec: SessionRecord) -> None:
+        """A closed record keeps what kv_meta and the epoch fence need; its token copy (the bulk of
+        a record) goes. The node reference stays as the spec's ref does."""
+        rec.tokens, rec.backend_state = array("q"), None
+
+    # ---- actions of other mixins that these call (see the module docstring) ---------------------------
+    def demote(self, session_id: str) -> SessionView:
+        raise NotImplementedError
+
+    def prefetch(self, session_id: str) -> SessionView:
+        raise NotImplementedError
+
+    def close(self, session_id: str) -> SessionView:
+        raise NotImplementedError
+
+    def _restore_from_host(self, rec: SessionRecord) -> None:
+        raise NotImplementedError
+
+    def _park(self, rec: SessionRecord) -> None:
+        raise NotImplementedError
+
+    def _parks(self) -> bool:
+        raise NotImplementedError
+
+    def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
+        raise NotImplementedError
+
+    def _pin_for_handover(self, rec: SessionRecord) -> None:
+        raise NotImplementedError
+
+    def _check_pin_room(self, rec: SessionRecord, *, queued: bool = False) -> None:
+        raise NotImplementedError
+
+    def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
+        raise NotImplementedError
+
+    def _yield_host(self, session_id: str) -> None:
+        raise NotImplementedError
+
+    def _l3_release(self, rec: SessionRecord, why: str) -> None:
+        raise NotImplementedError
+
+    def _tool_end_l3(self, rec: SessionRecord) -> bool:
+        raise NotImplementedError
+
+    def _l3_prefetch(self, rec: SessionRecord) -> bool:
+        raise NotImplementedError
