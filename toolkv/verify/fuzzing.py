@@ -595,6 +595,9 @@ class ToolKVMachine(RuleBasedStateMachine):
         h.scribble_unreferenced()
         backend = self.r.mgr.backend
         chains = backend.loading_chains() if hasattr(backend, "loading_chains") else []
+        # and the loads sglang started for admitted parked sessions' requests (their bytes arrive
+        # at the load's ack; the request itself waits for it before reading)
+        chains = [*chains, *self.r.request_load_chains()]
         loading = {id(m) for _, nodes in chains for m in nodes}
         for node in h.iter_nodes():
             if node is tree.root_node:

@@ -266,14 +266,22 @@ class Replayer:
             resets=self.resets,
             env_host_slots=self.env_host_slots,
             load_starter=self.starter_of,
-            request_loads=[
-                (leaf, _chain_to(leaf, boundary))
-                for leaf, boundary in self.request_loads
-                if leaf.id in self.h.tree.ongoing_load_back
-            ] if self.h.is_hi else [],
-        )  # fmt: skip
+            request_loads=self.request_load_chains(),
+        )
         st["extLock"] = {n: n in self.ext for n in self.b.nodes}
         return st
+
+    def request_load_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
+        """The loads of admitted parked sessions' requests still in flight: (key node, the nodes it
+        fills), walked now. sglang's ``ongoing_load_back`` holds only the key node of each; until
+        its ack every node of the chain holds device slots without its bytes (the request waits
+        for the load before it reads), so the KV oracle must not read them either. Finished loads
+        are dropped from the list here."""
+        if not self.h.is_hi:
+            return []
+        ongoing = self.h.tree.ongoing_load_back
+        self.request_loads = [(leaf, b) for leaf, b in self.request_loads if leaf.id in ongoing]
+        return [(leaf, _chain_to(leaf, boundary)) for leaf, boundary in self.request_loads]
 
     # ---- the load-slot ring -------------------------------------------------------------------------
     def starter_of(self, ack: Any) -> str:
