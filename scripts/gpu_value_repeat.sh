@@ -49,17 +49,7 @@ BUNDLE=${BUNDLE:-.gpu-bundle}; [[ $BUNDLE == /* ]] || BUNDLE=$ROOT/$BUNDLE
 # shellcheck source=scripts/gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"
 LOAD=${LOAD:-value}
-case $LOAD in
-  value)
-    DEF_ARGS="--sessions 48 --arrival-rate 0 --turns 6 --first-tokens 3000 --growth 900 --output 32 \
---max-context 16384 --warmup 0"
-    DEF_DURATION=75 DEF_REPEATS=2 ;;
-  named96)
-    DEF_ARGS="--sessions 96 --arrival-rate 0 --turns 5 --first-tokens 3000 --growth 900 --output 32 \
---max-context 16384 --warmup 0 --tool-shape named"
-    DEF_DURATION=100 DEF_REPEATS=1 ;;
-  *) echo "LOAD must be value or named96" >&2; exit 2 ;;
-esac
+value_load "$LOAD" || { echo "LOAD must be value or named96" >&2; exit 2; }
 BENCH_ARGS=${BENCH_ARGS:-$DEF_ARGS} DURATION=${DURATION:-$DEF_DURATION} REPEATS=${REPEATS:-$DEF_REPEATS}
 DRAIN=${DRAIN:-20} BUDGET_S=${BUDGET_S:-570} CONFIGS=${CONFIGS:-stock16 offload16 auto16}
 MIN_LEFT_S=${MIN_LEFT_S:-$(( DURATION + 25 > 100 ? DURATION + 25 : 100 ))}
@@ -89,22 +79,12 @@ if [ -n "${DRY_RUN_STUB:-}" ]; then
   PY=${PY:-python3}
   say "dry run: stand-in server $DRY_RUN_STUB, python $PY"
 else
-  if [ ! -d /tmp/site-0516/sglang ]; then
-    bash "$BUNDLE/install.sh" "$BUNDLE" >/dev/null || { say "bundle install failed"; exit 1; }
-    say "bundle installed"
-  fi
-  # shellcheck source=/dev/null
-  source "$BUNDLE/env.sh"
-  use_release 0516 || exit 2
-  EP=$STAGE_ROOT/toolkv_ep_value; toolkv_entry_point "$EP"
-  PYTHONPATH=$EP:$STAGED_DEPS:$PYTHONPATH
+  stage_0516 toolkv_ep_value || exit $?
 fi
 export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH} TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1 TOOLKV_TTL_S=600
 unset TOOLKV_HOST_BUDGET_TOKENS TOOLKV_POLICY
 # the bench arguments are checked before any GPU time goes on them (e.g. a --tool-shape this tree lacks)
-# shellcheck disable=SC2086
-(cd "$SRC" && "$PY" -c 'import sys; from toolkv.tools.agent_bench import parser; parser().parse_args(sys.argv[1:])' \
-  --out /dev/null --duration "$DURATION" $BENCH_ARGS) || { say "BENCH_ARGS refused by agent_bench: $BENCH_ARGS"; exit 2; }
+check_bench_args || exit 2
 
 # 2. One server for every bench.
 serve() {
@@ -114,18 +94,11 @@ serve() {
   if [ -n "${DRY_RUN_STUB:-}" ]; then
     setsid "$PY" "$DRY_RUN_STUB" --port "$PORT" --l3-dir "$WORK" > "$LOG" 2>&1 &
   else
-    setsid "$PY" -m sglang.launch_server --model-path "$MODELS/llama-3.1-8b" --load-format dummy \
-      --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch --grammar-backend none \
-      --context-length 65536 --disable-cuda-graph --host 127.0.0.1 --port "$PORT" \
-      --mem-fraction-static 0.3 --max-total-tokens 120000 \
-      --enable-hierarchical-cache --hicache-size 16 > "$LOG" 2>&1 &
+    setsid "$PY" -m sglang.launch_server --model-path "$MODELS/llama-3.1-8b" "${VALUE_SERVER_FLAGS[@]}" \
+      --port "$PORT" --mem-fraction-static 0.3 --enable-hierarchical-cache --hicache-size 16 > "$LOG" 2>&1 &
   fi
   SERVER=$!
-  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    kill -0 "$SERVER" 2>/dev/null || { say "server died at start"; tail -20 "$LOG"; return 1; }
-    (( SECONDS - t0 > wait_s )) && { say "server not healthy after $wait_s s"; tail -20 "$LOG"; return 1; }
-    sleep 2
-  done
+  wait_healthy "$SERVER" "$PORT" "$LOG" $(( t0 + wait_s )) || return 1
   say "server healthy after $(( SECONDS - t0 )) s"
 }
 stop() { if [ -n "$SERVER" ]; then stop_group "$SERVER"; SERVER=; fi; }
@@ -152,30 +125,11 @@ bench() {  # $1 round, $2 config
   local k=$1 cfg=$2 dir=$WORK/runs/r$1 left=$(( BUDGET_S - $(el) )) t0=$SECONDS rc
   mkdir -p "$dir"
   say "r$k $cfg: start ($(flags_of "$cfg")), $left s of the budget left"
-  # shellcheck disable=SC2046,SC2086
-  (cd "$SRC" && timeout -k 5 $(( left + 5 )) "$PY" -m toolkv.tools.agent_bench --url "http://127.0.0.1:$PORT" \
-    --config "$cfg" $(flags_of "$cfg") --duration "$DURATION" --drain "$DRAIN" --flush --out "$dir/$cfg.json" \
-    $BENCH_ARGS) > "$dir/$cfg.log" 2>&1
+  agent_bench_run "http://127.0.0.1:$PORT" "$cfg" "$dir" $(( left + 5 )) "$(flags_of "$cfg")"
   rc=$?
   (( rc == 124 || rc == 137 )) && say "r$k $cfg: killed at the budget (BUDGET_S=$BUDGET_S)"
   (( rc != 0 )) && FAIL=1
-  local what="no result"
-  [ -f "$dir/$cfg.json" ] && what=$("$PY" - "$dir/$cfg.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-s = r["summary"]
-ok = sum(1 for t in r["turns"] if t.get("status") == 200)
-bad = [k for k, v in r["checks"].items() if not v]
-dec = s.get("decisions") or {}
-print(f"{ok} turns, {s.get('errors', 0)} errors, {'passed' if r['passed'] else 'FAILED ' + '; '.join(bad)}"
-      + (f", decisions {dec}" if dec else "") + f", calls {s.get('calls', {})}")
-if r.get("policy") == "auto" and set(dec) == {"offload"}:  # the offload policy answers "offload" every time
-    print("    WARNING: every decision was offload: does this server apply tool_start's per-call policy?")
-PY
-)
-  # a cache the flush left (requests still running) would hand the next config the same plan's KV
-  local flush; flush=$(grep -m1 -o 'flush_cache: [0-9]*' "$dir/$cfg.log" | cut -d' ' -f2)
-  [ "$flush" = 200 ] || what="$what; WARNING: flush_cache answered ${flush:-nothing}"
+  local what; what=$(bench_outcome "$dir" "$cfg")
   say "r$k $cfg: done in $(( SECONDS - t0 )) s, rc $rc: $what"
   (( rc != 0 )) && tail -3 "$dir/$cfg.log" | sed 's/^/    /'
   snapshot

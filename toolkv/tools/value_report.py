@@ -1,9 +1,10 @@
 """The value table of one GPU run: each toolkv configuration against stock sglang at the same host size.
 
 Input: the ``toolkv bench agent`` JSON files of one run (``stock16.json``, ``offload16.json``,
-``auto16.json``, ``stock64.json``, ...: the digits are the host pool in GB, a name starting with
-``stock`` is the reference at its size). The load is closed (every session starts at once), so the
-window throughput of ``bench agent`` only says the window was long enough; the table's throughput
+``auto16.json``, ``stock64.json``, ...: the digits are the host pool in GB, ``stock<GB>`` is the
+reference at its size; a variant after the digits, as in ``stock16l3`` and ``toolkv16l3`` (with an
+L3 tier: scripts/gpu_l3_capacity.sh), is compared to the reference of its size). The load is closed
+(every session starts at once), so the window throughput of ``bench agent`` only says the window was long enough; the table's throughput
 is ``closed_turns_per_s``: 90 % of the turns over the time it took to complete them (the last tenth
 waits mostly on the longest tool calls). Computed from the per-turn records, so older JSON works too.
 
@@ -46,21 +47,34 @@ from typing import Any
 from toolkv.workload.metrics import EmptyRun
 from toolkv.workload.metrics import closed_stats as stats
 
+# a config's name: kind, host pool in GB, then a variant (``stock16``, ``offload64``, ``stock16l3``: stock
+# sglang at 16 GB with an L3 tier, ``toolkv16l3``)
+_NAME = re.compile(r"([A-Za-z_-]*?)(\d+)(.*)")
+
 
 def host_gb(config: str) -> str:
-    m = re.search(r"(\d+)$", config)
-    return m.group(1) if m else ""
+    m = _NAME.fullmatch(config)
+    return m.group(2) if m else ""
 
 
-def config_order(config: str) -> tuple[int, int]:
-    """Rows by host size, then stock, offload, auto (a stable sort keeps the rest in file order)."""
-    order = {"stock": 0, "offload": 1, "auto": 2}
-    return int(host_gb(config) or 0), order.get(config.rstrip("0123456789"), 9)
+def is_reference(config: str) -> bool:
+    """The stock row of its host size: ``stock<GB>`` with no variant (``stock16l3`` is compared to it)."""
+    return re.fullmatch(r"stock\d*", config) is not None
+
+
+def config_order(config: str) -> tuple[int, int, str]:
+    """Rows by host size, then stock, offload, auto, toolkv, each plain before its variants (a stable
+    sort keeps the rest in file order)."""
+    order = {"stock": 0, "offload": 1, "auto": 2, "toolkv": 3}
+    m = _NAME.fullmatch(config)
+    if m is None:
+        return 0, order.get(config, 9), ""
+    return int(m.group(2)), order.get(m.group(1), 9), m.group(3)
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row with its ratios to the stock row of the same host size (none for a missing stock)."""
-    ref = {host_gb(r["config"]): r for r in rows if r["config"].startswith("stock")}
+    ref = {host_gb(r["config"]): r for r in rows if is_reference(r["config"])}
     out = []
     for r in rows:
         s = ref.get(host_gb(r["config"]))
