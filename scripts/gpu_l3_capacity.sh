@@ -194,7 +194,8 @@ fi
 # 4. What comes back, refreshed after every bench.
 snapshot() {
   {
-    (cd "$SRC" && "$PY" -m toolkv.tools.value_report "$WORK/runs") 2> "$WORK/report.err" ||
+    # this checkout's value_report (it knows the l3 names), whatever tree TOOLKV_SRC serves
+    (cd "$ROOT" && "$PY" -m toolkv.tools.value_report "$WORK/runs") 2> "$WORK/report.err" ||
       echo "no value report: $(cat "$WORK/report.err")"
     echo
     "$PY" "$ROOT/scripts/stage/l3_capacity.py" report "$WORK/runs" --disk "$WORK/disk.json" 2>&1
