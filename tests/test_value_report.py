@@ -180,3 +180,18 @@ def test_a_run_without_its_stock_counts_for_reuse_not_for_ratios(
     assert "| offload16 | 2 (1 vs stock) |" in capsys.readouterr().out
     assert main([str(folders[1] / "auto16.json")]) == 2  # alone, as a single run, it is an error
     assert main([str(folders[0]), str(folders[1] / "offload16.json")]) == 2  # folders and files mixed
+
+
+def test_the_named96_table_is_the_reports_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 96-session named-tools GPU run (docs/results/value_repeat/named96/) as docs/benchmarks.md
+    shows it."""
+    monkeypatch.chdir(ROOT)
+    assert main(["docs/results/value_repeat/named96/r1"]) == 0
+    printed = capsys.readouterr().out.strip()
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = re.search(r"<!-- BEGIN value-named96 -->\n(.*?)\n<!-- END value-named96 -->", doc, re.S)
+    assert block is not None and block.group(1).strip() == printed, (
+        "regenerate the table in docs/benchmarks.md"
+    )
