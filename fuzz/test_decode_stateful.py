@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-from toolkv.verify import decode_mutants
-from toolkv.verify.decode_fuzzing import RIDS, campaign
-from toolkv.verify.decode_tracecheck import check_trace
-from toolkv.verify.decode_world import DecodeWorld
+from toolkv.verify.decode import mutants as decode_mutants
+from toolkv.verify.decode.fuzzing import RIDS, campaign
+from toolkv.verify.decode.tracecheck import check_trace
+from toolkv.verify.decode.world import DecodeWorld
 
 EXAMPLES = int(os.environ.get("TOOLKV_DECODE_EXAMPLES", "60"))
 STEPS = int(os.environ.get("TOOLKV_DECODE_STEPS", "60"))

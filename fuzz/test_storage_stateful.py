@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from toolkv.verify.storage_fuzzing import campaign
+from toolkv.verify.storage.fuzzing import campaign
 
 EXAMPLES = int(os.environ.get("TOOLKV_STORAGE_EXAMPLES", "200"))
 STEPS = int(os.environ.get("TOOLKV_STORAGE_STEPS", "60"))

@@ -10,7 +10,7 @@ import pytest
 
 from toolkv.verify.conformance import GraphConfig, dump_graph, load_conformance
 from toolkv.verify.refinement import Bounds
-from toolkv.verify.tla import StateGraph, TlaToolError, Toolchain
+from toolkv.verify.tla.tlc import StateGraph, TlaToolError, Toolchain
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 

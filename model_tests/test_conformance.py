@@ -39,7 +39,7 @@ from toolkv.verify.conformance import (
     spec_actions,
 )
 from toolkv.verify.refinement import Bounds
-from toolkv.verify.tla import Toolchain, cfg_constants, run_tlc
+from toolkv.verify.tla.tlc import Toolchain, cfg_constants, run_tlc
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 pytestmark = pytest.mark.tlc

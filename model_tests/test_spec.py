@@ -1,4 +1,4 @@
-"""Tests of the TLA+ plumbing (toolkv.verify.tla), the spec-check runner, and the spec itself.
+"""Tests of the TLA+ plumbing (toolkv.verify.tla.tlc), the spec-check runner, and the spec itself.
 
 The parsers are exercised twice: on small literals that pin down each syntactic form, and on
 real TLC output generated here, because the conformance checker will feed them exactly that.
@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from toolkv.verify import spec_check, tla, tlctool
-from toolkv.verify.tla import FrozenDict, ModelValue, parse_value
+from toolkv.verify import spec_check
+from toolkv.verify.tla import tlc as tla
+from toolkv.verify.tla import tool_output as tlctool
+from toolkv.verify.tla.tlc import FrozenDict, ModelValue, parse_value
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "spec"
 MV = ModelValue

@@ -1,6 +1,6 @@
 """The storage tier (``spec/storage/StorageTier.tla``) against the real ``HiCacheFile`` stack.
 
-1. The Python copy of the model (``toolkv.verify.storage_spec``, the fuzz campaign's oracle) is
+1. The Python copy of the model (``toolkv.verify.storage.spec``, the fuzz campaign's oracle) is
    TLC's: from every state of two TLC graphs it has exactly TLC's successors, by the action TLC
    names, and its invariants hold there; on each spec mutant's error trace it reports the
    invariant TLC reports.
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.verify import storage_spec
 from toolkv.verify.conformance import GraphConfig, load_conformance
-from toolkv.verify.storage_conformance import (
+from toolkv.verify.storage import spec as storage_spec
+from toolkv.verify.storage.conformance import (
     dump_storage_graph,
     replay_storage_graph,
     replay_storage_trace,
     trace_actions,
 )
-from toolkv.verify.storage_spec import StorageBounds
-from toolkv.verify.tla import StateGraph, Toolchain, cfg_constants, run_tlc, to_plain
+from toolkv.verify.storage.spec import StorageBounds
+from toolkv.verify.tla.tlc import StateGraph, Toolchain, cfg_constants, run_tlc, to_plain
 
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "storage"
 pytestmark = [pytest.mark.tlc, pytest.mark.filterwarnings("ignore")]

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from toolkv.core import lifecycle
-from toolkv.verify.tla import Toolchain, run_tlc
+from toolkv.verify.tla.tlc import Toolchain, run_tlc
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 

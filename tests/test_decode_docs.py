@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.verify import decode_diagram, decode_mutants, spec_check
+from toolkv.verify import spec_check
+from toolkv.verify.decode import diagram as decode_diagram
+from toolkv.verify.decode import mutants as decode_mutants
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "decode_offload.md"
@@ -26,7 +28,7 @@ def _bugs() -> set[str]:
 def test_committed_diagrams_are_the_generated_ones() -> None:
     text = DOC.read_text()
     assert decode_diagram.render(text, decode_diagram.generate()) == text, (
-        "run: python -m toolkv.verify.decode_diagram --write docs/decode_offload.md"
+        "run: python -m toolkv.verify.decode.diagram --write docs/decode_offload.md"
     )
 
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-from toolkv.verify import decode_fixes, decode_mutants
+from toolkv.verify.decode import fixes as decode_fixes
+from toolkv.verify.decode import mutants as decode_mutants
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 PREFIX = [7001, 7002, 7003, 7004]

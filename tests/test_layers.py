@@ -92,7 +92,7 @@ def test_checker_catches_an_upward_import(tmp_path: Path) -> None:
     importing the command line."""
     f = tmp_path / "x.py"
     f.write_text(
-        "def f():\n    from toolkv.verify.tla import run_tlc\n    import toolkv.tools.value_report\n"
+        "def f():\n    from toolkv.verify.tla.tlc import run_tlc\n    import toolkv.tools.value_report\n"
     )
     targets = [t for _, t in imports_of(f)]
     assert [layer_of(t) for t in targets] == ["toolkv.verify", TOP]

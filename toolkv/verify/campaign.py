@@ -1,6 +1,6 @@
 """One fuzz campaign: a Hypothesis state machine run under a profile, its statistics read through
 Hypothesis's observability callbacks. It lives in the verify layer because the storage tier's
-machine (``toolkv.verify.storage_fuzzing``) runs through it as well as ``toolkv fuzz``."""
+machine (``toolkv.verify.storage.fuzzing``) runs through it as well as ``toolkv fuzz``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def campaign(
     nothing was found). Statistics come from Hypothesis: each example reports its action counts as
     ``event``s, read here through Hypothesis's observability callbacks (one per test case).
     ``machine``: another state machine class to run (the storage tier's,
-    ``toolkv.verify.storage_fuzzing``); the machine options above are then its own business."""
+    ``toolkv.verify.storage.fuzzing``); the machine options above are then its own business."""
     from hypothesis import Phase, reproduce_failure, settings
     from hypothesis import __version__ as hypothesis_version
     from hypothesis import seed as hseed

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from toolkv.verify import tla
+from toolkv.verify.tla import tlc as tla
 
 KINDS = ("safe", "live", "mutant", "witness")
 

@@ -7,7 +7,7 @@ TLC graph reaches, thousands of steps a second. TLC cannot be asked per step. Th
 honest by ``model_tests/test_specstep.py``: on every edge of TLC's dumped state graphs,
 ``successor(u, act) == v``.
 
-States are the plain form of :func:`toolkv.verify.tlavalues.to_plain` (functions as dicts keyed by
+States are the plain form of :func:`toolkv.verify.tla.values.to_plain` (functions as dicts keyed by
 names, sets as sorted lists). ``Rules`` carries the spec constants and the capacity decisions:
 ``fits`` replaces ``HostFits``/``DevFits`` with the decision the implementation took (token pools
 decide capacity, not node slots), and ``slots=False`` makes the other node-slot guards true, as

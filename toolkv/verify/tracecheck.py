@@ -223,7 +223,7 @@ def read_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def check_trace(path: Path, timeout: float = 600.0) -> TraceCheckResult:
-    from toolkv.verify.tla import Toolchain, run_tlc
+    from toolkv.verify.tla.tlc import Toolchain, run_tlc
 
     header, steps = read_trace(path)
     if not steps or steps[0]["act"] != ["Init"]:

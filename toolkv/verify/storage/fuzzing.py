@@ -1,7 +1,7 @@
 """Hypothesis stateful testing of the L3 storage tier over sglang's REAL ``HiCacheFile`` (CPU).
 
 Every step is one action of ``spec/storage/StorageTier.tla`` run by
-:class:`toolkv.verify.storage_world.StorageWorld`: the manager's ``tool_start``, ``store``,
+:class:`toolkv.verify.storage.world.StorageWorld`: the manager's ``tool_start``, ``store``,
 ``tool_end``, TTL sweep and ``close``; the copy engine's host write and load acknowledgements;
 sglang's backup thread writing a page, or the storage refusing one (a short write), and the
 acknowledgement of the write; its prefetch I/O thread reading a page, and the acknowledgement of
@@ -45,9 +45,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from toolkv.verify import storage_spec
-from toolkv.verify.storage_spec import Act, State, StorageBounds
-from toolkv.verify.storage_world import StorageWorld, Unrealizable, WorldFailure
+from toolkv.verify.storage import spec as storage_spec
+from toolkv.verify.storage.spec import Act, State, StorageBounds
+from toolkv.verify.storage.world import StorageWorld, Unrealizable, WorldFailure
 
 #: two sessions of two pages; the host holds two copies and a page, so a prefetch waits for the
 #: other session's copy to go (and a broken restore that reads a copy still being written fits)

@@ -3,7 +3,7 @@
 
 The same machinery as the main model's replay (:mod:`toolkv.verify.conformance`): TLC dumps the
 full state graph of a ``[[conformance]]`` entry of ``spec/storage/configs.toml``, the walks of a
-path cover are planned once (:class:`~toolkv.verify.pathcover.Cover`) and run round by round
+path cover are planned once (:class:`~toolkv.verify.tla.pathcover.Cover`) and run round by round
 (:func:`~toolkv.verify.conformance.run_cover`), and after every step the refinement mapping of
 the real objects (:meth:`StorageWorld.abstract`) must equal the spec state the edge leads to
 (:func:`~toolkv.verify.conformance.diff_states`; the history variable ``viaL3`` aside), and the
@@ -12,7 +12,7 @@ two walks the world settles: every lock, host reference, slot and storage record
 
 What differs from the main model: StorageTier has no ``act`` history variable, so an edge carries
 only the action's name (TLC's ``actionlabels``); its parameters (the session, the page) are found
-with the Python copy of the actions (:mod:`toolkv.verify.storage_spec`), which must explain every
+with the Python copy of the actions (:mod:`toolkv.verify.storage.spec`), which must explain every
 edge. An edge sglang cannot take (a host copy freed while its device copy is there; the one
 backup or I/O thread serving another session first) is tried along other walks, then counted as
 unrealizable with its reason.
@@ -28,12 +28,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkv.verify import storage_spec
 from toolkv.verify.conformance import CoverReport, GraphConfig, diff_states, dump_module_graph, run_cover
-from toolkv.verify.pathcover import Cover, Edge
-from toolkv.verify.storage_spec import HISTORY, Act, StorageBounds
-from toolkv.verify.storage_world import StorageWorld, Unrealizable, WorldFailure
-from toolkv.verify.tla import StateGraph, Toolchain, cfg_constants, to_plain
+from toolkv.verify.storage import spec as storage_spec
+from toolkv.verify.storage.spec import HISTORY, Act, StorageBounds
+from toolkv.verify.storage.world import StorageWorld, Unrealizable, WorldFailure
+from toolkv.verify.tla.pathcover import Cover, Edge
+from toolkv.verify.tla.tlc import StateGraph, Toolchain, cfg_constants, to_plain
 
 MODULE = "StorageTier.tla"
 

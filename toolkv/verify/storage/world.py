@@ -70,7 +70,7 @@ from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_gate import GateTimeout, StorageGate
 from toolkv.testing.storage_harness import StorageCacheHarness
 from toolkv.verify.backend_mutants import STORAGE_MUTANTS
-from toolkv.verify.storage_spec import SESSION_VARS, WAITING, Act, State, StorageBounds
+from toolkv.verify.storage.spec import SESSION_VARS, WAITING, Act, State, StorageBounds
 
 PAGE_SIZE = 8  # tokens per page: a session's path is >= 2 pages, above sglang's load_back_threshold (10)
 TTL_S = 100.0

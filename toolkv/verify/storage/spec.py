@@ -2,7 +2,7 @@
 its invariants over states in the plain form TLC dumps them (``tla.to_plain``: a function of the
 sessions is a dict, a set a sorted list).
 
-Why a copy of the spec: the fuzz campaign (:mod:`toolkv.verify.storage_fuzzing`) checks every
+Why a copy of the spec: the fuzz campaign (:mod:`toolkv.verify.storage.fuzzing`) checks every
 implementation step against the spec's successor and the spec's invariants on the refinement
 mapping, thousands of times per second; TLC cannot be asked that often. The copy is kept honest
 by TLC itself: ``model_tests/test_storage_conformance.py`` requires that it explains every edge of

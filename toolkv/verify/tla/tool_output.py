@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from toolkv.verify.tlavalues import parse_state
+from toolkv.verify.tla.values import parse_state
 
 
 class Code(IntEnum):

