@@ -183,11 +183,11 @@ def _emit(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
 
 def run_storage(args: argparse.Namespace) -> int:
     """``toolkv fuzz --storage``: the storage tier's campaign, or with ``--mutants`` its kill table
-    (``toolkv.verify.storage_fuzzing``; defaults: 200 examples of 60 steps, a kill within 300)."""
+    (``toolkv.verify.storage.fuzzing``; defaults: 200 examples of 60 steps, a kill within 300)."""
     import logging
 
     from toolkv.verify.backend_mutants import STORAGE_MUTANTS
-    from toolkv.verify.storage_fuzzing import campaign as storage_campaign
+    from toolkv.verify.storage.fuzzing import campaign as storage_campaign
 
     logging.getLogger("sglang").setLevel(logging.ERROR)  # every refused page is a warning
     checks = "invariants" if args.invariants_only else "all"
