@@ -450,3 +450,33 @@ def test_cli_input_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         main(["trace-check"])
     assert "give trace files, or --decisions" in capsys.readouterr().err
+
+
+def test_a_demotion_inside_another_call_is_its_own_line(tmp_path: Path) -> None:
+    """A full host demotes an offloaded session predicted back later than the caller (whose client
+    says its tool returns at once) inside the caller's tool_start. The demoted session's next turn
+    recomputes, so the demotion is a decision line of its own (op=demote, reason host_room), before
+    the call's own line, and the log stays a spec behaviour."""
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.scheduler_side import SchedulerToolKV
+    from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+    path = tmp_path / "demote.log"
+    a, b = list(range(1, 301)), list(range(1000, 1300))
+    with CacheHarness(HarnessConfig(device_tokens=768, host_ratio=0.5)) as h, _Capture(path):
+        tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=60.0, sweep_every=1))
+        h.tree._toolkv = tk
+        call: Callable[..., dict[str, object]] = lambda op, **kw: tk.handle(op, kw)[1]  # noqa: E731
+        assert finish_turn(h, "s1", a, [301]) and finish_turn(h, "s2", b, [1300], slot=1)
+        assert call("tool_start", session_id="s1")["state"] == "Offloading"
+        iteration(h, tk, writes=True)
+        assert tk.manager.kv_meta("s1")["state"] == "Offloaded"
+        out = call("tool_start", session_id="s2", tool="quick", expected_s=0.0)
+        assert out.get("state") in ("Offloading", "Offloaded"), out
+        assert tk.manager.kv_meta("s1")["state"] == "Released"
+    text = path.read_text()
+    demotes = re.findall(r"toolkv decision op=demote session=(\S+) .*outcome=ok reason=host_room", text)
+    assert demotes == ["s1"] and tk.manager.counters["demoted"] == 1, text
+    assert text.index("op=demote session=s1") < text.index("op=tool_start session=s2")
+    r = check_logs([path])
+    assert r.ok, dc.render(r)

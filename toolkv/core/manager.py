@@ -77,6 +77,15 @@ class ToolKVManager:
         self.machine.config = value
 
     @property
+    def on_demote(self) -> Callable[[str], None]:
+        """Called with each session demoted inside another call (see ``MachineCore.on_demote``)."""
+        return self.machine.on_demote
+
+    @on_demote.setter
+    def on_demote(self, value: Callable[[str], None]) -> None:
+        self.machine.on_demote = value
+
+    @property
     def queued_demand(self) -> Callable[[], int]:
         """Device tokens queued requests will need (the scheduler binds sglang's waiting queue)."""
         return self.machine.queued_demand

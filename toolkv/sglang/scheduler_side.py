@@ -287,6 +287,8 @@ class SchedulerToolKV:
             bytes_per_token=kv_bytes_per_token(tree),
             snapshot=self.metrics,
         )
+        # a session demoted inside another session's tool_start (host room) gets its own line
+        self.manager.on_demote = lambda sid: self.decisions.decided("demote", sid, None, "ok", "host_room")
         # Agree on the clock before the first handler can arm a deadline: the manager starts at
         # t=0, and a deadline armed then would expire on the first real reading. Every rank
         # builds its instance in Scheduler.__init__, so this first reduction is unconditional.

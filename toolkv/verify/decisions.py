@@ -64,7 +64,7 @@ SILENT_WHY: dict[str, str] = {
     "write_ack": "the tick processed the offload's write acks",
     "load_ack": "the tick processed the restore's load acks",
     "prefetch": "the tick started an early restore",
-    "demote": "another session's tool_start demoted it to make host room",
+    "demote": "another session's tool_start demoted it to make host room (older logs have no line)",
     "admit": "its next request was admitted",
     "unpin": "the tick gave its hand-over's pin up to queued requests",
     "insert": "a turn finished",
@@ -96,6 +96,7 @@ OP_TRIGGERS: dict[str, tuple[str, ...]] = {
     "restore_on_request": ("tool_end", "park"),  # the session's next request ends its tool call
     "close": ("close",),
     "admit": ("admit",),
+    "demote": ("demote",),  # inside another session's tool_start, which needed the host room
     "ttl_sweep": ("ttl_sweep",),
     "tree_reset": ("tree_reset",),
 }

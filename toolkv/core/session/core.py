@@ -62,6 +62,10 @@ class MachineCore:
         # Device tokens queued requests will need (the scheduler binds sglang's waiting queue):
         # a pin must leave them free, or a kept session is paid for by somebody's recompute.
         self.queued_demand: Callable[[], int] = lambda: 0
+        # Told of every demotion, which happens inside another session's call (its tool_start
+        # needed the host room): the scheduler writes it as a decision line of its own, so an
+        # operator sees why a session toolkv had accepted came back with nothing.
+        self.on_demote: Callable[[str], None] = lambda session_id: None
 
     # ---- records --------------------------------------------------------------------------------------
     def _get(self, session_id: str) -> SessionRecord:

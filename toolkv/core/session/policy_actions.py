@@ -81,6 +81,7 @@ class PolicyActions(MachineCore):
         fire(rec, "demote", Phase.RELEASED)
         self.counters["demoted"] += 1
         log.debug("session %s demoted (host budget)", session_id)
+        self.on_demote(session_id)
         return self.view(rec)
 
     def _demote_release(self, rec: SessionRecord) -> None:
