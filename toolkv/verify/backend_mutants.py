@@ -18,7 +18,8 @@ from functools import cache
 from typing import Any
 
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
-from toolkv.core.backends.hiradix import HiRadixBackend, StorageCopy
+from toolkv.core.backends.hicache_storage import StorageCopy
+from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.backends.unified import UnifiedBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
 from toolkv.core.result import SessionView

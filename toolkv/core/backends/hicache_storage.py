@@ -1,0 +1,273 @@
+"""HiRadixCache's L3 storage tier for toolkv (``spec/storage/StorageTier.tla``), the backend half
+of ``toolkv.core.l3``: the :class:`~toolkv.core.capabilities.StorageTier` abilities of
+:class:`~toolkv.core.backends.hiradix.HiRadixBackend`, in a module of their own.
+
+A protected session's host copy goes down to sglang's storage backend and comes back through the
+host: Store -> StoreAck (host protection released; HiCache may evict the host copy), then at
+tool_end StoragePrefetch -> PrefetchAck (the pages are back in the host tree, protected) and the
+ordinary restore host->GPU. Every step uses sglang's own primitives.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from toolkv.core.backends.base import Agreement, ProtectionLedger
+from toolkv.core.session import SessionRecord
+from toolkv.core.treeops import Tree, TreeNode, path_to, walk
+
+
+@dataclass
+class StorageCopy:
+    """toolkv's record of one session's copy in HiCache's L3 storage tier
+    (``spec/storage/StorageTier.tla``: its variables ``wr``, ``l3prot``, ``pf`` and ``pin``).
+
+    The record *is* the storage protection: a page key listed here must not be deleted while the
+    record exists, and a record with ``rid`` set is pinned by the prefetch that reads it, whoever
+    releases the session meanwhile (mutant ``ReleaseDropsPin``). sglang's storage backends know
+    neither, which is why :meth:`HiRadixBackend.store` refuses a backend that evicts on its own."""
+
+    keys: list[str]  # sglang's chained page hashes of the session's path, root first
+    tokens: int  # page-aligned tokens the copy covers
+    whole: bool = False  # StoreAck found every page in storage
+    rid: str | None = None  # the request id of the prefetch reading the copy (its pin)
+    released: bool = False  # the session let go while the prefetch read: dropped at its ack
+
+
+def _ntok(nodes: Sequence[TreeNode]) -> int:
+    """Tokens held by ``nodes`` (key length equals value and host_value length; ``len`` of a
+    RadixKey is a few times cheaper than ``len`` of a tensor)."""
+    return sum(len(n.key) for n in nodes)
+
+
+class HiCacheStorage:
+    """The storage-tier steps of :class:`~toolkv.core.backends.hiradix.HiRadixBackend` (a mixin
+    over its tree, agreement, protection ledger and storage records). A step a seeded defect
+    changes is a small method of its own (:meth:`_store_whole`, :meth:`_read_from`,
+    :meth:`_release_storage`), overridden from outside by ``toolkv.verify.backend_mutants``."""
+
+    tree: Tree
+    agree: Agreement
+    _ledger: ProtectionLedger
+    _l3: dict[str, StorageCopy]  # sessions' copies in the L3 storage tier, by session id
+
+    def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        raise NotImplementedError  # the host tier's (HiRadixBackend)
+
+    def _release_protection(self, rec: SessionRecord) -> None:
+        raise NotImplementedError  # the host tier's (HiRadixBackend)
+
+    # A protected session's host copy goes down to sglang's storage backend and comes back through
+    # the host: Store -> StoreAck (host protection released; HiCache may evict the host copy), then
+    # at tool_end StoragePrefetch -> PrefetchAck (the pages are back in the host tree, protected)
+    # and the ordinary restore host->GPU (``restore``). Every step uses sglang's own primitives:
+    # ``write_backup_storage`` (the backup thread writes the pages, sglang's ``protect_host`` keeps
+    # the source until the ack), ``prefetch_from_storage`` and ``check_prefetch_progress`` (the
+    # prefetch threads read the pages into host slots sglang allocates). The acks arrive through
+    # the scheduler's ``check_hicache_events`` (``drain_storage_control_queues``), as sglang's own.
+    # ``check_prefetch_progress`` holds collectives: like the other steps here it must run on
+    # every TP rank in the same scheduler step.
+
+    @property
+    def storage_copies(self) -> dict[str, StorageCopy]:
+        """The sessions' storage copies toolkv holds (read only; for kv_meta and tests)."""
+        return dict(self._l3)
+
+    def storage_enabled(self) -> bool:
+        """True when the cache runs with an L3 backend (``--hicache-storage-backend``)."""
+        return bool(getattr(self.tree, "enable_storage", False))
+
+    def _storage(self) -> Any:
+        return self.tree.cache_controller.storage_backend
+
+    def _stored_pages(self, keys: Sequence[str]) -> int:
+        """Leading pages of ``keys`` the backend holds (its ``batch_exists``: the prefix sglang's own
+        hit query would prefetch)."""
+        return int(self._storage().batch_exists(list(keys)))
+
+    def _storing(self, m: TreeNode) -> bool:
+        """A write of ``m`` to storage is in flight (its ack not yet drained by the scheduler)."""
+        return any(x is m for x in self.tree.ongoing_backup.values())
+
+    def _evicts_on_its_own(self) -> bool:
+        """The backend may delete pages by itself: HiCacheFile with a size cap or a free-space
+        watermark runs an LRU evictor that knows nothing of toolkv's protection (spec
+        ``L3Evict`` may only take unprotected, unpinned pages), and has no pin to ask it."""
+        evictor = getattr(self._storage(), "_evictor", None)
+        return bool(getattr(evictor, "enabled", False))
+
+    def store(self, rec: SessionRecord) -> bool:
+        """Spec ``Store``: write the session's protected host copy to storage. The copy is
+        protected in storage from now on (``LateL3Protect`` waited for the ack, and a page
+        written first could be evicted before the last one landed); the host protection stays
+        until :meth:`store_ack`. Nodes whose pages are all in storage already (HiCache writes
+        every acknowledged host copy to storage itself) are not written again. Returns False,
+        changing nothing, when the session is not offloaded to host (a host write still in
+        flight), the path has no page hashes, or the backend evicts on its own."""
+        leaf = rec.protected
+        if not self.storage_enabled() or leaf is None or rec.session_id in self._l3:
+            return False
+        tree = self.tree
+        path = path_to(tree, leaf)
+        ready = all(m.host_value is not None and m.write_through_pending_id is None for m in path)
+        hashed = all(
+            m.hash_value is not None and len(m.hash_value) == len(m.key) // tree.page_size for m in path
+        )
+        if not self.agree.all_true(ready and hashed and not self._evicts_on_its_own()):
+            return False
+        keys = [k for m in path for k in m.hash_value]
+        have = self._stored_pages(keys)
+        done = 0
+        for m in path:  # root-down, from the first node with a page missing
+            n = len(m.hash_value)
+            if done + n > have and not self._storing(m):
+                tree.write_backup_storage(m)  # sglang's protect_host on m until the backup ack
+            done += n
+        self._l3[rec.session_id] = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
+        return True
+
+    def store_ack(self, rec: SessionRecord) -> bool | None:
+        """Spec ``StoreAck``: None while a write of the path is in flight. Then whole (every page
+        is in storage): the host protection is released, so HiCache may evict the host copy, and
+        the session lives in storage; True. Short (the backend refused a page: sglang's backup
+        stops at the first failed batch and its ack does not say so): the record is dropped, the
+        session keeps its protected host copy and may be stored again; False. Taking a short copy
+        for a whole one is mutant ``TrustShortAck``."""
+        copy = self._l3.get(rec.session_id)
+        assert copy is not None and not copy.whole, "store_ack follows store"
+        assert rec.protected is not None
+        if any(self._storing(m) for m in path_to(self.tree, rec.protected)):  # lockstep on every rank
+            return None
+        if not self.agree.all_true(self._store_whole(copy)):
+            del self._l3[rec.session_id]
+            return False
+        copy.whole = True
+        self._release_protection(rec)
+        return True
+
+    def _store_whole(self, copy: StorageCopy) -> bool:
+        """Every page of the copy is in storage (the check ``TrustShortAck`` leaves out)."""
+        return self._stored_pages(copy.keys) == len(copy.keys)
+
+    def storage_prefetch(self, rec: SessionRecord, rid: str) -> Literal["host", "prefetching", "refused"]:
+        """Spec ``ToolEnd`` of a stored session. ``"host"`` (``ToolEndFromHost``): HiCache has not
+        evicted the host copy yet; it is protected again and the storage copy let go, restore
+        from it. ``"prefetching"`` (``StoragePrefetch``): ``prefetch_from_storage`` under request
+        id ``rid`` reads the missing pages into host slots sglang allocates; the storage copy
+        stays protected and is pinned by the prefetch until :meth:`prefetch_ack`. ``"refused"``:
+        sglang did not start a prefetch (below its threshold, or its prefetch budget is spent);
+        nothing changed, retry or let the TTL end it."""
+        copy = self._l3.get(rec.session_id)
+        assert copy is not None and copy.rid is None, "a session with a storage copy, no prefetch yet"
+        tree = self.tree
+        tokens = rec.tokens[: copy.tokens]
+        node, matched = walk(tree, tokens, rec.extra_key)
+        host_node = self._read_from(copy, node, matched)
+        if host_node is None:
+            self._protect_host_path(rec, node)
+            del self._l3[rec.session_id]
+            return "host"
+        depth = _ntok(path_to(tree, host_node))
+        rest = array("q", tokens[depth:])
+        tree.prefetch_from_storage(rid, host_node, rest, host_node.get_last_hash_value())
+        if rid not in tree.ongoing_prefetch:  # the same decision on every rank (lockstep state)
+            return "refused"
+        copy.rid = rid
+        return "prefetching"
+
+    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode | None:
+        """Where a restore of a session with a storage copy reads from: None while its host copy
+        is whole (spec ``ToolEndFromHost``: protected again, the storage copy let go); else the
+        deepest node of the path with a host copy, below which a prefetch reads the storage copy,
+        and only a copy whose write was acknowledged whole (``RestoreSourceWhole``; mutant
+        ``RestoreBeforeStoreAck`` reads one still being written)."""
+        if self.agree.all_true(matched >= copy.tokens):
+            return None
+        assert copy.whole, "a prefetch reads only a storage copy whose write was acknowledged whole"
+        host_node = node
+        while host_node is not self.tree.root_node and host_node.host_value is None:
+            host_node = host_node.parent
+        return host_node
+
+    def prefetch_ack(self, rec: SessionRecord) -> bool | None:
+        """Spec ``PrefetchAck``: None until sglang's ``check_prefetch_progress`` says the prefetch is
+        done (under the ``wait_complete`` policy: every page its hit query found was read). Then
+        the pin and the storage protection end. Whole (the host tree holds the session's whole
+        path again): the host copy is protected, ``rec.node`` is its leaf, and ``restore`` loads
+        it to the GPU; True. Short (a page was missing when read) or the session was released
+        meanwhile: False, the pages read stay in the host tree unprotected and the session's next
+        turn recomputes the rest."""
+        copy = self._l3.get(rec.session_id)
+        assert copy is not None and copy.rid is not None, "prefetch_ack follows storage_prefetch"
+        if not self._prefetch_done(copy):
+            return None
+        del self._l3[rec.session_id]
+        if copy.released:
+            return False
+        node, matched = walk(self.tree, rec.tokens[: copy.tokens], rec.extra_key)
+        if not self.agree.all_true(matched >= copy.tokens):
+            return False
+        self._protect_host_path(rec, node)
+        return True
+
+    def poll_storage(self) -> int:
+        """Finish the prefetches of sessions released while they read (their pins held the storage
+        copies until now); call once per scheduler tick on every rank. Returns how many ended."""
+        ended = 0
+        for sid, copy in list(self._l3.items()):
+            if copy.released and copy.rid is not None and self._prefetch_done(copy):
+                del self._l3[sid]
+                ended += 1
+        return ended
+
+    def _prefetch_done(self, copy: StorageCopy) -> bool:
+        """sglang's ``check_prefetch_progress`` for the copy's prefetch: True once its pages are in
+        the host tree and its host slots and last-host-node protection are returned."""
+        assert copy.rid is not None
+        if not self.tree.check_prefetch_progress(copy.rid):
+            return False
+        self.tree.pop_prefetch_loaded_tokens(copy.rid)
+        copy.rid = None
+        return True
+
+    def _protect_host_path(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        """Protect the host copy of ``leaf``'s path for the session again (as ``offload`` does)."""
+        rec.node = leaf
+        self._take_host_protection(rec, leaf)
+        rec.protected = leaf
+        self._ledger.take(rec.session_id, path_to(self.tree, leaf))
+
+    def drop_storage(self, rec: SessionRecord) -> None:
+        """The session is restored from its host copy while a store was in flight or done (spec
+        ``ToolEndFromHost``: the storage protection is dropped; the host protection stays)."""
+        self._release_storage(rec)
+
+    def protect_host_prefix(self, rec: SessionRecord) -> int:
+        """After a short ``prefetch_ack``: protect the part of the session's path that is on host
+        (the pages read before the missing one), so that it can be restored like a whole copy;
+        ``rec.node`` becomes its last node. Returns its tokens (0: nothing came back, nothing
+        protected). The rest is left to the next request to recompute."""
+        node, _ = walk(self.tree, rec.tokens, rec.extra_key)
+        root = self.tree.root_node
+        while node is not root and node.host_value is None:
+            node = node.parent
+        tokens = _ntok(path_to(self.tree, node)) if node is not root else 0
+        if not self.agree.all_true(tokens > 0):
+            return 0
+        self._protect_host_path(rec, node)
+        return tokens
+
+    def _release_storage(self, rec: SessionRecord) -> None:
+        """Close or the TTL: the session's storage protection ends. A prefetch reading the copy
+        keeps its pin until its own ack (``poll_storage``): dropping it now is mutant
+        ``ReleaseDropsPin``, and the backend could delete a page the prefetch has still to read."""
+        copy = self._l3.get(rec.session_id)
+        if copy is None:
+            return
+        if copy.rid is not None:
+            copy.released = True
+        else:
+            del self._l3[rec.session_id]
