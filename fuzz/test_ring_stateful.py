@@ -1,6 +1,6 @@
 """The ring campaign: the stateful machine with sglang's load-slot ring in the model (``Ring = 3``).
 
-Every step of ``RingToolKVMachine`` (``toolkv/verify/fuzzing_ring.py``) is checked against the
+Every step of ``RingToolKVMachine`` (``toolkv/verify/toolkv/fuzzing_ring.py``) is checked against the
 spec's successor with ``queued`` and ``ring`` compared: bunched restores of three sessions, the
 tick's ``start_loads`` (also where the spec's ``StartLoads`` is disabled: it must stutter),
 sglang's own loads merging toolkv's queue into their start, slots finishing, acks retired several
@@ -14,7 +14,7 @@ import json
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from toolkv.verify.fuzzing_ring import ring_machine_class
+from toolkv.verify.toolkv.fuzzing_ring import ring_machine_class
 
 RING_ACTIONS = ("StartLoads", "SysStart", "RingDone", "LoadAck", "ToolEnd", "TreeReset")
 

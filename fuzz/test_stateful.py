@@ -20,9 +20,9 @@ import pytest
 
 from toolkv.tools.fuzz_cli import MUTANTS, campaign
 from toolkv.verify.fuzzing import machine_class
-from toolkv.verify.refinement import Bounds
-from toolkv.verify.replayer import Replayer
-from toolkv.verify.tracecheck import check_trace
+from toolkv.verify.toolkv.refinement import Bounds
+from toolkv.verify.toolkv.tracecheck import check_trace
+from toolkv.verify.toolkv.world import Replayer
 
 KILL_EXAMPLES = 400  # every mutant must be killed within this many examples (the documented claim)
 

@@ -1,6 +1,6 @@
 """The L3 storage tier under the Hypothesis state machine, over sglang's REAL ``HiCacheFile`` and
 storage threads (CPU): the correct implementation survives the campaign, and each storage defect
-of ``toolkv.verify.backend_mutants`` is killed — with every check on, and with the spec's
+of ``toolkv.verify.toolkv.mutants`` is killed — with every check on, and with the spec's
 invariants alone for the two the storage model is about (restored from a copy never completely
 written: ``RestoreSourceWhole``; a storage copy released while a prefetch reads it:
 ``ReadSourcePresent``).

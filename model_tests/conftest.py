@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.verify.conformance import GraphConfig, dump_graph, load_conformance
-from toolkv.verify.refinement import Bounds
 from toolkv.verify.tla.tlc import StateGraph, TlaToolError, Toolchain
+from toolkv.verify.toolkv.conformance import GraphConfig, dump_graph, load_conformance
+from toolkv.verify.toolkv.refinement import Bounds
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 

@@ -13,7 +13,7 @@
 3. The error trace of each spec mutant, replayed on the correspondingly broken implementation
    (a test-only caveat switch), reproduces the violation; replayed on the correct implementation
    it does not.
-4. The load-ring defects (backend subclasses in ``toolkv.verify.backend_mutants``) fail the replay
+4. The load-ring defects (backend subclasses in ``toolkv.verify.toolkv.mutants``) fail the replay
    of the ring graph: the one that starts its load in ``tool_end`` at that step, the one that starts
    when two slots are free at the tick probe (``start_loads`` where ``StartLoads`` is not enabled).
 
@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from toolkv.verify.conformance import (
+from toolkv.verify.tla.tlc import Toolchain, cfg_constants, run_tlc
+from toolkv.verify.toolkv.conformance import (
     CoverReport,
     Replayer,
     load_conformance,
@@ -38,8 +39,7 @@ from toolkv.verify.conformance import (
     replay_trace,
     spec_actions,
 )
-from toolkv.verify.refinement import Bounds
-from toolkv.verify.tla.tlc import Toolchain, cfg_constants, run_tlc
+from toolkv.verify.toolkv.refinement import Bounds
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 pytestmark = pytest.mark.tlc
@@ -127,7 +127,7 @@ def test_every_spec_action_is_replayed(graphs: Any, tools: Toolchain, tmp_path: 
 def test_ring_defects_fail_the_replay(graphs: Any, mutant: str) -> None:
     """The replay of the ring graph is not vacuous: each seeded load-ring defect diverges from the
     spec (the replay stops at the first mismatch, so this is quick)."""
-    from toolkv.verify import backend_mutants
+    from toolkv.verify.toolkv import mutants as backend_mutants
 
     g, bounds = graphs.get(RING_GRAPH)
     rep = replay_graph(g, bounds, hi_backend=getattr(backend_mutants, mutant))

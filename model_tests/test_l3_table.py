@@ -24,15 +24,9 @@ import pytest
 
 from toolkv.core import l3
 from toolkv.core.lifecycle import relation
-from toolkv.verify.conformance import GraphConfig, load_conformance
-
-try:  # verify/ split per spec
-    from toolkv.verify.storage.conformance import dump_storage_graph
-    from toolkv.verify.tla.tlc import StateGraph, Toolchain, run_tlc
-except ImportError:  # pragma: no cover - the flat verify/ before the split
-    from toolkv.verify.storage_conformance import dump_storage_graph  # type: ignore[no-redef]
-
-    from toolkv.verify.tla import StateGraph, Toolchain, run_tlc  # type: ignore[no-redef,attr-defined]
+from toolkv.verify.storage.conformance import dump_storage_graph
+from toolkv.verify.tla.tlc import StateGraph, Toolchain, run_tlc
+from toolkv.verify.toolkv.conformance import GraphConfig, load_conformance
 
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "storage"
 pytestmark = pytest.mark.tlc

@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from toolkv.verify.refinement import Bounds, check_step
-from toolkv.verify.replayer import Replayer
+from toolkv.verify.toolkv.refinement import Bounds, check_step
+from toolkv.verify.toolkv.world import Replayer
 
 B = Bounds(
     nodes=("n1", "n2"), sessions=("s1", "s2"), dev_slots=10**6, host_slots=10**6, max_time=10**6, ttl=5

@@ -1,4 +1,4 @@
-"""The Python copy of the spec's actions (``toolkv.verify.specstep``) equals TLC's next-state relation.
+"""The Python copy of the spec's actions (``toolkv.verify.toolkv.spec``) equals TLC's next-state relation.
 
 The fuzz campaign trusts ``successor(u, act)`` as the spec on every step, so it is checked against
 TLC itself: on every distinct transition of every conformance graph, the Python successor of the
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from toolkv.verify.refinement import Bounds
-from toolkv.verify.specstep import ACTIONS, successor
+from toolkv.verify.toolkv.refinement import Bounds
+from toolkv.verify.toolkv.spec import ACTIONS, successor
 
 pytestmark = pytest.mark.tlc
 

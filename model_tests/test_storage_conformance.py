@@ -10,7 +10,7 @@
    of the real objects must equal the edge's target state, the KV bytes of every copy must be
    right, and between walks everything must be returned. Only edges sglang cannot take may be
    left out, each with its reason; every action must be replayed.
-3. The replay can fail: each storage defect of ``toolkv.verify.backend_mutants`` diverges from the
+3. The replay can fail: each storage defect of ``toolkv.verify.toolkv.mutants`` diverges from the
    graph at the step that acts on it.
 4. The TLC error trace of a spec mutant, replayed on the implementation, reproduces the violation
    with the matching defect switched on, and not on the correct implementation.
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.verify.conformance import GraphConfig, load_conformance
 from toolkv.verify.storage import spec as storage_spec
 from toolkv.verify.storage.conformance import (
     dump_storage_graph,
@@ -36,6 +35,7 @@ from toolkv.verify.storage.conformance import (
 )
 from toolkv.verify.storage.spec import StorageBounds
 from toolkv.verify.tla.tlc import StateGraph, Toolchain, cfg_constants, run_tlc, to_plain
+from toolkv.verify.toolkv.conformance import GraphConfig, load_conformance
 
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "storage"
 pytestmark = [pytest.mark.tlc, pytest.mark.filterwarnings("ignore")]

@@ -15,8 +15,8 @@ from weakref import WeakKeyDictionary
 import torch
 
 from toolkv.core.treeops import attached, path_to, walk
-from toolkv.verify.refinement import Bounds, check_refinement_step
-from toolkv.verify.replayer import Replayer
+from toolkv.verify.toolkv.refinement import Bounds, check_refinement_step
+from toolkv.verify.toolkv.world import Replayer
 
 BIG = 10**6
 

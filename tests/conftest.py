@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from _spec_steps import make_replayer
 
-from toolkv.verify.replayer import Replayer
+from toolkv.verify.toolkv.world import Replayer
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from _spec_steps import kv_intact, leak_free, spec_bounds, step
 
 from toolkv.core.treeops import attached, path_to
-from toolkv.verify.replayer import Replayer
+from toolkv.verify.toolkv.world import Replayer
 
 BOUNDS = spec_bounds("n1", "n2", "n3")
 

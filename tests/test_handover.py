@@ -1,7 +1,7 @@
 """The outcome under load, on the real HiRadixCache: a restored session's KV survives until its
 next request holds it (spec ``Handover``/``Admit``), and a tool_start finds host room that HiCache
 can free (spec ``HostFits``/``HostRoom``). Each test also runs the variant with the old behaviour
-(``toolkv.verify.backend_mutants``: ``EarlyRelease``, ``RoomIgnored``) and requires it to lose
+(``toolkv.verify.toolkv.mutants``: ``EarlyRelease``, ``RoomIgnored``) and requires it to lose
 what the fixed manager keeps, so none of them can pass on the defect."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from toolkv.core.backends.base import host_evictable_tokens
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.errors import HostMemoryFull
 from toolkv.testing.harness import CacheHarness, HarnessConfig
-from toolkv.verify.backend_mutants import mutant_manager
+from toolkv.verify.toolkv.mutants import mutant_manager
 
 FIXED: frozenset[str] = frozenset()
 

@@ -37,7 +37,7 @@ from toolkv.core.manager import ToolKVManager
 from toolkv.core.session import SessionRecord
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
-from toolkv.verify.backend_mutants import ReleaseDropsPinBackend, TrustShortAckBackend
+from toolkv.verify.toolkv.mutants import ReleaseDropsPinBackend, TrustShortAckBackend
 
 CFG = HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4)
 TOKENS = list(range(1, 97))  # 96 tokens: 24 pages of 4

@@ -7,7 +7,7 @@ released only at the ``StoreAck`` of a whole copy. Its ``tool_end`` prefetches i
 host pool (``StoragePrefetch`` … ``PrefetchAck``) and then restores host→GPU and hands it over as
 usual. A close or TTL during a store or a prefetch returns every lock, host reference, slot and
 storage pin; a stale epoch changes nothing. The implementation mutants ``TrustShortAck`` and
-``ReleaseDropsPin`` (``toolkv.verify.backend_mutants``) must lose.
+``ReleaseDropsPin`` (``toolkv.verify.toolkv.mutants``) must lose.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.errors import HostMemoryFull, StaleEpoch, WrongState
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
-from toolkv.verify.backend_mutants import ReleaseDropsPinBackend, TrustShortAckBackend
+from toolkv.verify.toolkv.mutants import ReleaseDropsPinBackend, TrustShortAckBackend
 
 CFG = HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4)
 A = list(range(1, 97))  # 96 tokens: 24 pages of 4
@@ -395,7 +395,7 @@ def test_the_decision_log_of_an_l3_round_trip_is_a_spec_behaviour(tmp_path: Path
 
     from toolkv.sglang.config import ToolKVConfig
     from toolkv.sglang.scheduler_side import SchedulerToolKV
-    from toolkv.verify.decisions import check_logs
+    from toolkv.verify.toolkv.decisions import check_logs
 
     log_path = tmp_path / "server.log"
     handler = logging.FileHandler(log_path, mode="w", encoding="utf-8")

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from toolkv.verify.decisions import check_logs
+from toolkv.verify.toolkv.decisions import check_logs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

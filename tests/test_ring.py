@@ -32,7 +32,7 @@ from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.manager import ToolKVManager
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost
 from toolkv.testing.harness import CacheHarness, HarnessConfig
-from toolkv.verify.backend_mutants import RingOverrunBackend, RingTwoFreeBackend
+from toolkv.verify.toolkv.mutants import RingOverrunBackend, RingTwoFreeBackend
 
 SESSIONS = 4
 BACKGROUND = 3

@@ -1,5 +1,5 @@
 """``toolkv trace-check --decisions``: decision logs of REAL runs replayed against the spec's session
-table (``toolkv.verify.decisions``).
+table (``toolkv.verify.toolkv.decisions``).
 
 The logs come from real runs on CPU: the soak driver (``toolkv.tools.soak``: the scheduler side and
 the HTTP routes over sglang's real HiRadixCache / RadixCache, with aborts, races, lost replies,
@@ -23,8 +23,8 @@ from _turns import finish_turn, iteration
 
 from toolkv.core import lifecycle
 from toolkv.tools.cli import main
-from toolkv.verify import decisions as dc
-from toolkv.verify.decisions import Violation, check_logs
+from toolkv.verify.toolkv import decisions as dc
+from toolkv.verify.toolkv.decisions import Violation, check_logs
 
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "ToolKV.tla"
 SGLANG_FORMAT = "[%(asctime)s TP0] %(message)s"  # sglang's configure_logger, TP rank prefix

@@ -42,7 +42,7 @@ from toolkv.core.manager import ManagerConfig
 from toolkv.core.treeops import attached, path_to
 from toolkv.errors import ToolKVError
 from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
-from toolkv.verify.backend_mutants import mutant_manager
+from toolkv.verify.toolkv.mutants import mutant_manager
 
 SESSIONS = ("s1", "s2", "s3")
 UNIT = 16  # tokens per turn: >= sglang's load_back_threshold (10), a whole page at page size 16

@@ -133,7 +133,7 @@ def test_installed_trace_check_reads_the_installed_spec(installed: Installed, tm
     """The cause of 'every trace ILLEGAL': trace-check looked for spec/ next to the package."""
     py = installed.root / "bin" / "python"
     p = subprocess.run(
-        [str(py), "-c", "from toolkv.verify.tracecheck import spec_files; print(spec_files())"],
+        [str(py), "-c", "from toolkv.verify.toolkv.tracecheck import spec_files; print(spec_files())"],
         capture_output=True, text=True, env=installed.env, cwd=tmp_path, check=True,
     )  # fmt: skip
     spec = Path(p.stdout.strip())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from _spec_steps import leak_free, spec_bounds, step
 
-from toolkv.verify.replayer import Replayer
+from toolkv.verify.toolkv.world import Replayer
 
 BOUNDS = spec_bounds("n1", "n2")
 

@@ -9,7 +9,7 @@ ends a protection. Each decision is one logfmt line on the ``toolkv`` logger::
 
 ``outcome`` is ``ok``, ``refused`` or ``skipped``; ``reason`` the refusal code or skip reason.
 A ``tool_end`` line also names the epoch the call carried (``asked=``, after ``rank``), so that a
-stale-epoch refusal can be checked (``toolkv trace-check --decisions``, :mod:`toolkv.verify.decisions`).
+stale-epoch refusal can be checked (``toolkv trace-check --decisions``, :mod:`toolkv.verify.toolkv.decisions`).
 TP rank 0 logs at INFO, the other ranks (which take the same decisions) at DEBUG.
 
 Completion times are measured with the local monotonic clock: they are reported, never decided on,

@@ -189,7 +189,7 @@ def _check_fuzz(args: argparse.Namespace) -> str | None:
 
     known: Iterable[str] = MUTANTS
     if getattr(args, "storage", False):  # the storage tier's defects (its campaign's kill table)
-        from toolkv.verify.backend_mutants import STORAGE_MUTANTS
+        from toolkv.verify.toolkv.mutants import STORAGE_MUTANTS
 
         known = STORAGE_MUTANTS
     elif getattr(args, "invariants_only", False):

@@ -186,8 +186,8 @@ def run_storage(args: argparse.Namespace) -> int:
     (``toolkv.verify.storage.fuzzing``; defaults: 200 examples of 60 steps, a kill within 300)."""
     import logging
 
-    from toolkv.verify.backend_mutants import STORAGE_MUTANTS
     from toolkv.verify.storage.fuzzing import campaign as storage_campaign
+    from toolkv.verify.toolkv.mutants import STORAGE_MUTANTS
 
     logging.getLogger("sglang").setLevel(logging.ERROR)  # every refused page is a warning
     checks = "invariants" if args.invariants_only else "all"

@@ -1,7 +1,7 @@
 """Hypothesis stateful testing of ToolKVManager on the REAL sglang HiRadixCache.
 
 Every rule is one spec action (``spec/ToolKV.tla``) executed through
-:class:`toolkv.verify.conformance.Replayer` in *real-capacity* mode: the pools are sized small and filled
+:class:`toolkv.verify.toolkv.conformance.Replayer` in *real-capacity* mode: the pools are sized small and filled
 by other requests, so "host full at write" and "no device memory at restore" happen when sglang's
 real pools say so. Rules cover sessions and turns with shared prefixes, other requests locking and
 unlocking prefixes, tool_start, tool_end with current and stale epochs, write and load acks (in the
@@ -42,8 +42,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from toolkv.core.treeops import attached
-from toolkv.verify.refinement import NO_NODE, ROOT, Bounds, check_refinement_step, spec_successor
-from toolkv.verify.replayer import Replayer, StepResult, Unrealizable
+from toolkv.verify.toolkv.refinement import NO_NODE, ROOT, Bounds, check_refinement_step, spec_successor
+from toolkv.verify.toolkv.world import Replayer, StepResult, Unrealizable
 
 SESSIONS = ("s1", "s2", "s3")
 OPTIONAL = frozenset(

@@ -1,5 +1,5 @@
-"""``toolkv trace-check``: full-state traces (``FILE...``, :mod:`toolkv.verify.tracecheck`) or a
-live server's decision logs (``--decisions LOG...``, :mod:`toolkv.verify.decisions`)."""
+"""``toolkv trace-check``: full-state traces (``FILE...``, :mod:`toolkv.verify.toolkv.tracecheck`) or a
+live server's decision logs (``--decisions LOG...``, :mod:`toolkv.verify.toolkv.decisions`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from toolkv.verify import tracecheck
+from toolkv.verify.toolkv import tracecheck
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decisions and args.files:
         args._parser.error("give trace files or --decisions LOGFILE..., not both")
     if args.decisions:
-        from toolkv.verify.decisions import check_logs, render
+        from toolkv.verify.toolkv.decisions import check_logs, render
 
         r = check_logs(args.decisions)
         if args.json:

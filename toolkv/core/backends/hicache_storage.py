@@ -47,7 +47,7 @@ class HiCacheStorage:
     """The storage-tier steps of :class:`~toolkv.core.backends.hiradix.HiRadixBackend` (a mixin
     over its tree, agreement, protection ledger and storage records). A step a seeded defect
     changes is a small method of its own (:meth:`_store_whole`, :meth:`_read_from`,
-    :meth:`_release_storage`), overridden from outside by ``toolkv.verify.backend_mutants``."""
+    :meth:`_release_storage`), overridden from outside by ``toolkv.verify.toolkv.mutants``."""
 
     tree: Tree
     agree: Agreement

@@ -50,7 +50,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
     """Host offload on a ``HiRadixCache``. The steps a seeded defect would change are small
     methods of their own (:meth:`_take_host_protection`, :meth:`_free_candidate_ready`,
     :meth:`_readable_after_load_back`), so mutation testing overrides them from outside
-    (``toolkv.verify.backend_mutants``) instead of switching inside these methods."""
+    (``toolkv.verify.toolkv.mutants``) instead of switching inside these methods."""
 
     name = "hiradix"
 

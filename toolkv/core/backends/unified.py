@@ -104,7 +104,7 @@ class UnifiedBackend(HostRestore, OwnLoads):
     """Host offload on a ``UnifiedRadixCache`` with HiCache. The steps a seeded defect would
     change are small methods of their own (:meth:`_take_host_protection`,
     :meth:`_free_candidate_ready`, :meth:`_free_device_copy`, :meth:`_readable_after_load_back`),
-    overridden from outside by ``toolkv.verify.backend_mutants`` for mutation testing."""
+    overridden from outside by ``toolkv.verify.toolkv.mutants`` for mutation testing."""
 
     name = "unified"
 

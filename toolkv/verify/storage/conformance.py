@@ -1,12 +1,12 @@
 """Spec ↔ code conformance for the storage tier: TLC's state graph of
 ``spec/storage/StorageTier.tla`` replayed on the real ``HiCacheFile`` stack.
 
-The same machinery as the main model's replay (:mod:`toolkv.verify.conformance`): TLC dumps the
+The same machinery as the main model's replay (:mod:`toolkv.verify.toolkv.conformance`): TLC dumps the
 full state graph of a ``[[conformance]]`` entry of ``spec/storage/configs.toml``, the walks of a
 path cover are planned once (:class:`~toolkv.verify.tla.pathcover.Cover`) and run round by round
-(:func:`~toolkv.verify.conformance.run_cover`), and after every step the refinement mapping of
+(:func:`~toolkv.verify.toolkv.conformance.run_cover`), and after every step the refinement mapping of
 the real objects (:meth:`StorageWorld.abstract`) must equal the spec state the edge leads to
-(:func:`~toolkv.verify.conformance.diff_states`; the history variable ``viaL3`` aside), and the
+(:func:`~toolkv.verify.toolkv.conformance.diff_states`; the history variable ``viaL3`` aside), and the
 checks on the real objects must pass (KV bytes of every copy, sglang's host references). Between
 two walks the world settles: every lock, host reference, slot and storage record must be back.
 
@@ -28,12 +28,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkv.verify.conformance import CoverReport, GraphConfig, diff_states, dump_module_graph, run_cover
 from toolkv.verify.storage import spec as storage_spec
 from toolkv.verify.storage.spec import HISTORY, Act, StorageBounds
 from toolkv.verify.storage.world import StorageWorld, Unrealizable, WorldFailure
 from toolkv.verify.tla.pathcover import Cover, Edge
 from toolkv.verify.tla.tlc import StateGraph, Toolchain, cfg_constants, to_plain
+from toolkv.verify.toolkv.conformance import (
+    CoverReport,
+    GraphConfig,
+    diff_states,
+    dump_module_graph,
+    run_cover,
+)
 
 MODULE = "StorageTier.tla"
 

@@ -5,7 +5,7 @@ The stack is :class:`~toolkv.testing.storage_harness.StorageCacheHarness` (a rea
 whose controller runs sglang's ``HiCacheFile`` backend on a directory and its real storage
 threads), :class:`~toolkv.testing.storage_gate.StorageGate` (the threads wait at each page until
 the step lets one through) and ``ToolKVManager`` over ``HiRadixBackend`` (or one of the storage
-mutants of ``toolkv.verify.backend_mutants``). Each session owns one path of ``P`` pages; tokens
+mutants of ``toolkv.verify.toolkv.mutants``). Each session owns one path of ``P`` pages; tokens
 differ between sessions, so their pages (sglang's chained page hashes) do too.
 
 | spec action | what runs |
@@ -69,8 +69,8 @@ from toolkv.errors import ToolKVError
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_gate import GateTimeout, StorageGate
 from toolkv.testing.storage_harness import StorageCacheHarness
-from toolkv.verify.backend_mutants import STORAGE_MUTANTS
 from toolkv.verify.storage.spec import SESSION_VARS, WAITING, Act, State, StorageBounds
+from toolkv.verify.toolkv.mutants import STORAGE_MUTANTS
 
 PAGE_SIZE = 8  # tokens per page: a session's path is >= 2 pages, above sglang's load_back_threshold (10)
 TTL_S = 100.0

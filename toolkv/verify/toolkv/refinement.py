@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkv.core.treeops import TreeNode, attached, path_to
-from toolkv.verify.specstep import Rules, successor
+from toolkv.verify.toolkv.spec import Rules, successor
 
 NO_NODE = "NoNode"
 ROOT = "Root"
@@ -87,7 +87,7 @@ class Bounds:
         )
 
     def rules(self, *, bug: str = "none", fits: bool | None = None, slots: bool = True) -> Rules:
-        """These constants as :class:`toolkv.verify.specstep.Rules` (for ``successor``)."""
+        """These constants as :class:`toolkv.verify.toolkv.spec.Rules` (for ``successor``)."""
         return Rules(
             nodes=self.nodes,
             sessions=self.sessions,

@@ -3,7 +3,7 @@
 TLC dumps the full state graph of a small model (``-dump dot,actionlabels``; every state carries
 the history variable ``act`` with the action's parameters). The walks of a path cover planned once
 (:mod:`toolkv.verify.tla.pathcover`) are executed on a real cache stack by a
-:class:`~toolkv.verify.replayer.Replayer`, and after every step the implementation's state is
+:class:`~toolkv.verify.toolkv.world.Replayer`, and after every step the implementation's state is
 compared with the spec state the edge leads to:
 
 * on a HiRadixCache (``backend="hiradix"``) every spec variable, through the refinement mapping
@@ -34,9 +34,6 @@ from typing import Any
 
 from toolkv.core.treeops import attached, walk
 from toolkv.errors import ToolKVError
-from toolkv.verify import specstep
-from toolkv.verify.refinement import HISTORY, NO_NODE, Bounds, check_invariants, check_step
-from toolkv.verify.replayer import BACKENDS, NotApplicable, Replayer, StepResult, Unrealizable
 from toolkv.verify.tla.pathcover import Cover, Edge
 from toolkv.verify.tla.tlc import (
     StateGraph,
@@ -47,6 +44,9 @@ from toolkv.verify.tla.tlc import (
     to_plain,
     with_constants,
 )
+from toolkv.verify.toolkv import spec as specstep
+from toolkv.verify.toolkv.refinement import HISTORY, NO_NODE, Bounds, check_invariants, check_step
+from toolkv.verify.toolkv.world import BACKENDS, NotApplicable, Replayer, StepResult, Unrealizable
 
 __all__ = [
     "NO_NODE",

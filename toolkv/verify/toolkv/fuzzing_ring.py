@@ -3,7 +3,7 @@
 :class:`ToolKVMachine` runs the spec at ``Ring = 0``: a queued load is in flight and its start is an
 internal step of ``LoadAck``, so the step-level refinement check compares ``queued`` and ``ring``
 only as two empty values. This machine models the ring the way ``spec/ToolKV.tla`` does and the
-conformance replay executes it (:mod:`toolkv.verify.replayer`): a ``ToolEnd`` only queues its load,
+conformance replay executes it (:mod:`toolkv.verify.toolkv.world`): a ``ToolEnd`` only queues its load,
 ``StartLoads`` is the tick's ``start_loads``, ``SysStart`` a prefill batch of another request that
 loads a host-only prefix and starts the whole queue (toolkv's loads included), ``RingDone`` the copy
 engine finishing the oldest started load, and ``LoadAck`` sglang's ``loading_check`` retiring every

@@ -57,9 +57,16 @@ from toolkv.core.manager import ManagerConfig
 from toolkv.core.treeops import TreeNode, attached, path_to, walk
 from toolkv.errors import ToolKVError
 from toolkv.testing.harness import CacheHarness, HarnessConfig, rkey
-from toolkv.verify import specstep
-from toolkv.verify.backend_mutants import mutant_manager
-from toolkv.verify.refinement import ROOT, Bounds, NodeMap, abstract_state, check_invariants, check_step
+from toolkv.verify.toolkv import spec as specstep
+from toolkv.verify.toolkv.mutants import mutant_manager
+from toolkv.verify.toolkv.refinement import (
+    ROOT,
+    Bounds,
+    NodeMap,
+    abstract_state,
+    check_invariants,
+    check_step,
+)
 
 BACKENDS = ("hiradix", "pin", "shadow")
 #: tokens of other requests' prefixes start here, far from the spec nodes' tokens (fresh from 1)
