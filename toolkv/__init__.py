@@ -15,8 +15,8 @@ Layers, bottom up (imports point only down; the rules are ``toolkv.tools.layout.
 - ``toolkv.testing``   the CPU harness: real sglang caches plus named test doubles (nothing of toolkv)
 - ``toolkv.sglang``    the glue into a running sglang server: plugin, start-up guards, scheduler side,
   HTTP, IPC, TP (core, errors)
-- ``toolkv.verify``    TLC driver, spec-check, trace-check, refinement, conformance, fuzzing (core,
-  errors, testing)
+- ``toolkv.verify``    spec-check, trace-check, refinement, conformance, fuzzing: one subpackage per
+  spec (``toolkv/``, ``storage/``, ``decode/``) over the TLC plumbing in ``tla/`` (core, errors, testing)
 - ``toolkv.twin``      a twin of one sglang server: the real caches and toolkv's scheduler side under
   the agent workload, GPU time modelled (core, errors, sglang, testing, workload; never tools)
 - ``toolkv.tools``     the ``toolkv`` command line: demo, sim, soak, bench, value report, diagrams, fuzz
