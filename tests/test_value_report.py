@@ -195,3 +195,18 @@ def test_the_named96_table_is_the_reports_output(
     assert block is not None and block.group(1).strip() == printed, (
         "regenerate the table in docs/benchmarks.md"
     )
+
+
+def test_the_l3_gpu_table_is_the_reports_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The L3 GPU run (docs/results/l3_capacity/A/) as docs/benchmarks.md shows it: the first table
+    of the block is value_report's output over the run."""
+    monkeypatch.chdir(ROOT)
+    assert main(["docs/results/l3_capacity/A/r1"]) == 0
+    printed = capsys.readouterr().out.strip()
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = re.search(r"<!-- BEGIN l3-gpu -->\n(.*?)\n<!-- END l3-gpu -->", doc, re.S)
+    assert block is not None and block.group(1).strip().startswith(printed), (
+        "regenerate the table in docs/benchmarks.md"
+    )
