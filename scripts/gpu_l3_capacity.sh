@@ -46,7 +46,7 @@
 #   CONFIGS    (default "stock16 stock16l3 toolkv16l3 stock64") the order of round 1; round 2 runs it
 #              reversed (so that the config the budget cuts from a round is another one)
 #   REPEATS    (default 2) rounds; BENCH_ARGS, DURATION, DRAIN: as gpu_value_repeat.sh's LOAD=value
-#   BUDGET_S   (default 570) / MIN_LEFT_S (default DURATION + 25, at least 100): no bench starts with fewer
+#   BUDGET_S   (default 500; a 560 ran past a 600-s call: stopping three servers and packing take ~45 s) / MIN_LEFT_S (default DURATION + 25, at least 100): no bench starts with fewer
 #              than MIN_LEFT_S seconds left; a bench still running at BUDGET_S + 5 is killed; the servers are
 #              stopped and the results written in either case. About 100 s a bench after ~150 s of set-up:
 #              round 1 (4 benches) fits a call, just; round 2 needs a second call (CONFIGS reversed).
@@ -71,7 +71,7 @@ BUNDLE=${BUNDLE:-.gpu-bundle}; [[ $BUNDLE == /* ]] || BUNDLE=$ROOT/$BUNDLE
 source "$ROOT/scripts/gpu_lib.sh"
 value_load value
 BENCH_ARGS=${BENCH_ARGS:-$DEF_ARGS} DURATION=${DURATION:-$DEF_DURATION} REPEATS=${REPEATS:-2}
-DRAIN=${DRAIN:-20} BUDGET_S=${BUDGET_S:-570} CONFIGS=${CONFIGS:-stock16 stock16l3 toolkv16l3 stock64}
+DRAIN=${DRAIN:-20} BUDGET_S=${BUDGET_S:-500} CONFIGS=${CONFIGS:-stock16 stock16l3 toolkv16l3 stock64}
 MIN_LEFT_S=${MIN_LEFT_S:-$(( DURATION + 25 > 100 ? DURATION + 25 : 100 ))}
 PORT=${PORT:-30000} SRC=${TOOLKV_SRC:-$ROOT} MEM_FRACTION=${MEM_FRACTION:-0.75}
 L3_MIN_FREE=${L3_MIN_FREE:-8G} L3_QUIET_S=${L3_QUIET_S:-20}
