@@ -47,7 +47,7 @@ __all__ = ["IDLE", "POLICIES", "ManagerConfig", "SessionView", "ToolKVManager", 
 class ToolKVManager:
     """Tracks sessions and moves their KV between tiers through a :class:`Backend`."""
 
-    #: the session machine this manager drives (the seeded defects of ``verify.backend_mutants``
+    #: the session machine this manager drives (the seeded defects of ``verify.toolkv.mutants``
     #: are machines with one method put back wrong)
     machine_class: ClassVar[type[SessionMachine]] = SessionMachine
 

@@ -85,7 +85,7 @@ class MachineCore:
         return SessionView.of(rec, self.backend.name, placement)
 
     def _meta(self, rec: SessionRecord) -> SessionView:
-        """The view of ``rec`` (the name the seeded defects of ``verify.backend_mutants`` use)."""
+        """The view of ``rec`` (the name the seeded defects of ``verify.toolkv.mutants`` use)."""
         return self.view(rec)
 
     # ---- the session's node (caveat 5: never act on a stale node) -------------------------------------

@@ -89,7 +89,7 @@ def replay_storage_graph(
     progress: Callable[[CoverReport], None] | None = None,
 ) -> CoverReport:
     """Replay every edge of ``graph`` on a :class:`StorageWorld` (``mutant``: a storage defect of
-    ``backend_mutants.STORAGE_MUTANTS``). Stops at the first mismatch, with the spec's invariants
+    ``toolkv.verify.toolkv.mutants.STORAGE_MUTANTS``). Stops at the first mismatch, with the spec's invariants
     that the implementation's state violates (``violations`` of the mismatch)."""
     work = Path(storage_dir or tempfile.mkdtemp(prefix="toolkv-l3-conformance-"))
     acts = edge_actions(graph, b)

@@ -155,7 +155,7 @@ def _one_reader(build: Callable[[], StorageCacheHarness], attempts: int = 5) -> 
 
 class StorageWorld:
     """One real stack driven by StorageTier actions. ``mutant``: a key of
-    ``backend_mutants.STORAGE_MUTANTS`` (None: the production manager and backend)."""
+    ``toolkv.verify.toolkv.mutants.STORAGE_MUTANTS`` (None: the production manager and backend)."""
 
     def __init__(
         self,

@@ -144,7 +144,7 @@ class Replayer:
         """``fill=False`` skips writing each turn's KV bytes (the conformance replay compares states,
         not bytes; the fuzz campaign checks bytes and needs them). ``hi_backend`` builds the
         HiRadixCache backend from the tree instead of the production choice (a seeded defect that
-        lives in a backend subclass, e.g. ``backend_mutants.RingTwoFreeBackend``). ``merge_acks``
+        lives in a backend subclass, e.g. ``toolkv.verify.toolkv.mutants.RingTwoFreeBackend``). ``merge_acks``
         (``Ring > 0``): a ``LoadAck`` may retire other spec keys' finished loads in the same
         ``loading_check``, and the caller composes the spec's ``LoadAck`` of each (the fuzz
         campaign does); without it such an edge is :class:`Unrealizable`."""
