@@ -50,6 +50,11 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
         frozenset(),
         "keep TTL: an early restore kept with its offload's full TTL",
     ),
+    "ParkUnprotected": (
+        frozenset({"ParkUnprotected"}),
+        frozenset(),
+        "load-adaptive: a parked session's host copy unprotected",
+    ),
 }
 
 

@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from toolkv.core.treeops import attached
 from toolkv.verify.toolkv.refinement import NO_NODE, ROOT, Bounds, check_refinement_step, spec_successor
-from toolkv.verify.toolkv.world import Replayer, StepResult, Unrealizable
+from toolkv.verify.toolkv.world import Replayer, StepResult, Unrealizable, _drain
 
 SESSIONS = ("s1", "s2", "s3")
 OPTIONAL = frozenset(
@@ -62,11 +62,13 @@ OPTIONAL = frozenset(
         "demote",
         "prefetch",
         "tool_end_promised",
+        "park",
+        "unpin",
     }
 )
 
 # the optional actions that do something only on an offloaded session
-_NEED_OFFLOADED = frozenset({"demote", "prefetch", "tool_end_promised"})
+_NEED_OFFLOADED = frozenset({"demote", "prefetch", "tool_end_promised", "park"})
 
 
 def _depth(st: dict[str, Any], n: str) -> int:
@@ -272,7 +274,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
         "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 2, "prefetch": 2,
-        "tool_end_promised": 2, "admit": 3,
+        "tool_end_promised": 2, "admit": 3, "park": 2, "unpin": 1,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
 
@@ -408,11 +410,21 @@ class ToolKVMachine(RuleBasedStateMachine):
         self._do(["Prefetch", data.draw(st.sampled_from(self._biased(("Offloaded",))), label="session")])
 
     def admit(self, data: st.DataObject) -> None:
-        """The next request of a handed-over session is admitted (it locks the prefix)."""
-        s = data.draw(st.sampled_from(self._biased(("Handover",))), label="session")
+        """The next request of a handed-over or parked session is admitted (it locks the prefix; a
+        parked one's request loads it back through sglang's own load_back)."""
+        s = data.draw(st.sampled_from(self._biased(("Handover", "Parked"))), label="session")
         n = self.state["ref"][s]
-        if self.state["phase"][s] == "Handover" and n != NO_NODE and not self.state["extLock"][n]:
+        if self.state["phase"][s] in ("Handover", "Parked") and n != NO_NODE and not self.state["extLock"][n]:
             self._do(["Admit", s])
+
+    def park(self, data: st.DataObject) -> None:
+        """tool_end of an offloaded session whose request would wait (spec Park): nothing loaded."""
+        s = data.draw(st.sampled_from(self._biased(("Offloaded", "Offloading"))), label="session")
+        self._do(["Park", s, self.state["epoch"][s]])
+
+    def unpin(self, data: st.DataObject) -> None:
+        """Queued requests need the room a hand-over pins (spec Unpin)."""
+        self._do(["Unpin", data.draw(st.sampled_from(self._biased(("Handover",))), label="session")])
 
     def write_ack(self, data: st.DataObject) -> None:
         """The copy engine finishes the oldest write; sglang retires it; the manager reacts."""
@@ -646,6 +658,9 @@ class ToolKVMachine(RuleBasedStateMachine):
         for sid in list(mgr.sessions):
             mgr.close(sid)
         mgr.tick(mgr.now + 1)
+        # an admitted request's load may still be queued (the harness draws no prefill batch to
+        # start it, as sglang's would): start and retire every queued load, as an idle scheduler has
+        _drain(self.r)
         h.drain()
         final = h.accounting()
         if final != self.initial:

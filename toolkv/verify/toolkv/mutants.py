@@ -193,6 +193,16 @@ class EarlyRunnableMixin:
         return True
 
 
+class ParkUnprotectedMachine(SessionMachine):
+    """Load-adaptive protection (``ParkUnprotected``, as the spec's BUG): a parked session's host
+    protection is dropped at the park, so HiCache may evict the host copy while its request
+    waits in the queue (spec invariant ``ParkedKeepsKV``)."""
+
+    def _park(self, rec: SessionRecord) -> None:
+        super()._park(rec)
+        self.backend.release_protection(rec)
+
+
 # defect -> the session machine that seeds it (a manager runs it as its ``machine_class``)
 MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
     "HostLockLeak": HostLockLeakMachine,
@@ -207,6 +217,7 @@ MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
     "EarlyRelease": EarlyReleaseMachine,
     "KeepFullTtl": KeepFullTtlMachine,
     "WarmFullTtl": WarmFullTtlMachine,
+    "ParkUnprotected": ParkUnprotectedMachine,
 }
 
 
