@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from toolkv.tools.fuzz_cli import MUTANTS, campaign
-from toolkv.verify.fuzzing import machine_class
+from toolkv.verify.toolkv.fuzzing import machine_class
 from toolkv.verify.toolkv.refinement import Bounds
 from toolkv.verify.toolkv.tracecheck import check_trace
 from toolkv.verify.toolkv.world import Replayer

@@ -42,7 +42,7 @@ def campaign(
     from hypothesis.stateful import run_state_machine_as_test
 
     from toolkv.verify import profiles
-    from toolkv.verify.fuzzing import machine_class
+    from toolkv.verify.toolkv.fuzzing import machine_class
 
     profiles.register()
     base = settings.get_profile(profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from hypothesis import strategies as st
 
-from toolkv.verify.fuzzing import SESSIONS, ToolKVMachine
+from toolkv.verify.toolkv.fuzzing import SESSIONS, ToolKVMachine
 
 RING = 3  # producer slots of sglang 0.5.16's LayerDoneCounter
 
