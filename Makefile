@@ -29,13 +29,21 @@ demo: $(STAMP)
 # Everything CI runs: the TLA+ model check (SANY + TLC over every config and mutant, with a progress
 # line per config), then every CPU test: harness, manager, plugin/HTTP/TP, lifecycle tables vs TLC,
 # conformance replay of TLC's state graph on the real HiRadixCache, mutant traces, the quick fuzz
-# campaign and the mutant kill table. GPU tests skip without CUDA.
+# campaign and the mutant kill table. GPU tests skip without CUDA. pytest runs on $(PYTEST_JOBS)
+# workers (pytest-xdist, one test module per worker at a time: conftest.py). Each stage
+# prints its time (.ci/stage), and the table of them comes at the end (docs/testing.md).
+PYTEST_JOBS ?= 2
+STAGE := .ci/stage
+export STAGE_LOG ?= $(VENV)/stages.tsv
 test: $(STAMP)
-	$(VENV)/bin/toolkv spec-check --jobs 2
-	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
-	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
-	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -v -p no:cacheprovider --durations=15
-	$(MAKE) -s test-0523
+	@[ -n "$$STAGE_APPEND" ] || $(STAGE) --reset
+	$(STAGE) spec-check $(VENV)/bin/toolkv spec-check --jobs 2
+	$(STAGE) spec-check-decode $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
+	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
+	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=15
+	$(STAGE) venv-0523 $(MAKE) -s venv-0523
+	$(STAGE) pytest-0523 $(MAKE) -s test-0523
+	@$(STAGE) --summary
 
 # The longer campaign (one command): every CPU test including the slow ones, with Hypothesis's
 # `long` profile (2,000 examples of up to 80 steps, example database on), then the mutant kill table

@@ -3,15 +3,36 @@
 * Hypothesis profiles are registered once here (``toolkv.verify.profiles``); ``HYPOTHESIS_PROFILE``
   picks one (``make test`` uses ``ci``; a local run defaults to ``dev``, with the example database).
 * GPU tests skip cleanly where there is no CUDA.
+* Parallel runs: ``make test`` runs ``pytest -n 2 --dist loadfile`` (pytest-xdist). Each test module
+  runs whole on one worker, so module-scoped fixtures run once and module state stays whole (the
+  action-coverage test of ``model_tests/test_conformance.py`` reads the replays before it). Not
+  ``--dist loadgroup``: xdist 3.8 groups by rewriting ``item._nodeid``, which pytest 9.2 no longer
+  reads, so its groups are silently ignored. Each worker gets a free port of its own for its
+  single-process gloo group (``MASTER_PORT``; the harnesses only set a default).
 """
 
 from __future__ import annotations
+
+import os
+import socket
 
 import pytest
 
 from toolkv.verify import profiles
 
 profiles.load()
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # an xdist worker: its own gloo port (two workers must not derive the same one from their pids)
+    if os.environ.get("PYTEST_XDIST_WORKER") and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = _free_port()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -123,6 +123,7 @@ def _check(tmp: Path, extra: str, properties: list[str]) -> Any:
     return run_tlc(tools, tmp / "Tables.tla", tmp / "Tables.cfg")
 
 
+@pytest.mark.slow  # make test-long: the policy config's whole state space again (docs/testing.md)
 def test_tables_contain_every_transition_at_safety_bounds(tmp_path: Path) -> None:
     res = _check(tmp_path, "", ["SessionRows", "TierRows"])
     assert res.outcome == "pass", f"a reachable transition is not in the tables:\n{res.output[-3000:]}"

@@ -289,7 +289,12 @@ class LiveApp:
 
     def __init__(self, app: FastAPI) -> None:
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            timeout_graceful_shutdown=1,
+            loop="asyncio",  # not "auto": a test double may stand in for uvloop (test_session_header.py)
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
