@@ -73,7 +73,7 @@ $(STAMP_0523): requirements/lock-cpu.txt requirements/sglang-0523.txt requiremen
 	touch $@
 
 test-0523: $(STAMP_0523)
-	$(VENV_0523)/bin/pytest -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
+	$(VENV_0523)/bin/pytest -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
 
 # The long soak (docs/reliability.md): 100,000 tool calls per stack through toolkv's HTTP routes and
 # scheduler side over the real caches, with a progress line; writes results/soak/soak_<stack>.json
