@@ -144,7 +144,7 @@ def disk_line(r: dict[str, Any]) -> str:
         return (r.get(k) or {}).get(f, "?")
 
     return (
-        f"L3 disk {r['dir']} ({r['fs_type']} on {r['device']}, mount {r['mount']}, {r['free_gb']} of"
+        f"L3 disk ({r['fs_type']} on {r['device']}, mount {r['mount']}, {r['free_gb']} of"
         f" {r['size_gb']} GB free): sequential write {g('seq_write', 'mb_per_s')} MB/s (fsync), read"
         f" {g('seq_read', 'mb_per_s')} MB/s ({g('seq_read', 'how')}); 128-KiB pages: write"
         f" {g('page_write', 'files_per_s')} files/s ({g('page_write', 'mb_per_s')} MB/s), read"
