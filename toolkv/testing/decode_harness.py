@@ -11,7 +11,7 @@ real ``ServerArgs`` and a real gloo process group (world size 1, or the 2-rank g
 Test doubles, each for something a CPU machine lacks or a test must decide (``docs/testing.md``,
 ``docs/decode_offload.md``):
 
-1. pinned host memory -> the same host-pool class, unpinned (``harness._UnpinnedHostPool``);
+1. pinned host memory -> the same host-pool class, unpinned (``base.UnpinnedHostPool``);
 2. sgl-kernel's copy primitives -> torch indexing (``toolkv.testing.transfer``);
 3. the GPU copy engine -> :class:`~toolkv.testing.transfer.ControlledTransferEngine`: a
    device->host copy of an increment completes only when the test says (or when sglang
@@ -21,6 +21,8 @@ Test doubles, each for something a CPU machine lacks or a test must decide (``do
    moment each backup acknowledgement lands is the test's choice, as the copy engine's is.
 
 The manager is driven exactly as the scheduler drives it; see ``toolkv.verify.decode.world``.
+The KV oracle (the bytes a token's KV must have, the bytes the pools hold) is
+:mod:`toolkv.testing.base`'s, as the prefix harnesses'.
 """
 
 from __future__ import annotations
@@ -35,17 +37,12 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from toolkv.testing.harness import (
-    HarnessConfig,
-    _UnpinnedHostPool,
-    cpu_doubles,
-    ensure_process_group,
-    make_server_args,
-)
+from toolkv.testing.base import DECODE_CODE, PoolHarness, UnpinnedHostPool, ensure_process_group, model_kv
+from toolkv.testing.harness import HarnessConfig, cpu_doubles, make_server_args
 from toolkv.testing.transfer import ControlledTransferEngine
 
 MODEL_NAME = "toolkv-decode-test"
@@ -82,14 +79,9 @@ def token_kv(tokens: Sequence[int], layers: int, heads: int, head_dim: int) -> t
 
     Stands in for the model: a function of the token id only (the workloads use ids unique per
     request and position), so the same token always has the same bytes and a byte that differs
-    was copied from the wrong slot or read after the slot was reused."""
-    t = torch.tensor(list(tokens), dtype=torch.int64).view(1, 1, -1, 1, 1)
-    kv = torch.arange(2).view(2, 1, 1, 1, 1)
-    layer = torch.arange(layers).view(1, -1, 1, 1, 1)
-    h = torch.arange(heads).view(1, 1, 1, -1, 1)
-    d = torch.arange(head_dim).view(1, 1, 1, 1, -1)
-    code = (t * 7_368_787 + kv * 6_700_417 + layer * 1_009 + h * 97 + d * 13) % 104_729
-    return code.to(torch.float32) / 104_729.0
+    was copied from the wrong slot or read after the slot was reused (:func:`~toolkv.testing.base.model_kv`
+    with the decode harness's own code)."""
+    return model_kv(tokens, layers, heads, head_dim, DECODE_CODE)
 
 
 class ControlledStorage:
@@ -179,13 +171,16 @@ def _env(values: dict[str, str | None]) -> Iterator[None]:
                 os.environ[k] = old
 
 
-class DecodeOffloadHarness:
+class DecodeOffloadHarness(PoolHarness):
     """One decode server's real offload stack plus the scheduler-side operations on requests.
 
     One harness at a time per process (the CPU doubles live in sglang's module globals, and the
     request hook ``effective_kv_committed_len`` reads sglang's process-wide server args)."""
 
-    _live: DecodeOffloadHarness | None = None
+    _live_cpu: ClassVar[PoolHarness | None] = None
+    _live_label: ClassVar[str] = "DecodeOffloadHarness"
+    cfg: DecodeHarnessConfig
+    engine: ControlledTransferEngine  # always the CPU double: a decode harness has no GPU mode
 
     def __init__(
         self,
@@ -196,8 +191,7 @@ class DecodeOffloadHarness:
         world: int = 1,
         storage_dir: Path | None = None,
     ) -> None:
-        if DecodeOffloadHarness._live is not None:
-            raise RuntimeError("one DecodeOffloadHarness at a time per process: close() the previous one")
+        self._claim_process()
         self.cfg = cfg = cfg or DecodeHarnessConfig()
         self.rank, self.world = rank, world
         self.engine = ControlledTransferEngine()
@@ -206,7 +200,6 @@ class DecodeOffloadHarness:
         self.storage_dir = Path(storage_dir or tempfile.mkdtemp(prefix="toolkv-decode-store-"))
         self.storage: ControlledStorage | None = None
         self.manager: Any = None
-        DecodeOffloadHarness._live = self
         try:
             self._build(group)
         except BaseException:
@@ -225,7 +218,7 @@ class DecodeOffloadHarness:
         self._stack.enter_context(cpu_doubles(self.engine))
         # the manager imported the host-pool factory into its own module: unpinned there too
         saved_get = dm.get_mha_host_pool_cls
-        dm.get_mha_host_pool_cls = lambda pool: _UnpinnedHostPool(saved_get(pool))
+        dm.get_mha_host_pool_cls = lambda pool: UnpinnedHostPool(saved_get(pool))
         self._stack.callback(setattr, dm, "get_mha_host_pool_cls", saved_get)
 
         self.group = group if group is not None else ensure_process_group()
@@ -328,8 +321,7 @@ class DecodeOffloadHarness:
         self._stack.close()
         if self._own_dir:
             shutil.rmtree(self.storage_dir, ignore_errors=True)
-        if DecodeOffloadHarness._live is self:
-            DecodeOffloadHarness._live = None
+        self._release_process()
 
     def __enter__(self) -> DecodeOffloadHarness:
         return self
@@ -428,18 +420,13 @@ class DecodeOffloadHarness:
             self.kv_pool.v_buffer[layer][idx] = exp[1, layer]
 
     def device_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        """The device pool's bytes at ``slots`` as ``[2, layers, n, heads, dim]``."""
-        k = torch.stack([self.kv_pool.k_buffer[i][slots] for i in range(self.cfg.layers)])
-        v = torch.stack([self.kv_pool.v_buffer[i][slots] for i in range(self.cfg.layers)])
-        return torch.stack([k, v]).float()
+        """The device pool's bytes at ``slots`` as ``[2, layers, n, heads, dim]``, float32 (compared
+        with :meth:`kv`, which is float32 whatever the pool's dtype)."""
+        return super().device_kv(slots).float()
 
     def host_kv(self, host_indices: torch.Tensor) -> torch.Tensor:
         """The manager's host pool bytes at ``host_indices`` as ``[2, layers, n, heads, dim]``."""
-        hp = self.host_pool
-        if hp.layout != "layer_first":
-            raise NotImplementedError(f"host layout {hp.layout}")
-        out: torch.Tensor = hp.kv_buffer[:, :, host_indices.to(torch.int64)].float()
-        return out
+        return super().host_kv(host_indices.to(torch.int64))
 
     # ---- the world around the manager --------------------------------------------------------------
     def free_device_slots(self) -> torch.Tensor:
@@ -465,17 +452,16 @@ class DecodeOffloadHarness:
         if host.numel():
             self.host_pool.kv_buffer[:, :, host] = value
 
+    def _copy_controller(self) -> Any:
+        return self.controller
+
     def pending_copies(self) -> list[Any]:
         """Write acks whose device->host copy has not executed yet, oldest first."""
-        return [a for a in self.controller.ack_write_queue if not a.finish_event.query()]
+        return self._unfinished("write")
 
     def complete_copy(self) -> bool:
         """The copy engine finishes the oldest pending device->host copy."""
-        todo = self.pending_copies()
-        if not todo:
-            return False
-        todo[0].finish_event.synchronize()
-        return True
+        return self.complete("write", 1) > 0
 
     # ---- storage ------------------------------------------------------------------------------------
     def stored_pages(self) -> dict[str, torch.Tensor]:
