@@ -20,6 +20,14 @@ a tree core and is addressed by ``NodeId`` handles; every primitive takes a hand
   length is equal on every rank (sglang reaps acks in lockstep).
 * LoadAck: sglang's ``loading_check`` releases the load's locks; then the manager unpins and
   releases the protection.
+* Park / Unpin to Parked (load-adaptive protection): the host lock stays (or is taken again by
+  :meth:`reprotect`) and nothing is loaded; the session's next request brings the KV in through
+  sglang's own admission: ``match_kv_cache`` reports the host part as ``host_hit_length`` at
+  ``best_match_node``, ``PrefillAdder.add_one_req`` calls ``init_load_back`` on it (which runs the
+  same ``load_back``, with a host lock and a path lock of its own) and the scheduler starts the copy
+  with ``ready_to_load_host_cache`` when it builds the batch. The host lock only keeps the host
+  eviction off the copy: device eviction of a host-locked, backed-up node still demotes it
+  (``_is_device_leaf`` reads ``lock_ref`` alone), so a parked path gives its device room back.
 
 Differences from 0.5.16 that the spec's tier relation must account for (see
 ``docs/sglang_versions.md``): a host lock is a *segment* lock (a split of the protected node
@@ -346,6 +354,32 @@ class UnifiedBackend(HostRestore, OwnLoads):
 
     def release_protection(self, rec: SessionRecord) -> None:
         self._release_protection(rec)
+
+    # ---- load-adaptive protection (spec ``Park``, ``Unpin`` to ``Parked``) ----------------------------
+    #: A parked session's next request is served by sglang 0.5.23's own admission: ``match_kv_cache``
+    #: sees the protected host copy as a host hit and ``PrefillAdder`` calls ``init_load_back`` on
+    #: it (schedule_policy.py, ``add_one_req``), as on 0.5.16's HiRadixCache.
+    parks = True
+
+    def reprotect(self, rec: SessionRecord) -> bool:
+        """Protect the session's path on host again (spec ``Unpin`` to ``Parked``): only when every
+        node of it has a host copy (a restored path keeps the copies it was loaded from, sglang
+        keeps them as duplicates after the load's ack; a kept path may never have been written)
+        and the host budget takes it. The lock is the same segment host lock as an offload's, its
+        receipt kept for the release at admission. False: nothing changed."""
+        leaf = rec.node
+        if leaf is None or rec.protected is not None or not attached(self.tree, leaf):
+            return False
+        path = path_to(self.tree, leaf)
+        backed = all(full(m).host_value is not None for m in path)
+        budget = self.host_budget_tokens
+        fits = budget is None or self._ledger.tokens + self._ledger.extra(path) <= budget
+        if not self.agree.all_true(backed and fits):
+            return False
+        self._take_host_protection(rec, leaf)
+        rec.protected = leaf
+        self._ledger.take(rec.session_id, path)
+        return True
 
     # ---- the per-call policy ----------------------------------------------------------------------------
     def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
