@@ -22,6 +22,7 @@ from _cycle import step, turn
 
 from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.policy import PolicyConfig
 from toolkv.errors import HostMemoryFull, StaleEpoch, WrongState
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
@@ -32,6 +33,8 @@ A = list(range(1, 97))  # 96 tokens: 24 pages of 4
 B = list(range(1001, 1097))  # another session, no shared prefix
 BUDGET = 150  # host tokens toolkv may protect: one session fits, two do not
 TTL = 100.0
+# L3 only for a full host's victims (no store by predicted return: tests/test_l3_capacity.py has those)
+VICTIMS_ONLY = PolicyConfig(l3_store_margin_s=1e9)
 
 
 def until(
@@ -275,7 +278,13 @@ def test_the_predicted_return_restores_an_l3_session_early(tmp_path: Path) -> No
     and reads storage → host → GPU before the tool_end."""
     with StorageCacheHarness(CFG, tmp_path / "l3") as h:
         initial = h.accounting()
-        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto", l3_read_tokens_per_s=10.0)
+        cfg = ManagerConfig(
+            ttl_s=TTL,
+            host_budget_tokens=BUDGET,
+            policy="auto",
+            l3_read_tokens_per_s=10.0,
+            policy_config=VICTIMS_ONLY,
+        )
         m = ToolKVManager(h.tree, HiRadixBackend(h.tree, host_budget_tokens=BUDGET), config=cfg)
         kv = turn(h, m, "a", A)
         meta = m.tool_start("a", tool="crawl", expected_s=60.0)
@@ -307,7 +316,7 @@ def test_a_tool_end_before_the_predicted_return_takes_over_the_early_restore(tmp
     and the early restore's due time passing while it reads does nothing."""
     with StorageCacheHarness(CFG, tmp_path / "l3") as h:
         initial = h.accounting()
-        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto")
+        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto", policy_config=VICTIMS_ONLY)
         m = ToolKVManager(h.tree, HiRadixBackend(h.tree, host_budget_tokens=BUDGET), config=cfg)
         kv = turn(h, m, "a", A)
         epoch = int(m.tool_start("a", tool="crawl", expected_s=60.0)["epoch"])  # type: ignore[call-overload]

@@ -96,7 +96,9 @@ class Offload(_Calls):
         expected = hint if hint is not None else m.durations.median(tool)
         # a full host demotes offloaded sessions predicted back after this one, not a 507
         m.tool_start(session_id, demote=True, returns_at=m.now + expected)
-        self.note(rec, tool, Decision("offload", "policy_offload", expected, 0.0, None))
+        # "_hint": the predicted return (demotion order, L3 by predicted return) uses the hint
+        reason = "policy_offload" if hint is None else "policy_offload_hint"
+        self.note(rec, tool, Decision("offload", reason, expected, 0.0, None))
         return m.view(rec)  # with the decision and its reason, as the per-call policy answers
 
 

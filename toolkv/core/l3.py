@@ -26,14 +26,20 @@ in the same order on every rank.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
 from enum import StrEnum
 
+from toolkv.core.backends.base import Agreement, Backend
 from toolkv.core.capabilities import StorageTier
+from toolkv.core.config import ManagerConfig
 from toolkv.core.lifecycle import IllegalTransition, Row, fire, relation
+from toolkv.core.policy import l3_store_early
 from toolkv.core.result import SessionView
 from toolkv.core.session.core import MachineCore, log
 from toolkv.core.session.phases import Phase
 from toolkv.core.session.record import SessionRecord
+from toolkv.core.treeops import Tree
 from toolkv.errors import DeviceMemoryFull, WrongState
 
 
@@ -60,7 +66,7 @@ _IN_L3 = (L3.STORING, L3.STORED, L3.FETCHING)
 #: The sub-machine's moves, by the StorageTier.tla action that makes them (snake_case). Equal to
 #: the relation TLC's state graph of the storage spec projects onto the sub-phases.
 L3_TRANSITIONS: tuple[Row, ...] = (
-    ("store", L3.NONE, L3.STORING),  # the host must make room: write the host copy to L3
+    ("store", L3.NONE, L3.STORING),  # a long tool, or the host must make room: write it to L3
     ("store_ack", L3.STORING, L3.STORED),  # whole: the host protection goes, the L3 copy is kept
     ("store_ack", L3.STORING, L3.NONE),  # short: never restored from; back on the host copy
     ("tool_end_from_host", (L3.STORING, L3.STORED), L3.NONE),  # the host copy is whole: read it
@@ -90,7 +96,29 @@ def fire_l3(rec: SessionRecord, trigger: str, dest: L3) -> None:
 
 
 class L3Tier(MachineCore):
-    """The session machine's actions on the storage tier."""
+    """The session machine's actions on the storage tier.
+
+    L3 as capacity, not only overflow: an ``Offloaded`` session predicted to stay away longer than
+    :func:`~toolkv.core.policy.l3_horizon_s` is stored at the first tick after it is offloaded
+    (:meth:`store_early`), and its host copy, unprotected at the whole ``StoreAck``, is host room
+    (sglang's ``evict_host`` may take it). Before its predicted return it is read back to the host
+    (:meth:`run_l3_readaheads`), so the host holds the sessions due soon. Every time-dependent
+    choice reads the agreed clock ``now`` and the duration model every rank feeds alike."""
+
+    def __init__(self, tree: Tree, backend: Backend, *, config: ManagerConfig, agree: Agreement) -> None:
+        super().__init__(tree, backend, config=config, agree=agree)
+        # sessions offloaded since the last tick, by id (insertion order: the same on every rank):
+        # the tick decides whether each goes to L3 now (store_early), once its call is noted
+        self._store_check: dict[str, tuple[int, SessionRecord]] = {}
+        # (when, seq, session id, epoch): reads back to the host ahead of the predicted return
+        self._readahead: list[tuple[float, int, str, int]] = []
+        # stores in flight that the policy made early (by predicted return), not for a full host:
+        # only these are read back ahead (a victim read back at once would take the room again)
+        self._early: set[str] = set()
+        # told of every store the manager makes of its own accord, with why ("l3_early": a long
+        # tool; "host_room": a full host's victim) and of every read-ahead ("l3_readahead"): the
+        # scheduler writes a decision line for each, as for on_demote
+        self.on_store: Callable[[str, str], None] = lambda session_id, why: None
 
     def _storage(self) -> StorageTier:
         storage = self.caps.storage
@@ -103,6 +131,7 @@ class L3Tier(MachineCore):
 
     def _l3_release(self, rec: SessionRecord, why: str) -> None:
         """The session's protection ends (``why``: the action) and with it its L3 sub-phase."""
+        self._early.discard(rec.session_id)
         fire_l3(rec, why, L3.NONE)
 
     # ---- Store, StoreAck ------------------------------------------------------------------------------
@@ -128,26 +157,104 @@ class L3Tier(MachineCore):
         self._store(rec)
         return self.view(rec)
 
-    def _yield_host(self, session_id: str) -> None:
+    def _yield_host(self, session_id: str, returns_at: float = float("inf")) -> bool:
         """Make host room with one victim: with a storage tier, Store its host copy to L3 (the host
         copy goes only after the StoreAck; if sglang holds every page already the ack comes at
-        once); else, or if the backend refuses or cuts the write short, ``demote`` (drop) it."""
+        once). Else, or if the backend refuses or cuts the write short, ``demote`` (drop) it, but
+        only a victim predicted back after ``returns_at`` (the session that needs the room): with
+        a storage tier any offloaded session may be a victim, since storing is not dropping, and
+        one due sooner is never dropped for a later one. False: the victim changed nothing."""
         rec = self.sessions[session_id]
-        if self._storage_on() and self._store(rec) and rec.l3:
-            return
+        if self._storage_on() and self._store(rec, "host_room") and rec.l3:
+            return True
+        if self._predicted_end(rec) <= returns_at:
+            return False
         self.demote(session_id)
+        return True
 
-    def _store(self, rec: SessionRecord) -> bool:
+    def _store(self, rec: SessionRecord, why: str = "") -> bool:
         """Spec ``Store`` (then ``StoreAck`` at once if nothing is in flight). False: refused,
-        nothing changed."""
+        nothing changed. ``why`` (a manager's own move: "l3_early", "host_room") is counted and
+        told to :attr:`on_store`."""
         if not self._storage().store(rec):
             self.counters["l3_store_refused"] += 1
             return False
         fire_l3(rec, "store", L3.STORING)
         self._storing[rec.session_id] = rec
         self.counters["l3_store"] += 1
+        if why:
+            self.counters[f"l3_store_{why}"] += 1
+            self.on_store(rec.session_id, why)
+        if why == "l3_early":
+            self._early.add(rec.session_id)
         self._store_ack(rec)
         return True
+
+    # ---- Store by predicted return (L3 as capacity) ---------------------------------------------------
+    def _offloaded(self, rec: SessionRecord) -> None:
+        """The session just became ``Offloaded`` (tool_start or write_ack): the next tick, once the
+        call policy has noted its tool call, decides whether it goes to L3 at once."""
+        if self._storage_on() and not rec.l3:
+            self._store_check[rec.session_id] = (rec.epoch, rec)
+
+    def can_store_early(self, rec: SessionRecord) -> bool:
+        """Spec ``Store``'s guard as the policy takes it without a full host: an ``Offloaded``
+        session on its host copy (:meth:`can_store`) that is not due soon — predicted away longer
+        than writing it to L3 and reading it back, with the margin (``policy.l3_store_early``)."""
+        if not self.can_store(rec):
+            return False
+        remaining = self._predicted_end(rec) - self.now
+        return l3_store_early(
+            remaining, rec.offload_tokens, self.config.policy_config, self.config.l3_read_tokens_per_s
+        )
+
+    def store_early(self, session_id: str) -> bool:
+        """Spec ``Store`` taken by predicted return: a session that will not be back for longer
+        than its L3 round trip goes to L3 now, so that its host copy is room for sessions due
+        sooner (counted as such once the ``StoreAck`` releases its protection). Its read back to
+        the host is armed ahead of the predicted return (:meth:`run_l3_readaheads`). False: not
+        eligible (:meth:`can_store_early`), or the backend refused; nothing changed."""
+        rec = self._get(session_id)
+        if not self.can_store_early(rec):
+            return False
+        return self._store(rec, "l3_early")
+
+    def run_store_checks(self) -> int:
+        """Once per tick on every rank: :meth:`store_early` for each session offloaded since the
+        last tick that is still ``Offloaded`` at the same epoch. Returns how many were stored."""
+        checks, self._store_check = self._store_check, {}
+        n = 0
+        for sid, (epoch, rec) in checks.items():
+            if self.sessions.get(sid) is rec and rec.epoch == epoch and self.store_early(sid):
+                n += 1
+        return n
+
+    def _arm_readahead(self, rec: SessionRecord) -> None:
+        """Read a session stored in L3 back to the host ahead of its predicted return: its L3 read
+        time plus the margin before it (agreed clock and model: the same time on every rank).
+        Sessions with an early restore of their own (``prefetch_at``) read L3 through it."""
+        read_s = rec.offload_tokens / self.config.l3_read_tokens_per_s
+        when = max(self.now, self._predicted_end(rec) - read_s - self.config.policy_config.l3_store_margin_s)
+        heapq.heappush(self._readahead, (when, self.timers.next_seq(), rec.session_id, rec.epoch))
+
+    def run_l3_readaheads(self) -> int:
+        """Once per tick on every rank: start the reads back to the host that are due (spec
+        ``StoragePrefetch`` of a ``Stored`` session; ``ToolEndFromHost`` when its host copy is
+        still there: protected again). At the ack the session is ``Offloaded`` on its protected
+        host copy, and its tool_end restores from the host. Returns how many were started."""
+        n = 0
+        while self._readahead and self._readahead[0][0] <= self.now:
+            _when, _seq, sid, epoch = heapq.heappop(self._readahead)
+            rec = self.sessions.get(sid)
+            if rec is None or rec.epoch != epoch or rec.state != Phase.OFFLOADED or rec.l3 != L3.STORED:
+                continue
+            if rec.l3_then or rec.prefetch_at != float("inf"):
+                continue
+            self._fetch(rec, "host")
+            self.counters["l3_readahead"] += 1
+            self.on_store(sid, "l3_readahead")
+            n += 1
+        return n
 
     def _store_ack(self, rec: SessionRecord) -> bool | None:
         """Spec ``StoreAck``: whole → the copy lives in L3 (``stored``); short → the session stays
@@ -156,6 +263,8 @@ class L3Tier(MachineCore):
         if got is None:
             return None
         del self._storing[rec.session_id]
+        early = rec.session_id in self._early
+        self._early.discard(rec.session_id)
         if got:
             fire_l3(rec, "store_ack", L3.STORED)
             self.counters["demoted_l3"] += 1
@@ -163,6 +272,8 @@ class L3Tier(MachineCore):
             if rec.prefetch_at != float("inf"):  # the early restore now reads L3 first: start sooner
                 lead = rec.offload_tokens / self.config.l3_read_tokens_per_s
                 self.timers.arm_prefetch(rec, max(self.now, rec.prefetch_at - lead))
+            elif early:  # stored for being away long: read it back to the host before its return
+                self._arm_readahead(rec)
             log.debug("session %s demoted to L3", rec.session_id)
         else:
             fire_l3(rec, "store_ack", L3.NONE)
@@ -171,8 +282,8 @@ class L3Tier(MachineCore):
 
     # ---- ToolEnd from L3: StoragePrefetch, ToolEndFromHost --------------------------------------------
     def _fetch(self, rec: SessionRecord, then: str) -> str:
-        """Spec ``ToolEnd`` of a stored session (``then`` = "tool_end") or an early restore of one
-        ("prefetch"): ``storage_prefetch``. "host": the host copy was still there and is protected
+        """Spec ``ToolEnd`` of a stored session (``then`` = "tool_end"), an early restore of one
+        ("prefetch") or a read back to the host ahead of its return ("host"): ``storage_prefetch``. "host": the host copy was still there and is protected
         again (the caller restores from it); "prefetching": sglang reads it into the host pool,
         :meth:`process_storage_acks` goes on at its ack; "refused": retried at the next tick."""
         rid = f"toolkv-l3:{rec.session_id}:{rec.epoch}:{self.timers.next_seq()}"  # the same on every rank
@@ -228,6 +339,7 @@ class L3Tier(MachineCore):
         mutant ``RestoreBeforeStoreAck`` reads it). True: restore from the host copy."""
         self._storage().drop_storage(rec)
         self._storing.pop(rec.session_id, None)
+        self._early.discard(rec.session_id)
         fire_l3(rec, "tool_end_from_host", L3.NONE)
         return True
 
@@ -239,6 +351,10 @@ class L3Tier(MachineCore):
         acks were taken."""
         storage = self._storage()
         n = 0
+        if self._store_check:
+            self.run_store_checks()
+        if self._readahead:
+            self.run_l3_readaheads()
         for rec in list(self._storing.values()):
             if self._store_ack(rec) is not None:
                 n += 1
@@ -273,6 +389,8 @@ class L3Tier(MachineCore):
         Offloaded on its protected host copy: the early restore is tried again later; the
         tool_end's restore is left to sglang's own load-back of the next request or the TTL."""
         whole = rec.offload_tokens
+        if then == "host":  # a read-ahead: the protected host copy waits for the tool_end
+            return
         try:
             if then == "tool_end":
                 self._restore_from_host(rec)

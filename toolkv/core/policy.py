@@ -82,6 +82,13 @@ class PolicyConfig:
     prefetch_quantile: float = 0.5
     prefetch_margin_s: float = 0.05
     max_tools: int = 4096  # bound on per-tool statistics kept (LRU beyond)
+    # L3 as capacity (with a storage tier, ManagerConfig.l3): an offloaded session predicted to stay
+    # away longer than writing it to L3 and reading it back takes, plus this margin, is stored to
+    # L3 as soon as it is offloaded (its host copy then counts as host room), not only when the
+    # host is full; a large value (1e9) stores only victims of a full host
+    l3_store_margin_s: float = 10.0
+    # the L3 write rate that horizon assumes (tokens per second)
+    l3_write_tokens_per_s: float = 100_000.0
 
     def __post_init__(self) -> None:
         """Reject any value that would make a decision meaningless, naming the field and the value.
@@ -97,6 +104,8 @@ class PolicyConfig:
             "device_reserve",
             "prefetch_quantile",
             "prefetch_margin_s",
+            "l3_store_margin_s",
+            "l3_write_tokens_per_s",
         ):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value):
@@ -120,6 +129,12 @@ class PolicyConfig:
             )
         if self.prefetch_margin_s < 0:
             raise ValueError(f"PolicyConfig.prefetch_margin_s must be >= 0, got {self.prefetch_margin_s!r}")
+        if self.l3_store_margin_s < 0:
+            raise ValueError(f"PolicyConfig.l3_store_margin_s must be >= 0, got {self.l3_store_margin_s!r}")
+        if self.l3_write_tokens_per_s <= 0:
+            raise ValueError(
+                f"PolicyConfig.l3_write_tokens_per_s must be > 0, got {self.l3_write_tokens_per_s!r}"
+            )
         if not _is_int(self.min_offload_tokens) or self.min_offload_tokens < 0:
             raise ValueError(
                 f"PolicyConfig.min_offload_tokens must be an int >= 0, got {self.min_offload_tokens!r}"
@@ -479,3 +494,25 @@ def demotion_order(candidates: list[tuple[str, float, float, int]], now: float) 
             keyed.append((1, remaining, started_at, sid))
     keyed.sort()
     return [sid for *_, sid in keyed]
+
+
+def l3_horizon_s(tokens: int, config: PolicyConfig, read_tokens_per_s: float) -> float:
+    """How long an offloaded session of ``tokens`` must be predicted to stay away for a copy in L3
+    to pay: the time to write it to L3 and read it back, plus ``l3_store_margin_s`` (the
+    prediction is a median; a call that returns early must not find its KV still on the way).
+    Pure, like :func:`decide`: every TP rank computes the same horizon."""
+    if not _is_int(tokens) or tokens < 0:
+        raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+    if not _is_real(read_tokens_per_s) or not math.isfinite(read_tokens_per_s) or read_tokens_per_s <= 0:
+        raise ValueError(f"read_tokens_per_s must be a finite number > 0, got {read_tokens_per_s!r}")
+    return tokens / config.l3_write_tokens_per_s + tokens / read_tokens_per_s + config.l3_store_margin_s
+
+
+def l3_store_early(remaining_s: float, tokens: int, config: PolicyConfig, read_tokens_per_s: float) -> bool:
+    """Whether an offloaded session predicted back in ``remaining_s`` (agreed clock) goes to L3
+    now rather than waiting for a full host to pick it as a victim: only when it stays away longer
+    than :func:`l3_horizon_s`. A session due sooner keeps its protected host copy: storing it
+    would free room for a moment and then cost an L3 read on the critical path of its next turn."""
+    if not _is_real(remaining_s) or math.isnan(remaining_s):
+        raise ValueError(f"remaining_s must be a number (not NaN), got {remaining_s!r}")
+    return remaining_s > l3_horizon_s(tokens, config, read_tokens_per_s)

@@ -197,6 +197,8 @@ POLICY_KNOBS: dict[str, tuple[Literal["float", "int"], float]] = {
     "prefetch_quantile": ("float", 0.0),
     "prefetch_margin_s": ("float", 0.0),
     "max_tools": ("int", 1),
+    "l3_store_margin_s": ("float", 0.0),
+    "l3_write_tokens_per_s": ("float", 1.0),
 }
 
 
@@ -275,6 +277,11 @@ class ToolKVConfig:
     prefetch_quantile: float = 0.5  # TOOLKV_PREFETCH_QUANTILE: when the early restore aims to finish
     prefetch_margin_s: float = 0.05  # TOOLKV_PREFETCH_MARGIN_S: how much before that it starts
     max_tools: int = 4096  # TOOLKV_MAX_TOOLS: tools whose duration statistics are kept (LRU)
+    # TOOLKV_L3_STORE_MARGIN_S: with an L3 tier, an offloaded session predicted away longer than its
+    # L3 write and read back plus this is stored to L3 at once (1e9: only when the host is full)
+    l3_store_margin_s: float = 10.0
+    # TOOLKV_L3_WRITE_TOKENS_PER_S: the L3 write rate that horizon assumes
+    l3_write_tokens_per_s: float = 100_000.0
 
     @classmethod
     def variables(cls) -> frozenset[str]:

@@ -289,6 +289,11 @@ class SchedulerToolKV:
         )
         # a session demoted inside another session's tool_start (host room) gets its own line
         self.manager.on_demote = lambda sid: self.decisions.decided("demote", sid, None, "ok", "host_room")
+        # and a session stored to L3 (or read back from it ahead of its return) by the manager's
+        # own choice: op=l3_store reason=l3_early|host_room|l3_readahead, the session's l3= after it
+        self.manager.machine.on_store = lambda sid, why: self.decisions.decided(
+            "l3_store", sid, None, "ok", why
+        )
         # Agree on the clock before the first handler can arm a deadline: the manager starts at
         # t=0, and a deadline armed then would expire on the first real reading. Every rank
         # builds its instance in Scheduler.__init__, so this first reduction is unconditional.

@@ -32,7 +32,10 @@ class CopyActions(MachineCore):
         """Spec ``ToolStart``: offload the session's KV to the host. With ``demote``, a host that
         is full (pool or budget) demotes offloaded sessions predicted back after ``returns_at``,
         the latest first, until it fits (their copies become evictable: spec ``Demote`` then
-        ``HostRoom``, or ``Store`` with an L3 tier); a 507 only when none can yield."""
+        ``HostRoom``); with an L3 tier any offloaded session may yield, the latest first, and is
+        stored (spec ``Store``), never dropped unless predicted back after ``returns_at``; a 507
+        only when none can yield. Once ``Offloaded`` the session itself may go to L3 at the next
+        tick if it is away long (``L3Tier.store_early``)."""
         rec = self._get(session_id)
         if not self.can_tool_start(rec):
             raise WrongState(
@@ -48,20 +51,24 @@ class CopyActions(MachineCore):
                 session_id=session_id,
             )
         rec.node, rec.tree_gen = node, self.tree_gen
+        tried: set[str] = set()  # each victim once: one whose store is refused stays a candidate
         while True:
             try:
                 clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
                 break
             except HostMemoryFull:
-                victims = self._demotion_candidates(session_id, returns_at) if demote else []
+                cands = self._demotion_candidates(session_id, returns_at) if demote else []
+                victims = [v for v in cands if v not in tried]
                 if not victims:
                     raise
-                self._yield_host(victims[0])
+                tried.add(victims[0])
+                self._yield_host(victims[0], returns_at)
         rec.epoch += 1
         self._arm_deadline(rec)
         if self._free_at_tool_start(clean):
             self.backend.free_gpu([rec])
             fire(rec, "tool_start", Phase.OFFLOADED)
+            self._offloaded(rec)
         else:
             fire(rec, "tool_start", Phase.OFFLOADING)
             self._offloading[session_id] = rec
@@ -91,6 +98,7 @@ class CopyActions(MachineCore):
         for rec in done:
             del self._offloading[rec.session_id]
             fire(rec, "write_ack", Phase.OFFLOADED)
+            self._offloaded(rec)
             self.counters["freed_tokens"] += rec.freed_tokens
         return len(done)
 

@@ -229,7 +229,13 @@ class MachineCore:
     def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
         raise NotImplementedError
 
-    def _yield_host(self, session_id: str) -> None:
+    def _yield_host(self, session_id: str, returns_at: float = float("inf")) -> bool:
+        raise NotImplementedError
+
+    def _storage_on(self) -> bool:
+        raise NotImplementedError
+
+    def _offloaded(self, rec: SessionRecord) -> None:
         raise NotImplementedError
 
     def _l3_release(self, rec: SessionRecord, why: str) -> None:

@@ -92,25 +92,32 @@ class PolicyActions(MachineCore):
         """Offloaded sessions predicted back after ``returns_at`` (when the session that needs the
         room is), the one predicted back last first (policy.demotion_order): an optimal cache
         drops the KV whose next use is furthest, and never the one about to be used. Only
-        ``Offloaded`` sessions on their host copy: one with a copy in flight is never demoted."""
+        ``Offloaded`` sessions on their host copy: one with a copy in flight is never demoted.
+        With an L3 tier on, every such session is a candidate, the latest first: a victim is
+        stored to L3, not dropped (``_yield_host``), so even one due before ``returns_at`` may
+        yield its host copy rather than have the tool_start answer 507."""
+        any_end = self._storage_on()
         cands = []
         for r in self.sessions.values():
             if r.state != Phase.OFFLOADED or r.l3 or r.session_id == but:
                 continue
             end = self._predicted_end(r)
-            if end > returns_at:
+            if any_end or end > returns_at:
                 cands.append((r.session_id, r.tool_started_at, end, r.offload_tokens))
         return demotion_order(cands, self.now)
 
     def demotable_tokens(self, but: str, returns_at: float) -> int:
         """Host tokens the demotions a tool_start may make would free: the protected copies of
-        offloaded sessions predicted back after ``returns_at`` (the call policy counts them as
-        host room)."""
+        offloaded sessions predicted back after ``returns_at`` (any, with an L3 tier on: they are
+        stored, not dropped), the call policy counts them as host room. Never a copy still
+        protected for a store in flight (``l3`` set): it is room only at its whole StoreAck, and
+        then sglang's ``evict_host`` counts it (``host_evictable_tokens``)."""
+        any_end = self._storage_on()
         return sum(
             r.offload_tokens
             for r in self.sessions.values()
             if r.state == Phase.OFFLOADED
             and not r.l3  # a copy in L3 holds no host protection (or is already on its way there)
             and r.session_id != but
-            and self._predicted_end(r) > returns_at
+            and (any_end or self._predicted_end(r) > returns_at)
         )

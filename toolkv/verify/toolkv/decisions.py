@@ -103,7 +103,9 @@ OP_TRIGGERS: dict[str, tuple[str, ...]] = {
 # steps a call may take after its own before its line is written
 IN_CALL: dict[str, tuple[str, ...]] = {"tool_end": ("admit",), "restore_on_request": ("admit",)}
 # ops that only report (never change anything, whatever their outcome)
-REPORTS: frozenset[str] = frozenset({"kv_hints"})
+# (l3_store: a session stored to L3 or read back from it by the manager; it stays Offloaded, only
+# its L3 sub-phase moves, which spec/storage/StorageTier.tla checks)
+REPORTS: frozenset[str] = frozenset({"kv_hints", "l3_store"})
 # a turn finished while toolkv held the session's KV: its tool call was ended if it could be, then
 # the record closed and re-opened for the turn (SchedulerToolKV.on_finished), epoch kept
 REOPEN = "turn_while_protected"
