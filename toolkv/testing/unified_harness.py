@@ -36,7 +36,6 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from toolkv.testing.base import (
-    WRITE_POLICIES,
     Accounting,
     TreeHarness,
     UnpinnedHostPool,
@@ -273,7 +272,9 @@ class UnifiedCacheHarness(TreeHarness):
         return int(full(node).lock_ref)
 
     def _host_ref(self, node: Any) -> int:
-        # the root is no session's: 0.5.23 never counts a host reference on it
+        # The root is left out on 0.5.23, as this harness always did: in write_back mode sglang may
+        # host-lock any anchor, the root included (FULL's acquire_component_lock), and that lock
+        # is sglang's, not a session's. On 0.5.16 the root's host_ref_counter is counted.
         return 0 if node is self.tree.root_node else int(full(node).host_lock_ref)
 
     def _submit_queued(self) -> None:
@@ -340,7 +341,6 @@ class UnifiedCacheHarness(TreeHarness):
 
 __all__ = [
     "MIN_UNIFIED_VERSION",
-    "WRITE_POLICIES",
     "TreeCoreName",
     "UnifiedAccounting",
     "UnifiedCacheHarness",
