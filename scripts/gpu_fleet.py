@@ -569,7 +569,10 @@ class Run:
             for sid in owned[survivor.name] + owned[victim.name]:
                 with contextlib.suppress(errors.ToolKVError):
                     c.close_session(sid)
-            rnd["survivor_meta_end"] = c.server_meta().raw
+            meta = rnd["survivor_meta_end"] = c.server_meta().raw
+            held = {k: meta.get(k) for k in HELD_KEYS}
+            self.check(f"{name}: nothing held on {survivor.name} at the end {held}",
+                       all(v == 0 for v in held.values()))  # fmt: skip
         finally:
             c.close()
 
@@ -598,8 +601,14 @@ def server_log_problems(servers: list[Server]) -> dict[str, list[str]]:
     return out
 
 
-def summary(res: dict[str, Any]) -> str:
-    """The table a person reads: one row per session, then the checks."""
+#: What the survivor's ``GET /session/kv_meta`` must show once every session is closed: toolkv holds
+#: nothing (no session, no protected host copy, no device lock) after the sessions moved.
+HELD_KEYS = ("held_sessions", "protected_tokens", "device_locked_tokens")
+
+
+def summary(res: dict[str, Any], checks: bool = True) -> str:
+    """The table a person reads: one row per session, what the survivor held at the end of each
+    round, then (``checks``) the checks."""
     lines = [f"fleet run: {'PASS' if res.get('passed') else 'FAIL'}   ({res.get('elapsed_s')} s)"]
     hdr = f"{'round':9} {'session':14} {'owner':6} {'moved':5} {'tier@drain':10} {'tool_end':26} {'cached':>6} {'storage':>7} {'=twin':5}"
     lines += ["", hdr, "-" * len(hdr)]
@@ -613,8 +622,15 @@ def summary(res: dict[str, Any]) -> str:
                 f"{(r.get('before_drain') or {}).get('tier', '')!s:10} {str(r.get('tool_end', ''))[:26]:26} "
                 f"{t2.get('cached_tokens', ''):>6} {det.get('storage', ''):>7} {'' if eq is None else str(eq):5}"
             )
-    lines += [""] + [("PASS " if ok else "FAIL ") + k for k, ok in res.get("checks", {}).items()]
-    return "\n".join(lines) + "\n"
+    lines.append("")
+    for rname, rnd in res.get("rounds", {}).items():
+        meta = rnd.get("survivor_meta_end")
+        if meta is not None:
+            lines.append(f"{rname}: the survivor at the end, sessions closed: "
+                         + ", ".join(f"{k} {meta.get(k)}" for k in HELD_KEYS))  # fmt: skip
+    if checks:
+        lines += [""] + [("PASS " if ok else "FAIL ") + k for k, ok in res.get("checks", {}).items()]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -623,7 +639,24 @@ def _terminated(signum: int, frame: Any) -> None:
     raise TimeoutError("terminated by the shell's deadline")
 
 
+def report(argv: list[str]) -> int:
+    """``gpu_fleet.py --report DIR``: print the table of a finished run from DIR/fleet.json (without its
+    check list: what docs/benchmarks.md shows), without starting anything."""
+    ap = argparse.ArgumentParser(prog="gpu_fleet.py --report", description=report.__doc__)
+    ap.add_argument("--report", type=Path, required=True, metavar="DIR")
+    a = ap.parse_args(argv)
+    try:
+        res = json.loads((a.report / "fleet.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"gpu_fleet.py: error: cannot read {a.report / 'fleet.json'}: {e}", file=sys.stderr)
+        return 2
+    print(summary(res, checks=False), end="")
+    return 0
+
+
 def main() -> int:
+    if "--report" in sys.argv[1:]:
+        return report(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model config directory (dummy weights)")
     ap.add_argument("--out", type=Path, required=True)

@@ -124,7 +124,8 @@ def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
                 with st.lock:
                     if sid is None:
                         return self.send(200, {"backend": "hiradix", "sessions": len(st.sessions), "states": {},
-                                               "counters": {}, "protected_tokens": 0})  # fmt: skip
+                                               "counters": {}, "protected_tokens": 0, "device_locked_tokens": 0,
+                                               "held_sessions": len(st.sessions)})  # fmt: skip
                     if sid not in st.sessions:
                         return self.unknown(sid)
                     return self.send(200, self.meta(sid))
