@@ -32,12 +32,23 @@ demo: $(STAMP)
 # campaign and the mutant kill table. GPU tests skip without CUDA. pytest runs on $(PYTEST_JOBS)
 # workers (pytest-xdist, one test module per worker at a time: conftest.py). Each stage
 # prints its time (.ci/stage), and the table of them comes at the end (docs/testing.md).
+#
+# Within one `make test`, a TLC run with the same inputs as an earlier one (same modules, config
+# and options) is read back from $(TLC_CACHE) instead of run again (TOOLKV_TLC_CACHE,
+# toolkv/verify/tla/tlc.py): the mutant traces pytest replays are the ones spec-check found, and
+# each conformance graph is dumped once for both workers. The folder is emptied first.
+# spec-check leaves out $(SPEC_CHECK_COVERED): configs that another run of this make test covers
+# (model_tests/test_spec_check_cover.py checks the premises; docs/testing.md); test-long runs them.
 PYTEST_JOBS ?= 2
 STAGE := .ci/stage
 export STAGE_LOG ?= $(VENV)/stages.tsv
+TLC_CACHE := $(CURDIR)/$(VENV)/tlc-cache
+SPEC_CHECK_COVERED := safety live dump
+test: export TOOLKV_TLC_CACHE = $(TLC_CACHE)
 test: $(STAMP)
 	@[ -n "$$STAGE_APPEND" ] || $(STAGE) --reset
-	$(STAGE) spec-check $(VENV)/bin/toolkv spec-check --jobs 2
+	@rm -rf $(TLC_CACHE) && mkdir -p $(TLC_CACHE)
+	$(STAGE) spec-check $(VENV)/bin/toolkv spec-check --jobs 2 $(addprefix --skip ,$(SPEC_CHECK_COVERED))
 	$(STAGE) spec-check-decode $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
 	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
 	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=15

@@ -13,8 +13,12 @@ Only the standard library is imported, so ``toolkv --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import importlib.resources
+import json
 import os
 import re
 import shutil
@@ -296,8 +300,49 @@ def run_tlc(
     """Run TLC on ``module`` with ``cfg`` in a fresh metadir and read its verdict.
 
     A fresh ``mktemp -d`` metadir per run avoids TLC's one-second-granular default directory
-    names colliding between back-to-back runs; it is deleted afterwards.
+    names colliding between back-to-back runs; it is deleted afterwards. With ``TOOLKV_TLC_CACHE``
+    set (:data:`CACHE_ENV`) a run with the same inputs as an earlier one is read back instead.
     """
+    cache = os.environ.get(CACHE_ENV)
+    if not cache:
+        return _run_tlc(tools, module, cfg, workers, timeout, deadlock, dump_dot, extra, heap, coverage)
+    key = cache_key(tools, module, cfg, workers, deadlock, dump_dot is not None, extra, heap, coverage)
+    folder = Path(cache)
+    folder.mkdir(parents=True, exist_ok=True)
+    entry, dot = folder / f"{key}.json", folder / f"{key}.dot"
+    t0 = time.monotonic()
+    with _locked(folder / f"{key}.lock"):  # a second run of the same inputs waits for the first
+        if entry.is_file():
+            saved = json.loads(entry.read_text())
+            if dump_dot is not None:
+                shutil.copyfile(dot, dot_file(dump_dot))
+            res = parse_tool_output(saved["output"], saved["exit_code"])
+            res.seconds, res.cached = time.monotonic() - t0, True
+            return res
+        res = _run_tlc(tools, module, cfg, workers, timeout, deadlock, dump_dot, extra, heap, coverage)
+        if res.outcome != "error":  # a timeout or a broken run is never reused
+            if dump_dot is not None:
+                shutil.copyfile(dot_file(dump_dot), dot)
+            tmp = entry.with_suffix(".tmp")
+            tmp.write_text(
+                json.dumps({"output": res.output, "exit_code": res.exit_code, "seconds": res.seconds})
+            )
+            os.replace(tmp, entry)
+        return res
+
+
+def _run_tlc(
+    tools: Toolchain,
+    module: Path,
+    cfg: Path,
+    workers: int,
+    timeout: float,
+    deadlock: bool,
+    dump_dot: Path | None,
+    extra: Sequence[str],
+    heap: str | None,
+    coverage: bool,
+) -> TlcResult:
     metadir = Path(tempfile.mkdtemp(prefix="toolkv-tlc-"))
     try:
         cmd = tlc_command(tools, module, cfg, metadir, workers, deadlock, dump_dot, extra, heap, coverage)
@@ -310,6 +355,52 @@ def run_tlc(
         res.outcome = "error"
         res.error_lines.append(f"timeout after {timeout:.0f}s")
     return res
+
+
+# --------------------------------------------------------------------------------------------
+# Reusing a run within one test session
+
+#: ``TOOLKV_TLC_CACHE=DIR``: :func:`run_tlc` keeps each finished run's output (and its dumped graph)
+#: in DIR under a hash of everything the run reads, and a later run with the same inputs reads it
+#: from there instead of starting TLC again. ``make test`` points it at a directory it empties first,
+#: so within one ``make test`` the mutants ``toolkv spec-check`` ran are not run again by the trace
+#: replays, and a conformance graph is dumped once for both pytest workers. Unset: every call runs TLC.
+CACHE_ENV = "TOOLKV_TLC_CACHE"
+
+
+def cache_key(
+    tools: Toolchain,
+    module: Path,
+    cfg: Path,
+    workers: int = 1,
+    deadlock: bool = True,
+    dump: bool = False,
+    extra: Sequence[str] = (),
+    heap: str | None = None,
+    coverage: bool = False,
+) -> str:
+    """A hash of a run's inputs: the toolchain (java, the jar's path, size and mtime), every module
+    beside ``module`` (what it may EXTEND), the config's text and the options that change output."""
+    h = hashlib.sha256()
+    jar = tools.jar.stat()
+    opts = [tools.java, str(tools.jar), jar.st_size, jar.st_mtime_ns, module.name, workers, deadlock, dump]
+    h.update(json.dumps([*opts, list(extra), heap, coverage]).encode())
+    for f in sorted(module.parent.glob("*.tla")):
+        h.update(f"\0{f.name}\0".encode())
+        h.update(f.read_bytes())
+    h.update(b"\0cfg\0")
+    h.update(cfg.read_bytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Any:
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,6 +488,7 @@ def read_dot(path: Path, parse_values: bool = True, plain: bool = False) -> Stat
 
 
 __all__ = [
+    "CACHE_ENV",
     "KNOWN_TLC",
     "FrozenDict",
     "ModelValue",
@@ -407,6 +499,7 @@ __all__ = [
     "Toolchain",
     "Trace",
     "TraceState",
+    "cache_key",
     "cfg_constants",
     "cfg_sections",
     "dot_file",

@@ -175,6 +175,8 @@ class TlcResult:
     coverage: dict[str, tuple[int, int]] | None = None
     output: str = ""
     error_lines: list[str] = field(default_factory=list)
+    #: read back from ``TOOLKV_TLC_CACHE`` (an earlier run with the same inputs), not run again
+    cached: bool = False
 
 
 _STATS_RE = re.compile(
