@@ -542,9 +542,14 @@ HostRoom(s, m) ==
 \* locked its prefix): the request's own lock now holds the path, so the hand-over's pin goes.
 \* A parked session's request is admitted the way sglang admits any request with a host hit:
 \* init_load_back loads the evicted part of the path if the device can take it (the load and the
-\* request's lock hold the path; sglang starts the load with its prefill batch, StartLoads or
-\* SysStart), else the request recomputes it and locks only its device prefix. Either way the
-\* request no longer needs toolkv, and the protection goes.
+\* request's lock hold the path), else the request recomputes it and locks only its device
+\* prefix. Either way the request no longer needs toolkv, and the protection goes.
+\* With the ring (Ring > 0) the load is the request's own batch's, as in SysStart: PrefillAdder's
+\* init_load_back and the ready_to_load_host_cache that gives the batch its consumer index run
+\* in one step of the scheduler (get_new_batch_prefill), so the batch starts the whole queue,
+\* toolkv's queued loads included, in one slot of its own ("sys"), at sglang's cadence (at most
+\* one of its own loads in flight: the batch before last has finished).  No scheduler step lies
+\* between the two calls, so the load is never left queued for StartLoads (toolkv's tick).
 Admit(s) ==
     LET n == ref[s] IN
     IF phase[s] = "Parked"
@@ -564,8 +569,9 @@ Admit(s) ==
                  /\ lockRef' = Locked(lockRef, {n}, 1 + loads)
                  /\ extLock' = [extLock EXCEPT ![n] = TRUE]
                  /\ IF Ring = 0 \/ C = {} THEN UNCHANGED <<queued, ring>>
-                    ELSE /\ queued' = queued \cup {n}
-                         /\ UNCHANGED ring
+                    ELSE /\ SysInFlight <= 1
+                         /\ ring' = Append(ring, [who |-> "sys", keys |-> queued \cup {n}])
+                         /\ queued' = {}
             ELSE UNCHANGED <<dev, devFree, loadKey, loadAcks, lockRef, extLock, queued, ring>>
          /\ UNCHANGED <<status, parent, host, writeKey, hostFree, ref, epoch, deadline, envVars>>
          /\ Rec(<<"Admit", s>>, {n})

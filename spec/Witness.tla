@@ -64,6 +64,11 @@ NeverParkedAdmitted ==
 NeverUnpinnedParked ==
     [][~(act'[1] = "Unpin" /\ phase'[act'[2]] = "Parked")]_vars
 
+\* With the ring: a parked session's admission loads its path back and its batch starts the load
+\* together with toolkv's queued restore of another session (one "sys" slot, nothing left queued).
+NeverParkedAdmitTakesQueue ==
+    [][~(act'[1] = "Admit" /\ phase[act'[2]] = "Parked" /\ queued # {} /\ Len(ring') > Len(ring))]_vars
+
 \* Policy: HiCache evicts the host copy of a demoted session.
 NeverDemotedEvicted ==
     [][~(act'[1] = "HostEvict" /\ \E s \in Sessions : phase[s] = "Released" /\ act'[2] = ref[s])]_vars

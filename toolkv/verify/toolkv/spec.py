@@ -449,7 +449,8 @@ def host_room(st: State, r: Rules, sid: str, m: str) -> State | None:
 def _admit_parked(st: State, r: Rules, sid: str) -> State | None:
     """Spec ``Admit`` of a parked session: sglang's init_load_back loads the evicted path if it
     fits (the load and the request's lock hold it), else the request recomputes it; the
-    protection goes."""
+    protection goes. With the ring the request's batch starts the load with the whole queue
+    (``ready_to_load_host_cache`` in the same scheduler step), as ``SysStart`` does."""
     n = st["ref"][sid]
     lim = len(r.nodes)
     if n == NO or st["status"][n] != "InTree" or st["extLock"][n] or st["loadAcks"][n] != 0:
@@ -464,6 +465,11 @@ def _admit_parked(st: State, r: Rules, sid: str) -> State | None:
     s["phase"][sid] = "Runnable"
     c = [m for m in pn if not st["dev"][m]]
     fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
+    # with the ring the load is started by the request's own batch (a "sys" start, with the
+    # queue), at sglang's cadence: enabled only while at most one of its own loads is in flight
+    starts = fits and r.ring > 0 and bool(c)
+    if starts and sum(1 for x in st.get("ring", ()) if x["who"] == "sys") > 1:
+        return None
     if fits:
         loads = 1 if c else 0
         for m in c:
@@ -473,8 +479,9 @@ def _admit_parked(st: State, r: Rules, sid: str) -> State | None:
         s["loadAcks"][n] += loads
         s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1 + loads)
         s["extLock"][n] = True
-        if r.ring > 0 and c:
+        if starts:
             s["queued"] = sorted({*st["queued"], n})
+            _start_load(s, "sys")
     s["tgt"] = [n]
     return s
 

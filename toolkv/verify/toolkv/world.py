@@ -32,6 +32,11 @@ refuses any other ``Ring``). ``load_back`` only enqueues (spec ``queued``); a st
   (``_insert_helper_host``), so no write has to finish for it, and drops them again once sglang
   retired their loads. Both starts go through the same sglang call, so the replayer keeps a ledger
   of the loads it started as sglang's (the spec's ``who``); every other start is toolkv's.
+* ``Admit`` of a parked session whose request loads its path back is that request's prefill batch:
+  ``load_back`` (as ``PrefillAdder``'s ``init_load_back`` does), then sglang's
+  ``ready_to_load_host_cache`` in the same step (``get_new_batch_prefill`` calls both), which
+  starts the whole queue, toolkv's loads included: a start of sglang's in the ledger, at its
+  cadence (two of its own loads in flight: no batch is built, :class:`Unrealizable`).
 * ``RingDone`` is the copy engine finishing the oldest started load: its producer events and its
   ack's ``finish_event`` fire together (they are recorded at one position of the load stream).
 * ``LoadAck`` is sglang's ``loading_check``, which retires every finished ack at the front of the
@@ -627,7 +632,12 @@ def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     """Spec ``Admit``: the session's next request is admitted; it locks the prefix (as
     ``PrefillAdder`` does) and the scheduler hook ends the hand-over. A parked session's request
     is admitted as sglang admits a host hit: ``load_back`` of the evicted path where the spec's
-    device takes it (DevFits), the request's lock on the path; else it recomputes (no lock)."""
+    device takes it (DevFits), the request's lock on the path; else it recomputes (no lock).
+    With the ring (``Ring > 0``) its batch then starts the load, with the whole queue (toolkv's
+    queued loads included), by sglang's own ``ready_to_load_host_cache``, as
+    ``get_new_batch_prefill`` does in the same scheduler step: a start of sglang's (spec
+    ``who = "sys"``), at sglang's cadence (spec ``SysInFlight <= 1``: where two of its own loads
+    are still in flight, no such batch is built, and the step is :class:`Unrealizable`)."""
     n = pre["ref"][a[0]]
     o = r.resolve(n)
     if o is None:
@@ -642,11 +652,19 @@ def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
             if r.capacity != "spec" and need > r.h.allocator.available_size():
                 # load_back would evict for it: GpuEvict steps the spec's Admit does not take
                 raise Unrealizable("no free device memory for the admitted request's load-back")
-            if missing and r.h.tree.load_back(o) is None:
+            ring = r.b.ring > 0 and bool(missing)
+            if ring and sum(1 for x in pre.get("ring", ()) if x["who"] == "sys") > 1:
+                raise Unrealizable("sglang's cadence: two of its own loads in flight, no batch is built")
+            tree = r.h.tree
+            if missing and tree.load_back(o) is None:
                 raise Unrealizable("sglang would not load this path back")
+            if ring:  # the request's batch: ready_to_load_host_cache starts the whole queue
+                before = len(tree.cache_controller.ack_load_queue)
+                assert tree.ready_to_load_host_cache() >= 0, "sglang started no load"
+                r.record_start(before, "sys")
             if chain:
                 r.request_loads.append((o, chain[0].parent))
-            r.h.tree.inc_lock_ref(o)
+            tree.inc_lock_ref(o)
             r.ext.add(n)
         r.mgr.admitted(a[0])
         return
