@@ -64,6 +64,7 @@ import torch
 
 from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager
+from toolkv.core.policy import PolicyConfig
 from toolkv.core.treeops import TreeNode, path_to, walk
 from toolkv.errors import ToolKVError
 from toolkv.testing.harness import HarnessConfig
@@ -202,7 +203,14 @@ class StorageWorld:
         """The spec's ``Init``: every session has finished a turn; its KV is on the GPU only."""
         mcls, bcls = STORAGE_MUTANTS[self.mutant] if self.mutant else (ToolKVManager, HiRadixBackend)
         self.be: HiRadixBackend = bcls(self.h.tree)
-        cfg = ManagerConfig(ttl_s=TTL_S, handover_ttl_s=TTL_S, idle_ttl_s=float("inf"))
+        # Store is the spec's explicit step here (ToolKVManager.store): no store by predicted return
+        # (StorageCapacity.tla models that one; a call run long would otherwise be stored unasked)
+        cfg = ManagerConfig(
+            ttl_s=TTL_S,
+            handover_ttl_s=TTL_S,
+            idle_ttl_s=float("inf"),
+            policy_config=PolicyConfig(l3_store_margin_s=1e9),
+        )
         self.mgr: ToolKVManager = mcls(self.h.tree, self.be, config=cfg)
         self.epoch: dict[str, int] = {s: 0 for s in self.b.sessions}
         self.io: dict[str, _Io] = {s: _Io() for s in self.b.sessions}
