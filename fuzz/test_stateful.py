@@ -138,3 +138,38 @@ def test_trace_check_finds_the_first_illegal_step(tmp_path: Path, caveats: froze
         assert not res.ok and res.first_illegal == 4 and res.action == ["ToolEnd", "s1", 1], res
     else:
         assert res.ok, res.message
+
+
+def test_the_environments_eviction_victim_is_strictly_the_least_recently_used() -> None:
+    """The campaign's draws must depend only on Hypothesis's data: a replayed example has to take
+    the same steps. sglang builds its LRU heap from a ``set`` of leaves, ordered by the nodes'
+    addresses, so two leaves with equal access times are evicted in an order the run picks, not
+    the step. The environment used to mark every victim with one constant, and a node GPU-evicted
+    and then loaded back by a parked session's admission (sglang's ``load_back`` keeps its access
+    time) met the next victim at that constant: a tie. Here every step is the spec's own, and the
+    second victim must be the only least recently used leaf."""
+    b = Bounds(nodes=("n1", "n2"), sessions=("s1", "s2"), dev_slots=2, host_slots=2, max_time=1, ttl=1, policy=True)
+    r = Replayer(b, capacity="spec", fill=False)
+    try:
+        for act in (
+            ["Insert", "s1", "Root", "n1"],
+            ["Insert", "s2", "Root", "n2"],
+            ["WriteThrough", "n1"],
+            ["WriteAck", "n1"],
+            ["GpuEvict", "n1"],  # the environment's first victim: n1 keeps its host copy
+            ["ToolStart", "s1"],  # already backed up: offloaded at once, protected
+            ["Park", "s1", "1"],
+            ["Admit", "s1"],  # sglang's load_back brings n1 back, its access time unchanged
+            ["LoadAck", "n1"],
+            ["Unlock", "n1"],  # the request is done: n1 is an evictable device leaf again
+        ):
+            res = r.apply(act)
+            assert res.error is None and not res.violations, (act, res.error, res.violations)
+        tree = r.h.tree
+        n1, n2 = r.obj("n1"), r.obj("n2")
+        assert {n1, n2} <= tree.evictable_leaves
+        r.make_lru(n2)  # what GpuEvict n2 does before sglang's evict
+        prio = sorted(tree.eviction_strategy.get_priority(x) for x in tree.evictable_leaves)
+        assert prio[0] == n2.last_access_time and prio[0] < prio[1], (n1.last_access_time, n2.last_access_time)
+    finally:
+        r.close()

@@ -247,6 +247,7 @@ class Replayer:
         self.request_loads: list[tuple[TreeNode, TreeNode]] = []
         self.others: list[TreeNode] = []  # other requests' prefixes that sglang's own loads load
         self._other_fresh = OTHER_TOKENS
+        self._victims = 0  # victims picked so far (each gets an access time below all before it)
 
     def restart(self) -> None:
         """Back to the spec's initial state on the same stack: let every copy finish and retire it
@@ -333,6 +334,16 @@ class Replayer:
         self.others.append(node)
         return node
 
+    def make_lru(self, node: TreeNode, *, other: bool = False) -> None:
+        """Make ``node`` the least recently used leaf, strictly: sglang's LRU heap is built from a
+        ``set`` of leaves (``evictable_leaves``, ``evictable_host_leaves``), whose order follows
+        the nodes' addresses, so a tie in access time would let the run, not the step, pick the
+        victim (a replayed example could then evict another node and draw differently: Hypothesis's
+        ``FlakyStrategyDefinition``). Each victim gets an access time below every earlier one,
+        other requests' prefixes (``other``) below every spec node."""
+        self._victims += 1
+        node.last_access_time = (-2e18 if other else -1e18) - 1e6 * self._victims
+
     def _fill_host(self, host: torch.Tensor, tokens: list[int]) -> None:
         """Write the deterministic KV of ``tokens`` into host slots ``host`` (either host layout)."""
         hp, ps = self.h.host_pool, self.ps
@@ -358,7 +369,7 @@ class Replayer:
         if finished:
             tree.loading_check()
         for o in [o for o in self.others if o.lock_ref == 0 and attached(tree, o)]:
-            o.last_access_time = -2e18  # below any spec node the environment made the LRU victim
+            self.make_lru(o, other=True)  # below any spec node the environment made the LRU victim
             if o.value is not None:
                 self.h.evict_device(len(o.key))
             self.h.evict_host(len(o.key))
@@ -497,7 +508,7 @@ class Replayer:
         o = self.resolve(name)
         if o is None:
             return True
-        o.last_access_time = -1e18  # the environment picks the victim
+        self.make_lru(o)  # the environment picks the victim
         if host:
             self.h.evict_host(len(o.key))
         else:
@@ -888,7 +899,7 @@ def hi_gpu_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         tree.cache_controller.mem_pool_device_allocator.free(o.value)
         tree._delete_leaf(o)
         return
-    o.last_access_time = -1e18  # the environment picks the victim: make it the LRU leaf
+    r.make_lru(o)  # the environment picks the victim: make it the LRU leaf
     r.h.evict_device(len(o.key))
     if o.value is not None and attached(tree, o):
         raise Unrealizable("sglang would not GPU-evict this node")
