@@ -18,7 +18,17 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from toolkv.verify.toolkv.fuzzing_ring import ring_machine_class
 
-RING_ACTIONS = ("StartLoads", "SysStart", "RingDone", "LoadAck", "ToolEnd", "TreeReset")
+RING_ACTIONS = (
+    "StartLoads",
+    "SysStart",
+    "RingDone",
+    "LoadAck",
+    "ToolEnd",
+    "TreeReset",
+    "Park",
+    "Unpin",
+    "Admit",
+)
 
 
 def test_ring_campaign_steps_are_spec_steps() -> None:
@@ -41,7 +51,15 @@ def test_ring_campaign_steps_are_spec_steps() -> None:
     # reported, not required: how often a draw bunches restores depends on the base machine's weights
     print(
         "bunched:",
-        {k: totals.get(k, 0) for k in ("SysStart took toolkv's queue", "LoadAck of bunched restores")},
+        {
+            k: totals.get(k, 0)
+            for k in (
+                "SysStart took toolkv's queue",
+                "LoadAck of bunched restores",
+                "parked Admit started its load",
+                "parked Admit took toolkv's queue",
+            )
+        },
     )
 
 

@@ -148,7 +148,9 @@ def test_the_environments_eviction_victim_is_strictly_the_least_recently_used() 
     and then loaded back by a parked session's admission (sglang's ``load_back`` keeps its access
     time) met the next victim at that constant: a tie. Here every step is the spec's own, and the
     second victim must be the only least recently used leaf."""
-    b = Bounds(nodes=("n1", "n2"), sessions=("s1", "s2"), dev_slots=2, host_slots=2, max_time=1, ttl=1, policy=True)
+    b = Bounds(
+        nodes=("n1", "n2"), sessions=("s1", "s2"), dev_slots=2, host_slots=2, max_time=1, ttl=1, policy=True
+    )
     r = Replayer(b, capacity="spec", fill=False)
     try:
         for act in (
@@ -170,6 +172,9 @@ def test_the_environments_eviction_victim_is_strictly_the_least_recently_used() 
         assert {n1, n2} <= tree.evictable_leaves
         r.make_lru(n2)  # what GpuEvict n2 does before sglang's evict
         prio = sorted(tree.eviction_strategy.get_priority(x) for x in tree.evictable_leaves)
-        assert prio[0] == n2.last_access_time and prio[0] < prio[1], (n1.last_access_time, n2.last_access_time)
+        assert prio[0] == n2.last_access_time and prio[0] < prio[1], (
+            n1.last_access_time,
+            n2.last_access_time,
+        )
     finally:
         r.close()
