@@ -51,7 +51,7 @@ test: $(STAMP)
 	$(STAGE) spec-check $(VENV)/bin/toolkv spec-check --jobs 2 $(addprefix --skip ,$(SPEC_CHECK_COVERED))
 	$(STAGE) spec-check-decode $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
 	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
-	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=15
+	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15
 	$(STAGE) venv-0523 $(MAKE) -s venv-0523
 	$(STAGE) pytest-0523 $(MAKE) -s test-0523
 	@$(STAGE) --summary

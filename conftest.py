@@ -8,7 +8,8 @@
   action-coverage test of ``model_tests/test_conformance.py`` reads the replays before it). Not
   ``--dist loadgroup``: xdist 3.8 groups by rewriting ``item._nodeid``, which pytest 9.2 no longer
   reads, so its groups are silently ignored. Each worker gets a free port of its own for its
-  single-process gloo group (``MASTER_PORT``; the harnesses only set a default).
+  single-process gloo group (``MASTER_PORT``; the harnesses only set a default). The longest
+  modules go first (``LONGEST_FIRST``, with ``--no-loadscope-reorder``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,25 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["MASTER_PORT"] = _free_port()
 
 
+#: Modules that take longest under ``make test`` (its ``--durations`` and stage times, docs/testing.md),
+#: longest first. ``make test`` runs them first, one per worker, and the rest after them, most
+#: tests first (what xdist's own ``--loadscope-reorder`` does; ``make test`` turns that off so this
+#: order holds): a long module that starts last holds one worker while the other has finished.
+LONGEST_FIRST = ("model_tests/test_conformance.py", "fuzz/test_stateful.py")
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
+    order = sorted(by_module, key=lambda m: (rank.get(m, len(rank)), -len(by_module[m])))
+    items[:] = [item for m in order for item in by_module[m]]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
+        _longest_first(items)
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu_items:
         return
