@@ -52,8 +52,11 @@
 #              round 1 (4 benches) fits a call, just; round 2 needs a second call (CONFIGS reversed).
 #   MEM_FRACTION (default 0.75) every server's --mem-fraction-static
 #   L3_ROOT    (default /tmp, or the checkout where /tmp is a tmpfs) the local disk the L3 directory is on;
-#   L3_MIN_FREE (default 8G) SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE: HiCacheFile evicts (LRU) to keep
-#              this much of the disk free; L3_QUIET_S (default 20) the wait for L3 writes after a bench
+#   L3_MIN_FREE (default 0: off) SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE: with a floor, HiCacheFile evicts
+#              (LRU) to keep that much of the disk free, and toolkv then refuses every L3 store (the evictor
+#              may delete pages it protects: the first run's 2 victims were l3_store_refused). Off, each bench
+#              empties the L3 directory first and one bench wrote at most 34 GB; L3_QUIET_S (default 20) the
+#              wait for L3 writes after a bench
 #   DISK_PROBE_MB (default 1024), DISK_PROBE_FILES (default 2048): the disk probe's sizes
 #   WORK       (default /tmp/toolkv_l3_capacity) raw results: $WORK/runs/r<k>/<config>.json (+ .log,
 #              .metrics.before/.after, .l3.txt, .decisions.txt)
@@ -74,7 +77,7 @@ BENCH_ARGS=${BENCH_ARGS:-$DEF_ARGS} DURATION=${DURATION:-$DEF_DURATION} REPEATS=
 DRAIN=${DRAIN:-20} BUDGET_S=${BUDGET_S:-500} CONFIGS=${CONFIGS:-stock16 stock16l3 toolkv16l3 stock64}
 MIN_LEFT_S=${MIN_LEFT_S:-$(( DURATION + 25 > 100 ? DURATION + 25 : 100 ))}
 PORT=${PORT:-30000} SRC=${TOOLKV_SRC:-$ROOT} MEM_FRACTION=${MEM_FRACTION:-0.75}
-L3_MIN_FREE=${L3_MIN_FREE:-8G} L3_QUIET_S=${L3_QUIET_S:-20}
+L3_MIN_FREE=${L3_MIN_FREE:-0} L3_QUIET_S=${L3_QUIET_S:-20}
 OUT=${OUT:-/tmp/toolkv_l3_out}; RES=$OUT/l3
 WORK=${WORK:-/tmp/toolkv_l3_capacity}
 rm -rf "$WORK" && mkdir -p "$WORK/runs" "$RES" || exit 2
