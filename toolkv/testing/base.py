@@ -172,9 +172,14 @@ class PoolHarness(ABC):
     _live_owner: ClassVar[type[PoolHarness]]
     #: how the error names the harness a process may hold one of
     _live_label: ClassVar[str] = "harness"
+    #: extra ``MHATokenToKVPool`` arguments: 0.5.16's harnesses turn the alternate stream off, the
+    #: 0.5.23 harness keeps sglang's default (it only exists on CUDA)
+    _kv_pool_options: ClassVar[dict[str, Any]] = {"enable_alt_stream": False}
 
-    cfg: Any  # the subclass's frozen config: page_size, layers, heads, head_dim, dtype, ...
+    cfg: Any  # the subclass's frozen config: page_size, device_tokens, layers, heads, head_dim, dtype, ...
     kv_pool: Any
+    allocator: Any
+    req_pool: Any
     host_pool: Any
     engine: ControlledTransferEngine | None
 
@@ -195,6 +200,33 @@ class PoolHarness(ABC):
         owner = self._live_owner
         if owner._live_cpu is self:
             owner._live_cpu = None
+
+    def _build_pools(self, device: str) -> None:
+        """The real device KV pool, its allocator (paged when pages are longer than one token) and
+        the request-to-token pool, sized by the config: the same constructors in both releases."""
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        cfg = self.cfg
+        self.kv_pool = MHATokenToKVPool(
+            size=cfg.device_tokens,
+            page_size=cfg.page_size,
+            dtype=cfg.dtype,
+            head_num=cfg.heads,
+            head_dim=cfg.head_dim,
+            layer_num=cfg.layers,
+            device=device,
+            enable_memory_saver=False,
+            **self._kv_pool_options,
+        )
+        sizes = {"size": cfg.device_tokens, "dtype": cfg.dtype, "device": device, "kvcache": self.kv_pool}
+        if cfg.page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(**sizes, need_sort=False)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(**sizes, page_size=cfg.page_size, need_sort=False)
+        self.req_pool = ReqToTokenPool(
+            size=cfg.max_reqs, max_context_len=cfg.context_len, device=device, enable_memory_saver=False
+        )
 
     # ---- the bytes in the pools ----------------------------------------------------------------------
     def device_kv(self, indices: torch.Tensor) -> torch.Tensor:
@@ -275,7 +307,6 @@ class TreeHarness(PoolHarness):
     """
 
     tree: Any
-    allocator: Any
 
     def __init__(self, cfg: Any, *, seed: int = 0) -> None:
         self.cfg = cfg

@@ -209,9 +209,7 @@ class DecodeOffloadHarness(PoolHarness):
     # ---- construction -----------------------------------------------------------------------------
     def _build(self, group: Any) -> None:
         import sglang.srt.disaggregation.decode_kvcache_offload_manager as dm
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
         from sglang.srt.runtime_context import get_context, get_parallel
 
         cfg = self.cfg
@@ -241,26 +239,7 @@ class DecodeOffloadHarness(PoolHarness):
         ctx.set_server_args(sa)
         self._stack.callback(setattr, ctx, "_server_args", saved_args)
 
-        self.kv_pool = MHATokenToKVPool(
-            size=cfg.device_tokens,
-            page_size=cfg.page_size,
-            dtype=cfg.dtype,
-            head_num=cfg.heads,
-            head_dim=cfg.head_dim,
-            layer_num=cfg.layers,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        if cfg.page_size == 1:
-            self.allocator: Any = TokenToKVPoolAllocator(
-                cfg.device_tokens, cfg.dtype, "cpu", self.kv_pool, need_sort=False
-            )
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                cfg.device_tokens, cfg.page_size, cfg.dtype, "cpu", self.kv_pool, need_sort=False
-            )
-        self.req_pool = ReqToTokenPool(cfg.max_reqs, cfg.context_len, "cpu", enable_memory_saver=False)
+        self._build_pools("cpu")
         params = CacheInitParams(
             disable=not cfg.radix_cache,
             req_to_token_pool=self.req_pool,

@@ -130,36 +130,12 @@ class CacheHarness(TreeHarness):
         return cpu_doubles(engine)
 
     def _build(self) -> None:
-        from sglang.srt.mem_cache.allocator import (
-            PagedTokenToKVPoolAllocator,
-            TokenToKVPoolAllocator,
-        )
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
         cfg = self.cfg
         group = ensure_process_group()
         self.server_args = make_server_args(cfg)
-        self.kv_pool = MHATokenToKVPool(
-            size=cfg.device_tokens,
-            page_size=cfg.page_size,
-            dtype=cfg.dtype,
-            head_num=cfg.heads,
-            head_dim=cfg.head_dim,
-            layer_num=cfg.layers,
-            device=cfg.device,
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        if cfg.page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(
-                cfg.device_tokens, cfg.dtype, cfg.device, self.kv_pool, need_sort=False
-            )
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                cfg.device_tokens, cfg.page_size, cfg.dtype, cfg.device, self.kv_pool, need_sort=False
-            )
-        self.req_pool = ReqToTokenPool(cfg.max_reqs, cfg.context_len, cfg.device, enable_memory_saver=False)
+        self._build_pools(cfg.device)
         params = CacheInitParams(
             disable=False,
             req_to_token_pool=self.req_pool,

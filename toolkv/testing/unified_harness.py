@@ -168,6 +168,7 @@ class UnifiedCacheHarness(TreeHarness):
 
     _live_cpu: ClassVar[TreeHarness | None] = None
     _live_label: ClassVar[str] = "CPU UnifiedCacheHarness"
+    _kv_pool_options: ClassVar[dict[str, Any]] = {}
     cfg: UnifiedHarnessConfig
 
     def __init__(self, cfg: UnifiedHarnessConfig | None = None, *, seed: int = 0) -> None:
@@ -177,45 +178,14 @@ class UnifiedCacheHarness(TreeHarness):
         return unified_cpu_doubles(engine)
 
     def _build(self) -> None:
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         cfg = self.cfg
         group = ensure_process_group()
         self.server_args = make_server_args(cfg)
-        self.kv_pool = MHATokenToKVPool(
-            size=cfg.device_tokens,
-            page_size=cfg.page_size,
-            dtype=cfg.dtype,
-            head_num=cfg.heads,
-            head_dim=cfg.head_dim,
-            layer_num=cfg.layers,
-            device=cfg.device,
-            enable_memory_saver=False,
-        )
-        if cfg.page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(
-                size=cfg.device_tokens,
-                dtype=cfg.dtype,
-                device=cfg.device,
-                kvcache=self.kv_pool,
-                need_sort=False,
-            )
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                size=cfg.device_tokens,
-                page_size=cfg.page_size,
-                dtype=cfg.dtype,
-                device=cfg.device,
-                kvcache=self.kv_pool,
-                need_sort=False,
-            )
-        self.req_pool = ReqToTokenPool(
-            size=cfg.max_reqs, max_context_len=cfg.context_len, device=cfg.device, enable_memory_saver=False
-        )
+        self._build_pools(cfg.device)
         self.params = CacheInitParams(
             req_to_token_pool=self.req_pool,
             token_to_kv_pool_allocator=self.allocator,
