@@ -344,11 +344,12 @@ def test_l3_off_drops_as_without_a_storage_tier(tmp_path: Path) -> None:
         be = HiRadixBackend(h.tree, host_budget_tokens=BUDGET)
         m = ToolKVManager(h.tree, be, config=ManagerConfig(host_budget_tokens=BUDGET, l3=False))
         turn(h, m, "a", A)
-        m.tool_start("a")
+        m.tool_start("a", expected_s=600.0)
         step(h, m, 0.0, writes=True)
         h.await_store_acks()
         turn(h, m, "b", B)
-        m.tool_start("b", expected_s=0.0)
+        m.queued_demand = lambda: 10**6  # queued requests need the room b holds: a demotion pays
+        m.tool_start("b", expected_s=30.0)
         assert m.kv_meta("a")["state"] == "Released" and "l3" not in m.kv_meta("a")
         assert m.counters["demoted"] == 1 and not be.storage_copies
         settle(h, m)

@@ -28,7 +28,7 @@ from _cycle import step
 from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.core.policy import PolicyConfig
 from toolkv.core.treeops import path_to
-from toolkv.errors import BadRequest, StaleEpoch, WrongState
+from toolkv.errors import BadRequest, HostMemoryFull, StaleEpoch, WrongState
 from toolkv.testing.harness import CacheHarness, HarnessConfig
 
 
@@ -246,13 +246,45 @@ def test_the_host_budget_demotes_the_least_valuable_instead_of_507(h: CacheHarne
     m.tool_start("a", expected_s=600.0)  # a: expected back in 10 minutes
     step(h, m, 0.0, writes=True)
     m.set_clock(1.0)
+    m.queued_demand = lambda: 10**6  # queued requests need the device room b holds
     r = m.tool_start("b", expected_s=30.0)  # 300 + 300 > 450: a must go
+    m.queued_demand = lambda: 0
     assert r["decision"] == "offload" and r["state"] in ("Offloading", "Offloaded")
     assert m.kv_meta("a")["state"] == "Released" and m.kv_meta("a")["protected"] is False
     assert m.counters["demoted"] == 1
     assert m.backend.protected_tokens == 300  # type: ignore[attr-defined]
     assert m.tool_end("a", 1)["state"] == "Running", "a demoted session resumes; missing KV is recomputed"
     step(h, m, 1.0, writes=True)
+    m.close("a")
+    m.close("b")
+    h.drain()
+    assert h.accounting() == initial
+
+
+@pytest.mark.parametrize("policy", ["auto", "offload"])
+def test_a_full_host_demotes_nobody_while_the_device_has_room(h: CacheHarness, policy: str) -> None:
+    """A demotion drops a host copy whose GPU copy is gone; it pays only when the device needs the
+    room the new call's KV holds. With room to spare (nothing queued), b is not offloaded (auto
+    lets it go, offload answers host-full and changes nothing): its KV stays in sglang's cache as
+    without toolkv, and a keeps its protected copy."""
+    initial = h.accounting()
+    m = ToolKVManager(h.tree, config=ManagerConfig(policy=policy, policy_config=PolicyConfig(min_offload_tokens=64),
+                                                  host_budget_tokens=450, prefetch=False))  # fmt: skip
+    a, b = list(range(1, 301)), list(range(1000, 1300))
+    turn(h, m, "a", a)
+    turn(h, m, "b", b)
+    m.tool_start("a", expected_s=600.0)
+    step(h, m, 0.0, writes=True)
+    m.set_clock(1.0)
+    if policy == "offload":
+        with pytest.raises(HostMemoryFull):
+            m.tool_start("b", expected_s=30.0)
+        assert m.kv_meta("b")["state"] == "Running"
+    else:
+        assert m.tool_start("b", expected_s=30.0)["decision"] == "let_go"
+    assert m.kv_meta("a")["state"] == "Offloaded" and m.kv_meta("a")["protected"] is True
+    assert m.counters["demoted"] == 0
+    assert h.match(b).last_device_node is not h.tree.root_node, "b's KV is still on the GPU"
     m.close("a")
     m.close("b")
     h.drain()

@@ -56,3 +56,38 @@ def test_a_stopped_map_resumes_from_its_journal(tmp_path: Path) -> None:
     got = run_map(todo, jobs=1, quiet=True, journal=journal)
     assert sorted(r["config"] for r in got) == ["offload", "stock"]
     assert len(journal.read_text().splitlines()) == 3  # nothing appended: nothing ran
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MAP = ROOT / "docs" / "results" / "twin" / "map.json"
+
+
+def test_the_committed_map_is_the_table_in_the_docs() -> None:
+    """docs/benchmarks.md shows the committed map as ``doc_table`` renders it: a re-run map whose
+    table was not regenerated (or a hand-edited figure) fails here."""
+    import re
+
+    from toolkv.twin.regime_map import doc_table
+
+    data = json.loads(MAP.read_text())
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = re.search(r"<!-- BEGIN twin-map -->\n(.*?)\n<!-- END twin-map -->", doc, re.S)
+    assert block is not None and block.group(1).strip() == doc_table(data).strip(), (
+        "regenerate the map table in docs/benchmarks.md: python -m toolkv.twin.regime_map --doc-table "
+        "docs/results/twin/map.json"
+    )
+
+
+def test_the_committed_map_is_whole_and_its_cells_match_its_runs() -> None:
+    """map.json holds every run of its axes (one per cell, seed and config) and its cells are what
+    ``cells`` makes of those runs now, so the summary cannot drift from the runs it came from."""
+    data = json.loads(MAP.read_text())
+    ax = data["axes"]
+    want = {
+        (t.sessions, t.host_gb, t.shape, t.seed, t.config)
+        for t in tasks(ax["sessions"], ax["hosts_gb"], ax["tool_shapes"], ax["seeds"], ax["configs"])
+    }
+    have = {(r["sessions"], float(r["host_gb"]), r["tool_shape"], r["seed"], r["config"]) for r in data["runs"]}
+    assert have == want
+    assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
+    assert data["never_worse_violations"] == never_worse(cells(data["runs"]))

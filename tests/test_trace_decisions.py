@@ -454,7 +454,8 @@ def test_cli_input_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_a_demotion_inside_another_call_is_its_own_line(tmp_path: Path) -> None:
     """A full host demotes an offloaded session predicted back later than the caller (whose client
-    says its tool returns at once) inside the caller's tool_start. The demoted session's next turn
+    says its tool returns in 30 s, the other's in 10 minutes) inside the caller's tool_start, when
+    queued requests need the device room the caller holds. The demoted session's next turn
     recomputes, so the demotion is a decision line of its own (op=demote, reason host_room), before
     the call's own line, and the log stays a spec behaviour."""
     from toolkv.sglang.config import ToolKVConfig
@@ -468,10 +469,11 @@ def test_a_demotion_inside_another_call_is_its_own_line(tmp_path: Path) -> None:
         h.tree._toolkv = tk
         call: Callable[..., dict[str, object]] = lambda op, **kw: tk.handle(op, kw)[1]  # noqa: E731
         assert finish_turn(h, "s1", a, [301]) and finish_turn(h, "s2", b, [1300], slot=1)
-        assert call("tool_start", session_id="s1")["state"] == "Offloading"
+        assert call("tool_start", session_id="s1", expected_s=600.0)["state"] == "Offloading"
         iteration(h, tk, writes=True)
         assert tk.manager.kv_meta("s1")["state"] == "Offloaded"
-        out = call("tool_start", session_id="s2", tool="quick", expected_s=0.0)
+        tk.manager.queued_demand = lambda: 10**6  # the waiting queue needs the room s2 holds
+        out = call("tool_start", session_id="s2", tool="quick", expected_s=30.0)
         assert out.get("state") in ("Offloading", "Offloaded"), out
         assert tk.manager.kv_meta("s1")["state"] == "Released"
     text = path.read_text()

@@ -84,6 +84,28 @@ def keep_fits_now(m: SessionMachine, kv_tokens: int) -> bool:
     return keep_fits(p, kv_tokens, m.config.policy_config.device_reserve)
 
 
+def demote_for_room(m: SessionMachine, rec: SessionRecord) -> bool:
+    """Whether a ``tool_start`` that finds the host full may demote other offloaded sessions to
+    make room for this one: only when the device needs the room this session's KV holds (the keep
+    rule, queued requests counted, says a pin of it would not fit).
+
+    A demotion drops a protected host copy whose GPU copy is gone already: that session's next
+    turn recomputes everything. It pays only if freeing this session's GPU copy lets queued or
+    running requests in. When the device has room to spare, offloading this session buys nothing,
+    while sglang's own cache would have kept both; then the call is refused as host-full instead
+    (``HostMemoryFull``, nothing changed) and this session's KV stays on the GPU as sglang's
+    evictable cache, as without toolkv. (The regime map found this: with a small host and few
+    sessions, demotions made ``offload`` reuse less than stock.)
+
+    With an L3 tier on, a victim is stored there, not dropped, and demotion is always allowed."""
+    node = m._live_node(rec)
+    if node is None:
+        return True  # tool_start raises SessionKVLost before it looks at the host
+    if m._storage_on():
+        return True  # with an L3 tier a victim is stored, not dropped: nothing is lost
+    return not keep_fits_now(m, sum(len(n.key) for n in path_to(m.tree, node)))
+
+
 class Offload(_Calls):
     """Every tool call offloads (spec ``ToolStart``)."""
 
@@ -94,8 +116,9 @@ class Offload(_Calls):
         rec = m._get(session_id)
         hint = None if expected_s is None else float(expected_s)
         expected = hint if hint is not None else m.durations.median(tool)
-        # a full host demotes offloaded sessions predicted back after this one, not a 507
-        m.tool_start(session_id, demote=True, returns_at=m.now + expected)
+        # a full host demotes offloaded sessions predicted back after this one, not a 507 -- but
+        # only when the device needs the room this session holds (demote_for_room)
+        m.tool_start(session_id, demote=demote_for_room(m, rec), returns_at=m.now + expected)
         # "_hint": the predicted return (demotion order, L3 by predicted return) uses the hint
         reason = "policy_offload" if hint is None else "policy_offload_hint"
         self.note(rec, tool, Decision("offload", reason, expected, 0.0, None))
@@ -139,7 +162,7 @@ class Auto(_Calls):
             return m.view(rec)
         if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
             try:
-                m.tool_start(session_id, demote=True, returns_at=back)
+                m.tool_start(session_id, demote=demote_for_room(m, rec), returns_at=back)
             except HostMemoryFull:
                 return self._let_go(
                     rec, tool, Decision("let_go", "host_full", float(expected_s or 0.0), 0.0, None)

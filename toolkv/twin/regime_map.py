@@ -125,6 +125,27 @@ def run_task(t: Task) -> dict[str, Any]:
     }  # fmt: skip
 
 
+#: sglang's host pool refuses to start when the machine's free memory, less its own reserve, is below
+#: the pool (``HostKVCache.__init__``); on a small machine another process's peak can make that so for a
+#: moment. Such a run is tried again after a pause rather than ending a map of hours.
+_LOW_MEMORY = "Not enough host memory available"
+_RETRIES, _RETRY_PAUSE_S = 6, 20.0
+
+
+def run_task_retrying(t: Task) -> dict[str, Any]:
+    """:func:`run_task`, run again (up to ``_RETRIES`` times, ``_RETRY_PAUSE_S`` apart) when sglang's
+    host pool refused to start for want of free memory at that moment; any other error ends the map."""
+    for attempt in range(_RETRIES + 1):
+        try:
+            return run_task(t)
+        except ValueError as e:
+            if _LOW_MEMORY not in str(e) or attempt == _RETRIES:
+                raise
+            print(f"toolkv twin map: {t}: {e}; trying again in {_RETRY_PAUSE_S:g} s", file=sys.stderr, flush=True)
+            time.sleep(_RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
+
+
 def task_of(row: dict[str, Any]) -> Task:
     """The task a finished run's row answers."""
     return Task(int(row["sessions"]), float(row["host_gb"]), str(row["tool_shape"]), int(row["seed"]),
@@ -169,7 +190,7 @@ def run_map(
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no inherited torch threads
     with ctx.Pool(processes=max(1, jobs), maxtasksperchild=40) as pool:
-        for i, row in enumerate(pool.imap_unordered(run_task, todo), 1):
+        for i, row in enumerate(pool.imap_unordered(run_task_retrying, todo), 1):
             row["commit"] = commit
             rows.append(row)
             if journal is not None:
@@ -465,3 +486,22 @@ def add_map_arguments(p: argparse.ArgumentParser) -> None:
         help="map: append each finished run to this JSONL file and skip the runs already in it "
         "(default: next to --out, as <out>.runs.jsonl), so a stopped map resumes",
     )
+
+
+def _print_doc_table(argv: Sequence[str] | None = None) -> int:
+    """``python -m toolkv.twin.regime_map --doc-table MAP.json``: print the docs table of a saved map
+    (what docs/benchmarks.md shows between its twin-map markers), without running anything."""
+    p = argparse.ArgumentParser(prog="python -m toolkv.twin.regime_map", description=_print_doc_table.__doc__)
+    p.add_argument("--doc-table", required=True, metavar="MAP_JSON", help="a map.json written by toolkv twin map")
+    a = p.parse_args(argv)
+    try:
+        data = json.loads(Path(a.doc_table).read_text())
+        print(doc_table(data))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"python -m toolkv.twin.regime_map: error: cannot read a map from {a.doc_table}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_print_doc_table())
