@@ -91,3 +91,35 @@ def test_the_committed_map_is_whole_and_its_cells_match_its_runs() -> None:
     assert have == want
     assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
     assert data["never_worse_violations"] == never_worse(cells(data["runs"]))
+
+
+def test_a_known_miss_does_not_fail_the_long_map_but_a_new_one_does(tmp_path: Path) -> None:
+    """``make test-long``'s map run: a cell already listed as slower than stock in the committed map
+    is reported, a cell that newly misses fails it."""
+    import argparse
+
+    from toolkv.twin.regime_map import add_map_arguments, main
+
+    def row(config: str, p90: float) -> dict[str, object]:
+        return {"sessions": 24, "host_gb": 8.0, "tool_shape": "traces", "seed": 0, "config": config,
+                "closed_turns_per_s": 1.0, "turns": 10, "resumed_ttft_p50_s": 0.1, "resumed_ttft_p90_s": p90,
+                "reuse": 0.5, "opt_reuse": 1.0, "passed": True, "crashed": None, "live_kv_gb": 30.0}  # fmt: skip
+
+    journal = tmp_path / "map.runs.jsonl"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in (row("stock", 1.0), row("offload", 2.0))))
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    p.add_argument("--plot")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--configs")
+    p.add_argument("--host-gb")
+    add_map_arguments(p)
+    argv = ["--map-sessions", "24", "--host-gb", "8", "--map-shapes", "traces", "--seeds", "0",
+            "--configs", "stock,offload", "--journal", str(journal), "--quiet"]  # fmt: skip
+    assert main(p.parse_args(argv)) == 1  # offload's p90 is 2x stock's: a miss
+    known = tmp_path / "known.json"
+    known.write_text(json.dumps({"never_worse_violations": ["traces 24 sessions 8 GB offload: p90 ..."]}))
+    assert main(p.parse_args([*argv, "--known", str(known)])) == 0
+    known.write_text(json.dumps({"never_worse_violations": ["traces 48 sessions 8 GB offload: p90 ..."]}))
+    assert main(p.parse_args([*argv, "--known", str(known)])) == 1
