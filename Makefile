@@ -34,7 +34,7 @@ demo: $(STAMP)
 # prints its time (.ci/stage), and the table of them comes at the end (docs/testing.md).
 #
 # Within one `make test`, a TLC run with the same inputs as an earlier one (same modules, config
-# and options) is read back from $(TLC_CACHE) instead of run again (TOOLKV_TLC_CACHE,
+# and options) is read back from $(TLC_CACHE) instead of run again (SPEC_CHECK_TLC_CACHE,
 # toolkv/verify/tla/tlc.py): the mutant traces pytest replays are the ones spec-check found, and
 # each conformance graph is dumped once for both workers. The folder is emptied first.
 # spec-check leaves out $(SPEC_CHECK_COVERED): configs that another run of this make test covers
@@ -44,7 +44,7 @@ STAGE := .ci/stage
 export STAGE_LOG ?= $(VENV)/stages.tsv
 TLC_CACHE := $(CURDIR)/$(VENV)/tlc-cache
 SPEC_CHECK_COVERED := safety live dump
-test: export TOOLKV_TLC_CACHE = $(TLC_CACHE)
+test: export SPEC_CHECK_TLC_CACHE = $(TLC_CACHE)
 test: $(STAMP)
 	@[ -n "$$STAGE_APPEND" ] || $(STAGE) --reset
 	@rm -rf $(TLC_CACHE) && mkdir -p $(TLC_CACHE)

@@ -1,4 +1,4 @@
-"""``TOOLKV_TLC_CACHE``: a TLC run read back instead of run again (toolkv.verify.tla.tlc.run_tlc).
+"""``SPEC_CHECK_TLC_CACHE``: a TLC run read back instead of run again (toolkv.verify.tla.tlc.run_tlc).
 
 ``make test`` sets it to a directory it empties first, so the mutants ``toolkv spec-check`` ran
 are not run again by the trace replays, and a conformance graph is dumped once for both pytest

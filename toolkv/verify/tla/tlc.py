@@ -300,7 +300,7 @@ def run_tlc(
     """Run TLC on ``module`` with ``cfg`` in a fresh metadir and read its verdict.
 
     A fresh ``mktemp -d`` metadir per run avoids TLC's one-second-granular default directory
-    names colliding between back-to-back runs; it is deleted afterwards. With ``TOOLKV_TLC_CACHE``
+    names colliding between back-to-back runs; it is deleted afterwards. With ``SPEC_CHECK_TLC_CACHE``
     set (:data:`CACHE_ENV`) a run with the same inputs as an earlier one is read back instead.
     """
     cache = os.environ.get(CACHE_ENV)
@@ -360,12 +360,12 @@ def _run_tlc(
 # --------------------------------------------------------------------------------------------
 # Reusing a run within one test session
 
-#: ``TOOLKV_TLC_CACHE=DIR``: :func:`run_tlc` keeps each finished run's output (and its dumped graph)
+#: ``SPEC_CHECK_TLC_CACHE=DIR``: :func:`run_tlc` keeps each finished run's output (and its dumped graph)
 #: in DIR under a hash of everything the run reads, and a later run with the same inputs reads it
 #: from there instead of starting TLC again. ``make test`` points it at a directory it empties first,
 #: so within one ``make test`` the mutants ``toolkv spec-check`` ran are not run again by the trace
 #: replays, and a conformance graph is dumped once for both pytest workers. Unset: every call runs TLC.
-CACHE_ENV = "TOOLKV_TLC_CACHE"
+CACHE_ENV = "SPEC_CHECK_TLC_CACHE"
 
 
 def cache_key(

@@ -175,7 +175,7 @@ class TlcResult:
     coverage: dict[str, tuple[int, int]] | None = None
     output: str = ""
     error_lines: list[str] = field(default_factory=list)
-    #: read back from ``TOOLKV_TLC_CACHE`` (an earlier run with the same inputs), not run again
+    #: read back from ``SPEC_CHECK_TLC_CACHE`` (an earlier run with the same inputs), not run again
     cached: bool = False
 
 
