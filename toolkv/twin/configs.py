@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 GB = 1e9
+#: the L3 link of the L3 configurations: one local NVMe drive (3-7 GB/s sequential), each way
+L3_GBPS = 5.0
 REGIMES = {"constrained": 120_000, "plentiful": 800_000}  # device pool tokens (--max-total-tokens)
 
 
@@ -22,6 +24,17 @@ class TwinConfig:
     ttl_s: float = 600.0  # TOOLKV_TTL_S
     pin_budget_share: float | None = None  # TOOLKV_HOST_BUDGET_TOKENS as a share of the device pool
     adaptive: bool = True  # TOOLKV_ADAPTIVE
+    # an L3 tier below the host pool (sglang's --hicache-storage-backend; the twin's is
+    # toolkv.twin.storage): the storage link's GB/s each way (a local NVMe drive), None: no L3
+    l3_gbps: float | None = None
+
+    def storage_link(self, kv_bytes_per_token: int) -> Any:
+        """The L3 link of an L3 server (``toolkv.twin.storage.StorageLink``), None without L3."""
+        if not self.l3_gbps:
+            return None
+        from toolkv.twin.storage import StorageLink
+
+        return StorageLink.of_gbps(self.l3_gbps, self.l3_gbps, kv_bytes_per_token)
 
     def host_tokens(self, kv_bytes_per_token: int) -> int:
         """The host pool sglang allocates for ``--hicache-size host_gb`` (pool_host/base.py:
@@ -49,6 +62,12 @@ CONFIGS: dict[str, TwinConfig] = {
         # the same without load-adaptive protection (TOOLKV_ADAPTIVE=0): every fitting tool_end pins
         TwinConfig("offload-pinned", "hiradix", "explicit", adaptive=False),
         TwinConfig("auto-pinned", "hiradix", "explicit", policy="auto", send_tool=True, adaptive=False),
+        # with an L3 tier on a local NVMe drive (L3_GBPS): stock HiCache writes every host copy
+        # through to it and reads a request's missing prefix on arrival; toolkv's manager adds its
+        # own L3 path (store by predicted return, reads ahead, a full host's victims stored)
+        TwinConfig("stock-l3", "hiradix", "stock", l3_gbps=L3_GBPS),
+        TwinConfig("offload-l3", "hiradix", "explicit", send_tool=True, l3_gbps=L3_GBPS),
+        TwinConfig("auto-l3", "hiradix", "explicit", policy="auto", send_tool=True, l3_gbps=L3_GBPS),
     )
 }
 GPU_LABEL = {"offload": "explicit", "auto": "policy"}  # the label the GPU suite's JSON carries

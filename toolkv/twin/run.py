@@ -97,7 +97,7 @@ class Twin:
         self.tk = self.stack.tk
         self.agents = Agents(self.sessions, cfg.mode, cfg.send_tool)
         self.copies = TimedCopies(self.h, profile)
-        sched_cls: type[TwinScheduler] = TwinScheduler
+        sched_cls: type[TwinScheduler] = self.stack.scheduler_class or TwinScheduler
         if self.stack.unified:
             from toolkv.twin.scheduler_0523 import TwinScheduler0523
 
@@ -205,14 +205,25 @@ class Twin:
             s["host_used"] = int(self.h.host_pool.size) - int(self.h.host_pool.available_size())
         self.samples.append(s)
 
+    def _storage_io(self) -> None:
+        """An L3 server's storage operations: start what was queued, finish what is due."""
+        if self.stack.storage is not None:
+            self.stack.storage.pump(self.now)
+
+    def _next_storage(self) -> float | None:
+        return self.stack.storage.next_finish() if self.stack.storage is not None else None
+
     def iterate(self) -> bool:
         """One scheduler iteration. Returns False once every session is over and drained."""
         self.copies.complete_due(self.now)
+        self._storage_io()
         self._inputs()
         self.tk.tick()
         self.copies.stamp(self.now)
+        self._storage_io()
         batch = self.sched.next_batch()
         self.copies.stamp(self.now)
+        self._storage_io()
         self.iterations += 1
         if batch is not None:
             self.now += self._batch_time(batch)
@@ -233,7 +244,11 @@ class Twin:
                 )
             if self.now > self.sessions.workload.duration_s + self.opts.give_up_s:
                 raise Stalled(f"sessions did not finish {self.opts.give_up_s:.0f} s after the end of the run")
-            nxt = [t for t in (self.agents.next_time(), self.copies.next_finish(self.now)) if t is not None]
+            nxt = [
+                t
+                for t in (self.agents.next_time(), self.copies.next_finish(self.now), self._next_storage())
+                if t is not None
+            ]
             if not nxt and not self.sched.busy and self.agents.finished:
                 return False
             self.now = max(self.now, min([*nxt, self.now + self.opts.idle_s]))
@@ -258,6 +273,7 @@ class Twin:
         drain_until = self.now + self.opts.drain_s
         while self.now < drain_until:  # idle iterations: acks land, the TTL sweep runs
             self.copies.complete_due(self.now)
+            self._storage_io()
             self.tk.tick()
             if self.h.is_hi:
                 self.h.tree.check_hicache_events()

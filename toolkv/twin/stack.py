@@ -28,6 +28,8 @@ class Stack:
     device_tokens: int
     host_tokens: int
     unified: bool = False  # sglang 0.5.21+: UnifiedRadixCache, the 0.5.23 scheduler
+    storage: Any = None  # an L3 server's storage I/O on the twin's clock (toolkv.twin.storage)
+    scheduler_class: Any = None  # the scheduler to run instead of the release's own (L3: L3Scheduler)
 
     @property
     def sglang(self) -> str:
@@ -80,6 +82,9 @@ def build(
             f"{cfg.name}: sglang {version('sglang')} without HiCache is not supported by toolkv "
             "(UnifiedRadixCache without a host tier); the radix and pin configurations need sglang 0.5.16"
         )
+    link = cfg.storage_link(kv_bytes_per_token)
+    if link is not None and (is_unified or cfg.cache != "hiradix"):
+        raise ValueError(f"{cfg.name}: the twin's L3 tier needs sglang 0.5.16's HiRadixCache")
     h: Any
     if is_unified:
         from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
@@ -93,13 +98,17 @@ def build(
     else:
         from toolkv.testing.harness import CacheHarness, HarnessConfig
 
-        h = CacheHarness(
-            HarnessConfig(
-                kind="hiradix" if cfg.cache == "hiradix" else "radix", page_size=1, device_tokens=device_tokens,
-                host_ratio=ratio, layers=1, heads=1, head_dim=1, dtype=torch.float16, max_reqs=max_reqs,
-                context_len=context_len,
-            )
+        hcfg = HarnessConfig(
+            kind="hiradix" if cfg.cache == "hiradix" else "radix", page_size=1, device_tokens=device_tokens,
+            host_ratio=ratio, layers=1, heads=1, head_dim=1, dtype=torch.float16, max_reqs=max_reqs,
+            context_len=context_len,
         )  # fmt: skip
+        if link is not None:
+            from toolkv.twin.storage import build_storage_harness
+
+            h = build_storage_harness(hcfg, link)
+        else:
+            h = CacheHarness(hcfg)
     budget = int(cfg.pin_budget_share * device_tokens) if cfg.pin_budget_share is not None else None
     tcfg = ToolKVConfig(
         enable=True,
@@ -108,6 +117,12 @@ def build(
         restore_on_request=True,
         policy=cfg.policy,
         adaptive=cfg.adaptive,
+        # toolkv's L3 knobs set to the link's rates (TOOLKV_L3_READ/WRITE_TOKENS_PER_S)
+        **(
+            {"l3_read_tokens_per_s": link.read_tokens_per_s, "l3_write_tokens_per_s": link.write_tokens_per_s}
+            if link is not None
+            else {}
+        ),
     )
     agree = LocalAgreement()
     clock = AgreedClock(agree, every=tcfg.sweep_every, source=now)
@@ -130,4 +145,8 @@ def build(
             around_cache_finished_req, type(h.tree).cache_finished_req, h.tree
         )
     host = int(h.host_pool.size) if h.host_pool is not None else 0
+    if link is not None:
+        from toolkv.twin.storage import L3Scheduler, TimedStorageIO
+
+        return Stack(h, tk, device_tokens, host, is_unified, TimedStorageIO(h, link), L3Scheduler)
     return Stack(h, tk, device_tokens, host, is_unified)
