@@ -307,13 +307,33 @@ class HostRestore:
     runs on its device prefix and its next request recomputes the suffix, as sglang does for its
     own requests); or the device cannot take it even after evicting unlocked cache the way
     sglang's own ``load_back`` does (``DeviceMemoryFull``, nothing changed). A backend supplies
-    the primitives of its sglang release (the ``_``-methods below)."""
+    the primitives of its sglang release (the ``_``-methods below).
+
+    The host protection's bookkeeping around those primitives (the ledger that
+    ``host_budget_tokens`` bounds, ``rec.protected``) is the same on both releases and is kept
+    here once: its release (:meth:`_release_protection`) and its re-take for a parked hand-over
+    (:meth:`reprotect`); only how a node's host copy is read and how a path's host copy is locked
+    differ (:meth:`_host_backed`, ``_take_host_protection``, ``_drop_host_protection``)."""
 
     tree: Tree
     agree: Agreement
     headroom: Callable[[], int]
+    host_budget_tokens: int | None
+    _ledger: ProtectionLedger
 
     def _on_device(self, m: TreeNode) -> bool:
+        raise NotImplementedError
+
+    def _host_backed(self, m: TreeNode) -> bool:
+        """Whether the node has a host copy (``host_value``: the node's, or its FULL component's)."""
+        raise NotImplementedError
+
+    def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        """Lock the path's host copy against sglang's ``evict_host`` (the leaf's lock covers the path)."""
+        raise NotImplementedError
+
+    def _drop_host_protection(self, rec: SessionRecord) -> None:
+        """Undo ``_take_host_protection`` (exactly once per protection)."""
         raise NotImplementedError
 
     def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
@@ -329,7 +349,33 @@ class HostRestore:
         raise NotImplementedError
 
     def _release_protection(self, rec: SessionRecord) -> None:
-        raise NotImplementedError
+        if rec.protected is not None:
+            self._drop_host_protection(rec)
+            rec.protected = None
+            self._ledger.give(rec.session_id)
+
+    def release_protection(self, rec: SessionRecord) -> None:
+        self._release_protection(rec)
+
+    def reprotect(self, rec: SessionRecord) -> bool:
+        """Protect the session's path on host again (spec ``Unpin`` to ``Parked``): only when every
+        node of it has a host copy (a restored path keeps the copies it was loaded from, which
+        0.5.23 keeps as duplicates after the load's ack; a kept path may never have been written)
+        and the host budget takes it. The protection is the same as an offload's (on 0.5.23 a
+        segment host lock, its receipt kept for the release at admission). False: nothing changed."""
+        leaf = rec.node
+        if leaf is None or rec.protected is not None or not attached(self.tree, leaf):
+            return False
+        path = path_to(self.tree, leaf)
+        backed = all(self._host_backed(m) for m in path)
+        budget = self.host_budget_tokens
+        fits = budget is None or self._ledger.tokens + self._ledger.extra(path) <= budget
+        if not self.agree.all_true(backed and fits):
+            return False
+        self._take_host_protection(rec, leaf)
+        rec.protected = leaf
+        self._ledger.take(rec.session_id, path)
+        return True
 
     def _readable_after_load_back(self, path: Sequence[TreeNode]) -> bool:
         raise NotImplementedError

@@ -191,6 +191,9 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
     def _on_device(self, m: TreeNode) -> bool:
         return m.value is not None
 
+    def _host_backed(self, m: TreeNode) -> bool:
+        return m.host_value is not None
+
     def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
         self.tree.inc_lock_ref(boundary)  # a no-op for the root
         return lambda: self.tree.dec_lock_ref(boundary)
@@ -243,40 +246,13 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         return any(m.value is None or self._node_loading(m) for m in path_to(self.tree, rec.node))
 
     # ---- release --------------------------------------------------------------------------------------
-    def _release_protection(self, rec: SessionRecord) -> None:
-        if rec.protected is not None:
-            self._drop_host_protection(rec)
-            rec.protected = None
-            self._ledger.give(rec.session_id)
-
     def release(self, rec: SessionRecord) -> None:
         self.unpin(rec)
         self._release_protection(rec)
         self._release_storage(rec)
 
-    def release_protection(self, rec: SessionRecord) -> None:
-        self._release_protection(rec)
-
     # load-adaptive protection: sglang's own load_back at admission reads the protected host copy
     parks = True
-
-    def reprotect(self, rec: SessionRecord) -> bool:
-        """Protect the session's path on host again (spec ``Unpin`` to ``Parked``): only when every
-        node of it has a host copy (a restored path keeps the copies it was loaded from; a kept
-        path may never have been written) and the host budget takes it. False: nothing changed."""
-        leaf = rec.node
-        if leaf is None or rec.protected is not None or not attached(self.tree, leaf):
-            return False
-        path = path_to(self.tree, leaf)
-        backed = all(m.host_value is not None for m in path)
-        budget = self.host_budget_tokens
-        fits = budget is None or self._ledger.tokens + self._ledger.extra(path) <= budget
-        if not self.agree.all_true(backed and fits):
-            return False
-        self._take_host_protection(rec, leaf)
-        rec.protected = leaf
-        self._ledger.take(rec.session_id, path)
-        return True
 
     # ---- the per-call policy ----------------------------------------------------------------------------
     def _resident(self, m: TreeNode) -> bool:

@@ -287,6 +287,9 @@ class UnifiedBackend(HostRestore, OwnLoads):
     def _on_device(self, m: TreeNode) -> bool:
         return full(m).value is not None
 
+    def _host_backed(self, m: TreeNode) -> bool:
+        return full(m).host_value is not None
+
     def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
         tree = self.tree
         if boundary is tree.root_node:
@@ -342,17 +345,8 @@ class UnifiedBackend(HostRestore, OwnLoads):
         return any(full(m).value is None or self._node_loading(m) for m in path_to(self.tree, rec.node))
 
     # ---- release --------------------------------------------------------------------------------------
-    def _release_protection(self, rec: SessionRecord) -> None:
-        if rec.protected is not None:
-            self._drop_host_protection(rec)
-            rec.protected = None
-            self._ledger.give(rec.session_id)
-
     def release(self, rec: SessionRecord) -> None:
         self.unpin(rec)
-        self._release_protection(rec)
-
-    def release_protection(self, rec: SessionRecord) -> None:
         self._release_protection(rec)
 
     # ---- load-adaptive protection (spec ``Park``, ``Unpin`` to ``Parked``) ----------------------------
@@ -360,26 +354,6 @@ class UnifiedBackend(HostRestore, OwnLoads):
     #: sees the protected host copy as a host hit and ``PrefillAdder`` calls ``init_load_back`` on
     #: it (schedule_policy.py, ``add_one_req``), as on 0.5.16's HiRadixCache.
     parks = True
-
-    def reprotect(self, rec: SessionRecord) -> bool:
-        """Protect the session's path on host again (spec ``Unpin`` to ``Parked``): only when every
-        node of it has a host copy (a restored path keeps the copies it was loaded from, sglang
-        keeps them as duplicates after the load's ack; a kept path may never have been written)
-        and the host budget takes it. The lock is the same segment host lock as an offload's, its
-        receipt kept for the release at admission. False: nothing changed."""
-        leaf = rec.node
-        if leaf is None or rec.protected is not None or not attached(self.tree, leaf):
-            return False
-        path = path_to(self.tree, leaf)
-        backed = all(full(m).host_value is not None for m in path)
-        budget = self.host_budget_tokens
-        fits = budget is None or self._ledger.tokens + self._ledger.extra(path) <= budget
-        if not self.agree.all_true(backed and fits):
-            return False
-        self._take_host_protection(rec, leaf)
-        rec.protected = leaf
-        self._ledger.take(rec.session_id, path)
-        return True
 
     # ---- the per-call policy ----------------------------------------------------------------------------
     def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
