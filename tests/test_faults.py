@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 from _faultbench import Bench, Row, record
 
-from toolkv.tools.soak import Stack0516, toolkv_cache_hooks
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
+from toolkv.tools.soak import Stack0516
 
 R = "0.5.16"
 PROMPT = list(range(1000, 1064))

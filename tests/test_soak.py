@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from toolkv.core.backends.shadow import ShadowBackend
-from toolkv.tools.soak import SoakConfig, Stack0516, problems, run_soak, toolkv_cache_hooks
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
+from toolkv.tools.soak import SoakConfig, Stack0516, problems, run_soak
 
 # 10,000 calls on the HiRadixCache; the fallbacks share the budget (no copies in flight there).
 CASES = [("hiradix", 10_000, 200), ("pin", 1_500, 100), ("shadow", 1_500, 100)]

@@ -19,7 +19,8 @@ if not has_unified_radix_cache():
 
 from _faultbench import Bench, Row, record
 
-from toolkv.tools.soak import SoakConfig, Stack0523, problems, run_soak, toolkv_cache_hooks
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
+from toolkv.tools.soak import SoakConfig, Stack0523, problems, run_soak
 
 R = "0.5.23"
 PROMPT = list(range(1000, 1064))

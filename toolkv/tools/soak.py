@@ -49,7 +49,7 @@ import time
 import zlib
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,6 +58,7 @@ from typing import Any, Literal
 import torch
 
 from toolkv.core.backends.base import LocalAgreement
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.http_api import ChannelTransport, build_app
 from toolkv.sglang.ipc import ToolKVReqInput
@@ -68,42 +69,6 @@ from toolkv.workload.plan import SessionPlan, Workload, plan_session
 StackKind = Literal["hiradix", "pin", "shadow", "unified"]
 STACKS: tuple[StackKind, ...] = ("hiradix", "pin", "shadow", "unified")
 log = logging.getLogger("toolkv.soak")
-
-
-# ---- sglang's hooks, applied by sglang's own registry --------------------------------------------
-@contextlib.contextmanager
-def toolkv_cache_hooks(tree_api: str) -> Iterator[None]:
-    """Apply toolkv's turn-capture and tree-reset hooks to the cache classes with sglang's
-    ``HookRegistry`` (as ``register`` does in a scheduler process), and undo them afterwards: the
-    registry patches classes process-wide, and other tests of the same process must not see it."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from toolkv.sglang.plugin import hooks
-
-    if tree_api == "unified":
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as cls
-
-        names, prefix = ("checkpoint", "reset"), "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
-    else:
-        from sglang.srt.mem_cache.radix_cache import RadixCache as cls  # type: ignore[assignment]
-
-        names, prefix = ("cache_finished_req", "reset"), "sglang.srt.mem_cache.radix_cache.RadixCache."
-    saved = {n: cls.__dict__[n] for n in names}
-    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
-    for target, hook, kind in hooks(main_process=False, config=ToolKVConfig(), tree=tree_api):
-        if target.startswith(prefix):
-            HookRegistry.register(target, hook, getattr(HookType, kind))
-    HookRegistry.apply_hooks()
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(cls, name, fn)
-        HookRegistry._hooks.clear()
-        HookRegistry._hooks.update(saved_hooks)
-        HookRegistry._patched.clear()
-        HookRegistry._patched.update(saved_patched)
 
 
 # ---- the scheduler: a stand-in that runs sglang's own flush code -----------------------------------

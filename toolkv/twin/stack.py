@@ -2,22 +2,28 @@
 tiny tensors, real token counts) with toolkv's real scheduler side attached the way the plugin
 attaches it, the tick on an agreed clock that reads the simulated time.
 
-- sglang 0.5.16: ``HiRadixCache`` / ``RadixCache`` (:mod:`toolkv.testing.harness`),
-  ``cache_finished_req`` wrapped by ``around_cache_finished_req``;
+The turn capture is the plugin's own: its cache rows applied by sglang's ``HookRegistry``
+(:func:`toolkv.sglang.cache_hooks.toolkv_cache_hooks`), held from :func:`build` until
+:meth:`Stack.close`, so the stacks open in one process (a fleet's servers) share one application
+and the last one closed undoes it:
+
+- sglang 0.5.16: ``HiRadixCache`` / ``RadixCache`` (:mod:`toolkv.testing.harness`), the AROUND
+  hook on ``RadixCache.cache_finished_req``;
 - sglang 0.5.21 and later (0.5.23 pinned): ``UnifiedRadixCache`` with or without HiCache
-  (:mod:`toolkv.testing.unified_harness`), ``checkpoint`` followed by ``after_checkpoint`` (the
-  plugin's AFTER hook on ``UnifiedRadixCache.checkpoint``). Chosen as ``make_backend`` chooses
-  its ``unified`` backend: by the installed sglang (:func:`unified`)."""
+  (:mod:`toolkv.testing.unified_harness`), the AFTER hook on ``UnifiedRadixCache.checkpoint``.
+  Chosen as ``make_backend`` chooses its ``unified`` backend: by the installed sglang
+  (:func:`unified`)."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.twin.configs import TwinConfig
 
 
@@ -30,6 +36,8 @@ class Stack:
     unified: bool = False  # sglang 0.5.21+: UnifiedRadixCache, the 0.5.23 scheduler
     storage: Any = None  # an L3 server's storage I/O on the twin's clock (toolkv.twin.storage)
     scheduler_class: Any = None  # the scheduler to run instead of the release's own (L3: L3Scheduler)
+    # the plugin's cache hooks, applied while this stack is open (closed by close())
+    hooks: contextlib.ExitStack | None = field(default=None, kw_only=True)
 
     @property
     def sglang(self) -> str:
@@ -37,6 +45,9 @@ class Stack:
 
     def close(self) -> None:
         self.harness.close()
+        if self.hooks is not None:
+            self.hooks.close()
+            self.hooks = None
 
 
 def quiet() -> None:
@@ -59,12 +70,31 @@ def build(
 ) -> Stack:  # fmt: skip
     """The cache of ``cfg`` (device pool of ``device_tokens``; host pool of ``cfg.host_gb`` at
     ``kv_bytes_per_token``) with toolkv loaded as in every benchmark configuration
-    (``TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1`` and the configuration's TTL, policy, budget)."""
+    (``TOOLKV_ENABLE=1 TOOLKV_RESTORE_ON_REQUEST=1`` and the configuration's TTL, policy, budget),
+    its turns recorded by the plugin's cache hooks (applied here, undone by :meth:`Stack.close`)."""
+    hooks = contextlib.ExitStack()
+    hooks.enter_context(toolkv_cache_hooks("unified" if unified() else "radix"))
+    try:
+        stack = _build(
+            cfg, device_tokens=device_tokens, kv_bytes_per_token=kv_bytes_per_token, now=now,
+            max_reqs=max_reqs, context_len=context_len,
+        )  # fmt: skip
+    except BaseException:
+        hooks.close()
+        raise
+    stack.hooks = hooks
+    return stack
+
+
+def _build(
+    cfg: TwinConfig, *, device_tokens: int, kv_bytes_per_token: int, now: Callable[[], float],
+    max_reqs: int, context_len: int,
+) -> Stack:  # fmt: skip
+    """:func:`build` once the cache hooks are applied."""
     import torch
 
     from toolkv.core.backends.base import LocalAgreement
     from toolkv.sglang.config import ToolKVConfig
-    from toolkv.sglang.plugin import after_checkpoint, around_cache_finished_req
     from toolkv.sglang.scheduler_side import SchedulerToolKV
     from toolkv.sglang.tp import AgreedClock
 
@@ -131,19 +161,6 @@ def build(
     # sglang prints the whole tree before raising "Out of memory" (alloc_token_slots): an
     # hour-long tree on stdout would bury the report; the twin records the error instead
     h.tree.pretty_print = lambda: None
-    if is_unified:
-        # the plugin's AFTER hook on UnifiedRadixCache.checkpoint (release_kv_cache, common.py)
-        checkpoint = h.tree.checkpoint
-
-        def checkpoint_then_record(req: Any, *args: Any, **kwargs: Any) -> None:
-            checkpoint(req, *args, **kwargs)
-            after_checkpoint(None, h.tree, req, *args, **kwargs)
-
-        h.tree.checkpoint = checkpoint_then_record
-    else:
-        h.tree.cache_finished_req = functools.partial(
-            around_cache_finished_req, type(h.tree).cache_finished_req, h.tree
-        )
     host = int(h.host_pool.size) if h.host_pool is not None else 0
     if link is not None:
         from toolkv.twin.storage import L3Scheduler, TimedStorageIO
