@@ -8,8 +8,6 @@ Runs in the 0.5.23 environment (``make test-0523``); skips where an older sglang
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +19,7 @@ from toolkv.testing.unified_harness import has_unified_radix_cache, sglang_versi
 if not has_unified_radix_cache():
     pytest.skip(f"needs sglang >= 0.5.21 (kv_hints), found {sglang_version()}", allow_module_level=True)
 
+from _generated import load_script
 from agent_stand_in_0523 import StandIn0523, hooked
 from fastapi.testclient import TestClient
 from openai import OpenAI
@@ -31,12 +30,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_openai.py"
 
 
 def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("agent_openai", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["agent_openai"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXAMPLE)
 
 
 @pytest.fixture

@@ -3,34 +3,26 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from _generated import ROOT, doc_block, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "docs" / "results" / "fleet"
 
 
-def _fleet() -> object:
-    spec = importlib.util.spec_from_file_location("gpu_fleet", ROOT / "scripts" / "gpu_fleet.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_fleet"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _fleet() -> ModuleType:
+    return load_script(ROOT / "scripts" / "gpu_fleet.py")
 
 
 def test_the_docs_table_is_the_committed_run(capsys: pytest.CaptureFixture[str]) -> None:
     fleet = _fleet()
     assert fleet.report(["--report", str(RUN)]) == 0  # type: ignore[attr-defined]
     printed = capsys.readouterr().out.strip()
-    doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = re.search(r"<!-- BEGIN fleet-gpu -->\n```text\n(.*?)\n```\n<!-- END fleet-gpu -->", doc, re.S)
-    assert block is not None and block.group(1).strip() == printed, (
+    block = doc_block("benchmarks.md", "fleet-gpu", fence="text")
+    assert block is not None and block.strip() == printed, (
         "regenerate the fleet table in docs/benchmarks.md: python scripts/gpu_fleet.py --report docs/results/fleet"
     )
 
@@ -46,6 +38,8 @@ def test_the_committed_run_passed_and_the_survivor_held_nothing() -> None:
         assert all(meta[k] == 0 for k in fleet.HELD_KEYS), meta  # type: ignore[attr-defined]
 
 
-def test_a_missing_run_is_an_error_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_run_is_an_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _fleet().report(["--report", str(tmp_path)]) == 2  # type: ignore[attr-defined]
     assert "cannot read" in capsys.readouterr().err

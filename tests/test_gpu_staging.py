@@ -7,15 +7,14 @@ carries is sound before a scarce GPU run finds out.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _generated import ROOT, doc_block, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / "scripts" / "stage"
 
 
@@ -72,13 +71,7 @@ def test_the_next_turn_renders_as_an_extension_of_the_previous_prompt(tokenizer_
 
 
 def _summary_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "acceptance_summary", ROOT / "scripts" / "acceptance_summary.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "scripts" / "acceptance_summary.py")
 
 
 def _run_summary(out: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> dict:  # type: ignore[type-arg]
@@ -124,7 +117,6 @@ def test_the_acceptance_table_in_the_docs_is_the_recorded_runs(
 ) -> None:
     """docs/testing.md quotes ``acceptance_summary.py docs/results/<folder>`` verbatim: a stale
     figure is a bug."""
-    import re
     import shutil
 
     rec = ROOT / "docs" / "results" / folder
@@ -136,6 +128,5 @@ def test_the_acceptance_table_in_the_docs_is_the_recorded_runs(
     monkeypatch.setenv("COMMIT", commit)
     mod.main()
     printed = capsys.readouterr().out.rstrip("\n")
-    doc = (ROOT / "docs" / "testing.md").read_text()
-    block = re.search(rf"<!-- BEGIN {marker} -->\n```\n(.*?)\n```\n<!-- END {marker} -->", doc, re.S)
-    assert block is not None and block.group(1) == printed
+    block = doc_block("testing.md", marker, fence="")
+    assert block is not None and block == printed

@@ -5,35 +5,25 @@ bug; a log with an illegal decision is one too."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _generated import ROOT, doc_block, load_script
 
 from toolkv.verify.toolkv.decisions import check_logs
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 
 
 def _gpu_faults() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_faults", ROOT / "scripts" / "gpu_faults.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_faults"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "scripts" / "gpu_faults.py")
 
 
 def test_the_live_fault_table_in_the_docs_is_the_recorded_run() -> None:
     run = json.loads((RESULTS / "faults" / "faults_0516_write_back.json").read_text())
-    doc = (ROOT / "docs" / "reliability.md").read_text()
-    block = re.search(r"<!-- BEGIN live-faults -->\n(.*?)\n<!-- END live-faults -->", doc, re.S)
-    assert block is not None and block.group(1) == _gpu_faults().table(run)
+    block = doc_block("reliability.md", "live-faults")
+    assert block is not None and block == _gpu_faults().table(run)
     assert run["passed"] and run["leak_free"], "the docs call every row of this run a pass"
     assert len(run["rows"]) == 10 and all(r["passed"] for r in run["rows"])
 

@@ -4,25 +4,21 @@ hand), and the report's figures are what the per-turn records say."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
+from _generated import ROOT, doc_block
 
 from toolkv.tools.value_report import load, load_runs, main, stats, summarize_runs
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "results" / "value"
 
 
 def test_the_docs_table_is_the_reports_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(RUNS)]) == 0
     printed = capsys.readouterr().out.strip()
-    doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = re.search(r"<!-- BEGIN value -->\n(.*?)\n<!-- END value -->", doc, re.S)
-    assert block is not None and block.group(1).strip() == printed, (
-        "regenerate the table in docs/benchmarks.md"
-    )
+    block = doc_block("benchmarks.md", "value")
+    assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
 
 
 def test_the_repeated_runs_table_is_the_reports_output(
@@ -33,11 +29,8 @@ def test_the_repeated_runs_table_is_the_reports_output(
     monkeypatch.chdir(ROOT)
     assert main([f"docs/results/value_repeat/{c}/{r}" for c in ("A", "B") for r in ("r1", "r2")]) == 0
     printed = capsys.readouterr().out.strip()
-    doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = re.search(r"<!-- BEGIN value-repeat -->\n(.*?)\n<!-- END value-repeat -->", doc, re.S)
-    assert block is not None and block.group(1).strip() == printed, (
-        "regenerate the table in docs/benchmarks.md"
-    )
+    block = doc_block("benchmarks.md", "value-repeat")
+    assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
 
 
 def test_ratios_are_against_the_stock_run_of_the_same_host_size() -> None:
@@ -190,11 +183,8 @@ def test_the_named96_table_is_the_reports_output(
     monkeypatch.chdir(ROOT)
     assert main(["docs/results/value_repeat/named96/r1"]) == 0
     printed = capsys.readouterr().out.strip()
-    doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = re.search(r"<!-- BEGIN value-named96 -->\n(.*?)\n<!-- END value-named96 -->", doc, re.S)
-    assert block is not None and block.group(1).strip() == printed, (
-        "regenerate the table in docs/benchmarks.md"
-    )
+    block = doc_block("benchmarks.md", "value-named96")
+    assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
 
 
 def test_the_l3_gpu_table_is_the_reports_output(
@@ -205,8 +195,7 @@ def test_the_l3_gpu_table_is_the_reports_output(
     monkeypatch.chdir(ROOT)
     assert main(["docs/results/l3_capacity/A/r1"]) == 0
     printed = capsys.readouterr().out.strip()
-    doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = re.search(r"<!-- BEGIN l3-gpu -->\n(.*?)\n<!-- END l3-gpu -->", doc, re.S)
-    assert block is not None and block.group(1).strip().startswith(printed), (
+    block = doc_block("benchmarks.md", "l3-gpu")
+    assert block is not None and block.strip().startswith(printed), (
         "regenerate the table in docs/benchmarks.md"
     )
