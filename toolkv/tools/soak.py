@@ -64,6 +64,7 @@ from toolkv.sglang.http_api import ChannelTransport, build_app
 from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.sglang.tp import AgreedClock
+from toolkv.twin.clock import Clock, FixedIteration
 from toolkv.workload.plan import SessionPlan, Workload, plan_session
 
 StackKind = Literal["hiradix", "pin", "shadow", "unified"]
@@ -611,6 +612,7 @@ class Soak:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.now = 0.0
+        self.clock: Clock = FixedIteration(cfg.tick_s)  # an iteration is tick_s, whatever it ran
         self.iteration = 0
         self.result = SoakResult(config=asdict(cfg))
         self.waiting: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
@@ -857,8 +859,9 @@ class Soak:
             and self.in_http == 0
             and not self.stack.busy()
         )
-        nxt = self.timers[0][0] if self.timers else self.now + cfg.tick_s
-        self.now = max(self.now + cfg.tick_s, nxt) if idle else self.now + cfg.tick_s
+        step = self.clock.iteration_s(None, self.now)
+        nxt = self.timers[0][0] if self.timers else self.now + step
+        self.now = max(self.now + step, nxt) if idle else self.now + step
         while self.timers and self.timers[0][0] <= self.now:
             _, _, timer = heapq.heappop(self.timers)
             if not timer.done():

@@ -10,7 +10,8 @@ Per iteration, in sglang's order (managers/scheduler.py ``event_loop_normal``):
    ``check_hicache_events`` first; every admitted request of a session then gets
    ``SchedulerToolKV.on_admitted`` when toolkv has it.
 4. The forward: the clock advances by the profile's time for it (a prefill that HiCache loads
-   into also waits for those loads), copies that finish by then complete, results are processed
+   into also waits for those loads: :class:`~toolkv.twin.clock.ModelledGpuTime`, the twin's
+   :class:`~toolkv.twin.clock.Clock`), copies that finish by then complete, results are processed
    (``cache_finished_req`` -> toolkv's ``on_finished``).
 
 With nothing to run the clock jumps to the next agent message or copy completion (at most
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkv.twin.agents import Agents
+from toolkv.twin.clock import Clock, ModelledGpuTime
 from toolkv.twin.configs import TwinConfig
 from toolkv.twin.copies import TimedCopies
 from toolkv.twin.profile import TimeProfile
@@ -97,6 +99,7 @@ class Twin:
         self.tk = self.stack.tk
         self.agents = Agents(self.sessions, cfg.mode, cfg.send_tool)
         self.copies = TimedCopies(self.h, profile)
+        self.clock: Clock = ModelledGpuTime(profile, self.copies)
         sched_cls: type[TwinScheduler] = self.stack.scheduler_class or TwinScheduler
         if self.stack.unified:
             from toolkv.twin.scheduler_0523 import TwinScheduler0523
@@ -181,12 +184,8 @@ class Twin:
 
     # ---- the loop --------------------------------------------------------------------------------
     def _batch_time(self, b: Batch) -> float:
-        if b.mode == "decode":
-            return self.profile.decode_s(len(b.reqs), b.context)
-        end = self.now + self.profile.prefill_s(b.chunks)
-        if b.loads:  # the forward waits for the layers HiCache is loading into its prefixes
-            end = max(end, self.copies.last_finish("h2d"))
-        return end - self.now
+        """The forward's time on the twin's clock (a method, so a driver can count or time it)."""
+        return self.clock.iteration_s(b, self.now)
 
     def _sample(self) -> None:
         m = self.tk.metrics()

@@ -40,6 +40,12 @@ The walk above is written once, here; what a release does differently (which ``R
 the KV lengths, which release function caches a request, the admission rules 0.5.23 changed) is
 in small hooks (the ``# ---- release hooks`` section) that :mod:`toolkv.twin.scheduler_0523`
 overrides, so both releases' schedulers are the same walk by construction.
+
+It is the scheduler model of the drivers that run a server on their own time: a driver calls
+:meth:`TwinScheduler.next_batch`, moves its clock by what its :class:`~toolkv.twin.clock.Clock`
+says the iteration took, then :meth:`TwinScheduler.finish_batch` (the twin:
+:class:`~toolkv.twin.clock.ModelledGpuTime`; the fleet's servers and the L3 scheduler are the
+twin's). Time is not this class's business: it never reads a clock.
 """
 
 from __future__ import annotations
