@@ -293,7 +293,8 @@ class TimedStorageIO:
         # what moved, for the reports and the conservation checks
         self.stats: dict[str, float] = {
             "write_ops": 0, "write_tokens": 0, "read_ops": 0, "read_tokens": 0, "queries": 0,
-            "query_hit_tokens": 0, "revoked": 0, "read_wait_s": 0.0,
+            "query_hit_tokens": 0, "revoked": 0, "reads_cut": 0, "read_tokens_cut": 0,
+            "toolkv_read_ops": 0, "toolkv_read_tokens": 0,
         }  # fmt: skip
         self._queued: set[str] = set()  # page keys of writes in flight (not timed twice)
 
@@ -341,6 +342,7 @@ class TimedStorageIO:
             else:
                 op.hash_value = hash_value[: hit // self.page]
                 op.storage_hit_count = hit
+                op._twin_hit = hit  # what the query found, before the host allocation
                 self.stats["query_hit_tokens"] += hit
                 cc.prefetch_hit_queue.put(op)
 
@@ -355,6 +357,11 @@ class TimedStorageIO:
             if op is None:
                 continue
             n = len(op.hash_value) * self.page
+            if n < op.storage_hit_count or n < getattr(op, "_twin_hit", n):
+                # sglang's memory-pressure fallback (_drain_and_alloc_storage_hit): the host pool
+                # had room for a shorter prefix only
+                self.stats["reads_cut"] += 1
+                self.stats["read_tokens_cut"] += getattr(op, "_twin_hit", n) - n
             start = max(now, self.read_free)
             self.read_free = start + n / self.link.read_tokens_per_s
             heapq.heappush(self.heap, _Op(self.read_free, next(self._seq), "read", op, n))
@@ -392,6 +399,9 @@ class TimedStorageIO:
         cc.append_host_mem_release(op.host_indices[op.completed_tokens :])
         self.stats["read_ops"] += 1
         self.stats["read_tokens"] += op.completed_tokens
+        if str(op.request_id).startswith("toolkv-l3:"):
+            self.stats["toolkv_read_ops"] += 1
+            self.stats["toolkv_read_tokens"] += op.completed_tokens
 
     def describe(self) -> dict[str, Any]:
         return {
