@@ -27,6 +27,9 @@ class TwinConfig:
     # an L3 tier below the host pool (sglang's --hicache-storage-backend; the twin's is
     # toolkv.twin.storage): the storage link's GB/s each way (a local NVMe drive), None: no L3
     l3_gbps: float | None = None
+    l3_write_gbps: float | None = None  # the write direction's, when it differs
+    l3_capacity_gb: float | None = None  # the store's capacity (None: it never fills)
+    l3_store: str = ""  # a store shared by several servers (a fleet's), by name; "": the server's own
 
     def storage_link(self, kv_bytes_per_token: int) -> Any:
         """The L3 link of an L3 server (``toolkv.twin.storage.StorageLink``), None without L3."""
@@ -34,7 +37,10 @@ class TwinConfig:
             return None
         from toolkv.twin.storage import StorageLink
 
-        return StorageLink.of_gbps(self.l3_gbps, self.l3_gbps, kv_bytes_per_token)
+        return StorageLink.of_gbps(
+            self.l3_gbps, self.l3_write_gbps or self.l3_gbps, kv_bytes_per_token, self.l3_capacity_gb,
+            store=self.l3_store,
+        )  # fmt: skip
 
     def host_tokens(self, kv_bytes_per_token: int) -> int:
         """The host pool sglang allocates for ``--hicache-size host_gb`` (pool_host/base.py:

@@ -3,7 +3,8 @@ and plots.
 
 - ``l3``: one server, the long-tool shape, host pool size x {stock, stock-l3, toolkv, toolkv-l3}:
   resumed-turn reuse and TTFT against host GB, with the optimal-retention bound on the host alone
-  and on host plus L3 (moves free and never late: :mod:`toolkv.twin.opt`).
+  (moves free and never late: :mod:`toolkv.twin.opt`). L3 is sglang's storage tier
+  (:mod:`toolkv.twin.storage`) and toolkv's L3 decisions its manager's (``toolkv/core/l3.py``).
 - ``fleet``: N servers behind a session-id router sharing one L3; a share of the servers is drained
   part-way, so their sessions' next turns land elsewhere: reuse and TTFT of all resumed turns and
   of the moved ones, against N.
@@ -22,10 +23,13 @@ from toolkv.twin.run import Options
 L3_CONFIGS = "stock,stock-l3,toolkv,toolkv-l3"
 COLORS = {"stock": "tab:blue", "stock-l3": "tab:orange", "toolkv": "tab:green", "toolkv-l3": "tab:red"}
 FLEET_CONFIGS = "stock,stock-l3,toolkv-l3"
+KV_BYTES = 131_072  # bytes of KV a token in the default profile (the JSONs count tokens)
 
 
 def l3_config(a: argparse.Namespace) -> L3Config:
-    return L3Config(read_gbps=a.l3_read_gbps, write_gbps=a.l3_write_gbps, capacity_gb=a.l3_capacity_gb)
+    return L3Config(
+        read_gbps=a.l3_read_gbps, write_gbps=a.l3_write_gbps, capacity_gb=a.l3_capacity_gb or None
+    )
 
 
 def options(a: argparse.Namespace) -> Options:
@@ -89,18 +93,32 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f} %"
 
 
+def _l3_cells(r: dict[str, Any]) -> list[str]:
+    """toolkv's L3 path (stores made / acknowledged whole; reads started / whole / short) and the
+    storage reads (GB, reads sglang's host allocation cut short)."""
+    st, c = r["l3"], r.get("toolkv_l3") or {}
+    if st is None:
+        return ["-", "-", "-"]
+    tk = r["config"].startswith("toolkv")
+    gb = st["read_tokens"] * KV_BYTES / 1e9
+    return [
+        f"{c.get('l3_store', 0)} / {c.get('demoted_l3', 0)}" if tk else "-",
+        f"{c.get('l3_prefetch', 0)} / {c.get('l3_restored', 0)} / {c.get('l3_prefetch_short', 0)}"
+        if tk
+        else "-",
+        f"{gb:,.1f} / {st['reads_cut']}",
+    ]
+
+
 def l3_table(rows: list[dict[str, Any]]) -> str:
-    head = ("host GB", "config", "reuse", "TTFT p50 s", "TTFT p90 s", "L3 reads on arrival / ahead",
-            "L3 wait p50 s", "demoted to L3", "opt: host / host+L3", "checks")  # fmt: skip
+    head = ("host GB", "config", "reuse", "TTFT p50 s", "TTFT p90 s", "toolkv L3 stores / whole",
+            "toolkv L3 reads / whole / short", "L3 read GB / reads cut", "L3 wait p50 s", "opt: host",
+            "checks")  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        c = r["counts"]
-        l3 = r["l3"] is not None
         out.append("| " + " | ".join([
             f"{r['host_gb']:g}", r["config"], _pct(r["reuse"]), _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]),
-            f"{c['reads_on_arrival']} / {c['reads_ahead']}" if l3 else "-", _f(r["l3_wait_p50_s"]),
-            str(c["demoted_to_l3"]) if l3 else "-",
-            f"{_pct(r.get('opt_reuse'))} / {_pct(r.get('opt_reuse_l3'))}" if l3 else _pct(r.get("opt_reuse")),
+            *_l3_cells(r), _f(r["l3_wait_p50_s"]), _pct(r.get("opt_reuse")),
             "pass" if r["passed"] else "FAIL" + (f" ({r['crashed']})" if r["crashed"] else ""),
         ]) + " |")  # fmt: skip
     return "\n".join(out)
@@ -111,7 +129,7 @@ def fleet_table(rows: list[dict[str, Any]]) -> str:
             "moved reuse", "moved TTFT p50 s", "L3 read GB", "checks")  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        gb = r["l3"]["read_tokens"] * 131_072 / 1e9 if r["l3"] else None
+        gb = r["l3"]["read_tokens"] * KV_BYTES / 1e9 if r["l3"] else None
         out.append("| " + " | ".join([
             str(r["servers"]), str(r["drained"]), r["config"], f"{r['turns_per_s']:.3f}", _pct(r["reuse"]),
             _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), str(r["moved_turns"]), _pct(r["moved_reuse"]),

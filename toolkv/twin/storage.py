@@ -27,8 +27,9 @@ What is not sglang's:
   (:func:`no_storage_threads`: the same queues, no threads) and :meth:`TimedStorageIO.pump` does
   what each thread's loop does with one operation, at the simulated instant the operation would
   have finished on a storage link of ``read``/``write`` tokens per second (a FIFO per direction,
-  like the twin's copy engines). The hit query is answered when it is queued (metadata, no
-  modelled time; re-implemented from ``prefetch_thread_func``, which also holds an all-reduce);
+  :class:`toolkv.twin.l3.Link`, like the twin's copy engines). The hit query is answered when it
+  is queued (metadata, no modelled time; re-implemented from ``prefetch_thread_func``, which also
+  holds an all-reduce);
   a read takes its pages' time on the read link, from when the scheduler allocated its host slots;
   a write takes the time of the pages the store does not hold yet on the write link. A written
   page becomes visible to the hit query when its whole operation has finished.
@@ -53,6 +54,7 @@ from unittest import mock
 
 import torch
 
+from toolkv.twin.l3 import Link
 from toolkv.twin.scheduler import Batch, TwinScheduler
 
 GB = 1e9
@@ -71,15 +73,19 @@ class StorageLink:
     write_tokens_per_s: float
     capacity_tokens: int | None = None
     prefetch_threshold: int = 256  # sglang's storage extra-config key (tokens)
+    store: str = ""  # the name of a store several servers share ("": the server's own)
 
     @classmethod
     def of_gbps(
-        cls, read_gbps: float, write_gbps: float, kv_bytes_per_token: int, capacity_gb: float | None = None
-    ) -> StorageLink:
-        if read_gbps <= 0 or write_gbps <= 0:
-            raise ValueError("L3 bandwidths must be positive")
+        cls, read_gbps: float, write_gbps: float, kv_bytes_per_token: int, capacity_gb: float | None = None,
+        store: str = "",
+    ) -> StorageLink:  # fmt: skip
+        if read_gbps <= 0 or write_gbps <= 0 or (capacity_gb is not None and capacity_gb <= 0):
+            raise ValueError("L3 bandwidths and capacity must be positive")
         cap = int(capacity_gb * GB // kv_bytes_per_token) if capacity_gb else None
-        return cls(read_gbps * GB / kv_bytes_per_token, write_gbps * GB / kv_bytes_per_token, cap)
+        return cls(
+            read_gbps * GB / kv_bytes_per_token, write_gbps * GB / kv_bytes_per_token, cap, store=store
+        )
 
 
 @dataclass
@@ -247,7 +253,7 @@ def storage_server_args(args: Any, link: StorageLink, store: str = "") -> Any:
     return args
 
 
-def build_storage_harness(cfg: Any, link: StorageLink, store: str = "") -> Any:
+def build_storage_harness(cfg: Any, link: StorageLink) -> Any:
     """A :class:`~toolkv.testing.harness.CacheHarness` (sglang's real HiRadixCache on CPU) built
     with the L3 flags of :func:`storage_server_args` and without storage threads."""
     from sglang.srt.runtime_context import get_parallel
@@ -258,7 +264,9 @@ def build_storage_harness(cfg: Any, link: StorageLink, store: str = "") -> Any:
     real = _harness.make_server_args
     with (
         get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1),
-        mock.patch.object(_harness, "make_server_args", lambda c: storage_server_args(real(c), link, store)),
+        mock.patch.object(
+            _harness, "make_server_args", lambda c: storage_server_args(real(c), link, link.store)
+        ),
         no_storage_threads(),
     ):
         h = CacheHarness(cfg)
@@ -289,7 +297,8 @@ class TimedStorageIO:
         self.backend = self.cc.storage_backend
         self.heap: list[_Op] = []
         self._seq = itertools.count()
-        self.read_free = self.write_free = 0.0
+        self.rlink = Link(link.read_tokens_per_s)
+        self.wlink = Link(link.write_tokens_per_s)
         # what moved, for the reports and the conservation checks
         self.stats: dict[str, float] = {
             "write_ops": 0, "write_tokens": 0, "read_ops": 0, "read_tokens": 0, "queries": 0,
@@ -362,9 +371,7 @@ class TimedStorageIO:
                 # had room for a shorter prefix only
                 self.stats["reads_cut"] += 1
                 self.stats["read_tokens_cut"] += getattr(op, "_twin_hit", n) - n
-            start = max(now, self.read_free)
-            self.read_free = start + n / self.link.read_tokens_per_s
-            heapq.heappush(self.heap, _Op(self.read_free, next(self._seq), "read", op, n))
+            heapq.heappush(self.heap, _Op(self.rlink.schedule(now, n), next(self._seq), "read", op, n))
         while True:
             try:
                 op = cc.backup_queue.get_nowait()
@@ -375,9 +382,7 @@ class TimedStorageIO:
             new = [k for k in op.hash_value if k not in self._queued and not self.backend.exists(k)]
             self._queued.update(new)
             n = len(new) * self.page
-            start = max(now, self.write_free)
-            self.write_free = start + n / self.link.write_tokens_per_s
-            heapq.heappush(self.heap, _Op(self.write_free, next(self._seq), "write", op, n))
+            heapq.heappush(self.heap, _Op(self.wlink.schedule(now, n), next(self._seq), "write", op, n))
 
     def _finish_write(self, x: _Op) -> None:
         """``backup_thread_func``'s loop body: ``_page_backup`` (the pages into the store), then the
