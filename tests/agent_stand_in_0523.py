@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import sys
 import time
@@ -37,6 +36,7 @@ from _turns import LoopbackChannel
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from toolkv.sglang.cache_hooks import plugin_hooks
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.http_api import install_routes
 from toolkv.sglang.plugin import (
@@ -63,40 +63,18 @@ def uvloop_stand_in() -> None:
         sys.modules["uvloop"] = mod
 
 
-def _owner(target: str) -> tuple[Any, str]:
-    path, name = target.rsplit(".", 1)
-    module, cls = path.rsplit(".", 1)
-    return getattr(importlib.import_module(module), cls), name
-
-
 @contextlib.contextmanager
 def hooked() -> Iterator[None]:
     """The plugin's 0.5.23 scheduler-side hooks on the tree and the output streamer, and its
     ``update_request_meta_info`` hook, applied by sglang's real ``HookRegistry``; undone after."""
     uvloop_stand_in()
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     rows = [
         (t, h, k)
         for t, h, k in hooks(main_process=True, config=ToolKVConfig(), tree="unified")
         if t.startswith((UNIFIED, STREAMER, TOKENIZER))
     ]
-    saved = {t: _owner(t) for t, _, _ in rows}
-    originals = {t: owner.__dict__[name] for t, (owner, name) in saved.items()}
-    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
-    for target, hook, kind in rows:
-        HookRegistry.register(target, hook, getattr(HookType, kind))
-    HookRegistry.apply_hooks()
-    try:
+    with plugin_hooks(rows):
         yield
-    finally:
-        for t, (owner, name) in saved.items():
-            setattr(owner, name, originals[t])
-        HookRegistry._hooks.clear()
-        HookRegistry._hooks.update(saved_hooks)
-        HookRegistry._patched.clear()
-        HookRegistry._patched.update(saved_patched)
 
 
 def tokenize(messages: list[dict[str, Any]]) -> list[int]:

@@ -34,6 +34,7 @@ if not has_unified_radix_cache():
 import torch
 
 from toolkv.errors import Unsupported
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.plugin import after_scheduler_init, hooks
@@ -244,25 +245,10 @@ def hooked() -> Iterator[None]:
     does in a scheduler process; restore the class and the registry afterwards (the registry
     patches process-wide)."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    saved = {n: UnifiedRadixCache.__dict__[n] for n in ("checkpoint", "reset")}
-    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
-    saved_patched = set(HookRegistry._patched)
-    for target, hook, kind in hooks(main_process=False, config=ToolKVConfig(), tree="unified"):
-        if target.startswith(UNIFIED):
-            HookRegistry.register(target, hook, getattr(HookType, kind))
-    HookRegistry.apply_hooks()
-    assert hasattr(UnifiedRadixCache.checkpoint, "__wrapped__")
-    try:
+    with toolkv_cache_hooks("unified"):
+        assert hasattr(UnifiedRadixCache.checkpoint, "__wrapped__")
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(UnifiedRadixCache, name, fn)
-        HookRegistry._hooks.clear()
-        HookRegistry._hooks.update(saved_hooks)
-        HookRegistry._patched.clear()
-        HookRegistry._patched.update(saved_patched)
 
 
 @pytest.fixture

@@ -10,7 +10,9 @@ of the plugin's own list (:func:`~toolkv.sglang.plugin.hooks`) that target the c
 let the registry apply them, as a server does.
 
 The registry patches classes process-wide and has no undo, so :func:`toolkv_cache_hooks` is a
-context that puts back the class's methods and the registry's state when the last user leaves.
+context that puts back the class's methods and the registry's state when the last user leaves
+(:func:`plugin_hooks` does the same for any rows of the plugin's list: the 0.5.23 stand-in server
+of the tests applies its streamer and tokenizer-manager rows with it).
 It nests: several stacks in one process (a fleet's servers, or a twin run inside a test that
 already applied them) share one application, applied by the first and undone by the last. A
 hook reaches a tree only through ``tree._toolkv`` (absent: the hook does nothing), so trees
@@ -48,29 +50,34 @@ def cache_hooks(tree_api: str) -> list[tuple[str, Callable[..., Any], str]]:
     return [row for row in rows if row[0].startswith(prefix)]
 
 
+Row = tuple[str, Callable[..., Any], str]  # (target, hook, HookType name), as plugin.hooks gives them
+
+
 @dataclass
 class _Applied:
-    """One application of the cache hooks: what to put back when its last user leaves."""
+    """One application of a set of the plugin's hooks: what to put back when its last user leaves."""
 
-    cls: type
-    methods: dict[str, Any]  # the class's own attributes before patching
+    originals: list[tuple[Any, str, Any]]  # (owner, attribute, its own value before patching)
     registry_hooks: dict[str, list[Any]]
     registry_patched: set[str]
     users: int = field(default=1)
 
 
-_applied: dict[str, _Applied] = {}
+_applied: dict[tuple[str, ...], _Applied] = {}
 
 
-def _apply(tree_api: str) -> _Applied:
+def _owner(target: str) -> tuple[Any, str]:
+    """(the class or module holding ``target``'s attribute, the attribute's name)."""
+    path, name = target.rsplit(".", 1)
+    return pkgutil.resolve_name(path), name
+
+
+def _apply(rows: list[Row]) -> _Applied:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    cls = pkgutil.resolve_name(cache_class_path(tree_api))
-    rows = cache_hooks(tree_api)
-    names = {target.rsplit(".", 1)[1] for target, _, _ in rows}
+    owners = dict.fromkeys(_owner(target) for target, _, _ in rows)  # once each, in order
     applied = _Applied(
-        cls=cls,
-        methods={n: cls.__dict__[n] for n in names},
+        originals=[(owner, name, owner.__dict__[name]) for owner, name in owners],
         registry_hooks={k: list(v) for k, v in HookRegistry._hooks.items()},
         registry_patched=set(HookRegistry._patched),
     )
@@ -83,8 +90,8 @@ def _apply(tree_api: str) -> _Applied:
 def _undo(applied: _Applied) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    for name, fn in applied.methods.items():
-        setattr(applied.cls, name, fn)
+    for owner, name, value in applied.originals:
+        setattr(owner, name, value)
     HookRegistry._hooks.clear()
     HookRegistry._hooks.update(applied.registry_hooks)
     HookRegistry._patched.clear()
@@ -92,13 +99,15 @@ def _undo(applied: _Applied) -> None:
 
 
 @contextlib.contextmanager
-def toolkv_cache_hooks(tree_api: str) -> Iterator[None]:
-    """Apply toolkv's turn-capture and tree-reset hooks to the cache class of ``tree_api`` with
-    sglang's ``HookRegistry`` (as ``register`` does in a scheduler process) while the context is
-    open; nested entries share the first one's application, and the last exit undoes it."""
-    applied = _applied.get(tree_api)
+def plugin_hooks(rows: list[Row]) -> Iterator[None]:
+    """Apply ``rows`` of the plugin's hook list with sglang's ``HookRegistry`` while the context is
+    open, and put back the patched attributes and the registry's state when the last user of the
+    same rows leaves (an entry with the same targets while they are applied shares the
+    application). Different row sets nest in last-in, first-out order."""
+    key = tuple(target for target, _, _ in rows)
+    applied = _applied.get(key)
     if applied is None:
-        applied = _applied[tree_api] = _apply(tree_api)
+        applied = _applied[key] = _apply(rows)
     else:
         applied.users += 1
     try:
@@ -106,11 +115,18 @@ def toolkv_cache_hooks(tree_api: str) -> Iterator[None]:
     finally:
         applied.users -= 1
         if applied.users == 0:
-            del _applied[tree_api]
+            del _applied[key]
             _undo(applied)
 
 
+def toolkv_cache_hooks(tree_api: str) -> contextlib.AbstractContextManager[None]:
+    """Apply toolkv's turn-capture and tree-reset hooks to the cache class of ``tree_api`` with
+    sglang's ``HookRegistry`` (as ``register`` does in a scheduler process) while the context is
+    open; nested entries share the first one's application, and the last exit undoes it."""
+    return plugin_hooks(cache_hooks(tree_api))
+
+
 def active(tree_api: str) -> int:
-    """How many users hold the hooks of ``tree_api`` applied now (0: not applied)."""
-    applied = _applied.get(tree_api)
+    """How many users hold the cache hooks of ``tree_api`` applied now (0: not applied)."""
+    applied = _applied.get(tuple(target for target, _, _ in cache_hooks(tree_api)))
     return applied.users if applied is not None else 0
