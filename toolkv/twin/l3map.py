@@ -61,8 +61,19 @@ def plan(sessions: Sequence[int], shapes: Sequence[str], seeds: Sequence[int], c
 
 
 def run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
-    """One twin run (in a worker process)."""
-    os.environ["MASTER_PORT"] = str(20_000 + os.getpid() % 30_000)
+    """One twin run (in a worker process); a gloo port another process holds is tried again on
+    another port (the machine is shared)."""
+    for attempt in range(5):
+        os.environ["MASTER_PORT"] = str(20_000 + (os.getpid() + 7919 * attempt) % 30_000)
+        try:
+            return _run_one(task)
+        except Exception as e:  # torch.distributed.DistNetworkError (EADDRINUSE)
+            if "EADDRINUSE" not in str(e) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
     from toolkv.twin.configs import REGIMES, get
     from toolkv.twin.profile import default_profile
     from toolkv.twin.regime_map import Task, _workload, live_kv_bytes
