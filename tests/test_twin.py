@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
 
 import pytest
 from _twin_common import (
@@ -33,7 +32,6 @@ from _twin_common import (
 from toolkv.twin.configs import get
 from toolkv.twin.opt import belady, opt_reuse
 from toolkv.twin.profile import TimeProfile, default_profile
-from toolkv.twin.run import Options
 from toolkv.workload.plan import Workload, make_plan
 
 
@@ -157,126 +155,3 @@ def test_hand_over_hook_sees_every_admitted_session_request() -> None:
     sessions = {t.session for t in o.agents.turns}
     assert set(seen) == sessions  # every session, and nothing else
     assert len(seen) >= len(o.agents.turns)  # at least one prefill batch per turn (chunks add more)
-
-
-# ---- L3 and more than one server (toolkv/twin/l3.py, fleet.py) --------------------------------------
-L3W = Workload(initial_sessions=6, ramp_s=2.0, turns_median=4, first_tokens=2400, growth_per_turn=400,
-               output_tokens=20, max_context=8000, tool_shape="long", duration_s=700.0, seed=1)  # fmt: skip
-L3OPTS = Options(
-    device_tokens=6000, chunked_prefill_size=1024, max_prefill_tokens=2048, max_running_requests=16
-)
-HOST_GB = 1.0  # 7,630 host tokens: the idle sessions (about 6 x 3K) do not fit, the device (6,000) does
-
-
-def fleet_run(
-    name: str, n: int = 1, drain: list[tuple[float, int]] | None = None, **kw: Any
-) -> dict[str, Any]:
-    from toolkv.twin.fleet import fleet_config, simulate_fleet
-
-    return simulate_fleet(L3W, fleet_config(name, HOST_GB), default_profile(), L3OPTS, n=n, drain=drain,
-                          window=(3.0, L3W.duration_s), **kw)  # fmt: skip
-
-
-def test_l3_toolkv_reuses_at_least_stock_on_long_tools() -> None:
-    """Long tools, a host that cannot hold the idle sessions: with the same L3, toolkv (demote to
-    L3, read back from the predicted return) reuses at least what stock HiCache (read on arrival)
-    does, and far more than toolkv without L3; every run conserves tokens and leaves nothing held."""
-    runs = {c: fleet_run(c, opt=True) for c in ("stock-l3", "toolkv-l3", "toolkv")}
-    for c, r in runs.items():
-        assert r["passed"], (c, r["checks"], r["crashed"], r["leaks"])
-        assert r["resumed_turns"] >= 5
-    stock, tk, bare = runs["stock-l3"], runs["toolkv-l3"], runs["toolkv"]
-    assert tk["reuse"] >= stock["reuse"]
-    assert tk["reuse"] > bare["reuse"] + 0.2
-    assert tk["counts"]["reads_ahead"] > 0 and tk["counts"]["demoted_to_l3"] > 0
-    assert stock["counts"]["reads_ahead"] == 0 and stock["counts"]["reads_on_arrival"] > 0
-    # the bound: the host alone cannot hold everything; with L3 (moves free) it can
-    assert bare["opt_reuse"] < 1.0 and tk["opt_reuse_l3"] == pytest.approx(1.0)
-
-
-def test_moved_sessions_are_served_from_l3_not_recomputed() -> None:
-    """Two servers, one drained part-way: its sessions' next turns land on the other. Without L3
-    they are recomputed (no cached token); with the shared L3 they are read from it; a moved
-    session's tool_end gets a clear 404 from a server that never saw it."""
-    drain = [(100.0, 0)]
-    bare = fleet_run("stock", n=2, drain=drain)
-    tk = fleet_run("toolkv-l3", n=2, drain=drain)
-    for r in (bare, tk):
-        assert r["passed"], (r["checks"], r["crashed"], r["leaks"])
-        assert r["drained"] == 1 and r["moved_turns"] > 0
-    assert bare["moved_reuse"] == 0.0
-    assert tk["moved_reuse"] > 0.9
-    assert tk["l3"]["read_tokens"] > 0
-    assert tk["calls"].get("tool_end 404", 0) > 0
-
-
-def test_l3_bytes_are_conserved() -> None:
-    """Every token the store reads was completely written before; what the servers' links moved
-    is what the store counts each way; reads in flight and held copies are all released."""
-    from toolkv.twin.fleet import Fleet, fleet_config
-    from toolkv.twin.sessions import Sessions
-
-    f = Fleet(Sessions.lazy(L3W), fleet_config("toolkv-l3", HOST_GB), default_profile(), L3OPTS, n=2,
-              drain=[(100.0, 0)])  # fmt: skip
-    f.run()
-    assert f.crashed is None and f.store is not None
-    st = f.store.stats
-    assert st["reads_unwritten"] == 0 and st["dropped_while_read"] == 0
-    assert st["read_tokens"] == sum(s.rlink.tokens for s in f.servers) > 0
-    assert st["written_tokens"] + st["dropped_tokens"] >= sum(s.wlink.tokens for s in f.servers) > 0
-    assert not f.reading and all(not s.reads and not s.awaiting for s in f.servers)
-    prompt = sum(t.prompt_tokens for t in f.agents.turns)
-    assert sum(s.sched.prefill_tokens + s.sched.cached_tokens for s in f.servers) == prompt
-    f.close()
-
-
-def test_l3_store_timing_capacity_and_routing() -> None:
-    """A link is a FIFO at its rate; a copy is readable only once its write completed; a full store
-    drops the least recently used copy but never one being read; rendezvous routing moves only
-    the sessions of the server that went away."""
-    from toolkv.twin.fleet import route
-    from toolkv.twin.l3 import L3Config, L3Store, Link
-
-    link = Link(1.0, 1_000_000)  # 1 ms a token
-    assert link.schedule(0.0, 100) == pytest.approx(0.1) and link.schedule(0.05, 100) == pytest.approx(0.2)
-    store = L3Store(L3Config(capacity_gb=0.25), 1_000_000)  # 250 tokens
-    w = Link(1.0, 1_000_000)
-    store.write(w, 0, "a", 100, 0.0)
-    store.complete_writes(0.05)
-    assert store.readable("a") == 0  # half written: not readable
-    store.complete_writes(0.1)
-    assert store.readable("a") == 100
-    store.begin_read("a", 100)
-    store.write(w, 0, "b", 100, 0.1)
-    store.write(w, 0, "c", 100, 0.1)  # 300 > 250: the LRU copy not being read goes ("b"), not "a"
-    assert "a" in store.entries and "b" not in store.entries and "c" in store.entries
-    store.end_read("a", 100)
-    assert store.stats["dropped_while_read"] == 0 and store.stats["reads_unwritten"] == 0
-    sids = [f"s{i}" for i in range(200)]
-    before = {s: route(s, [0, 1, 2, 3]) for s in sids}
-    after = {s: route(s, [0, 2, 3]) for s in sids}
-    assert {s for s in sids if before[s] != after[s]} == {s for s in sids if before[s] == 1}
-
-
-def test_l3_and_fleet_command_lines_refuse_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    """``toolkv twin l3``/``fleet`` check their arguments before simulating anything."""
-    from toolkv.twin.__main__ import main
-
-    assert main(["fleet", "--configs", "stock,nope"]) == 2
-    assert main(["l3", "--l3-read-gbps", "0"]) == 2
-    assert main(["fleet", "--drain-share", "1.0"]) == 2
-    assert "unknown L3/fleet configuration 'nope'" in capsys.readouterr().err
-
-
-def test_l3_and_fleet_tables_in_the_docs_are_the_jsons() -> None:
-    """docs/benchmarks.md and docs/twin.md show the tables ``python -m toolkv.twin.l3report`` prints
-    from docs/results/twin/l3.json and fleet.json, unedited."""
-    from pathlib import Path
-
-    from toolkv.twin.l3report import table_of
-
-    root = Path(__file__).resolve().parent.parent
-    for name in ("l3", "fleet"):
-        table = table_of(root / "docs" / "results" / "twin" / f"{name}.json")
-        for doc in ("benchmarks.md", "twin.md"):
-            assert table in (root / "docs" / doc).read_text(), (name, doc)
