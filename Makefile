@@ -12,13 +12,17 @@ export PYTHONHASHSEED ?= 0
 
 venv: $(STAMP)
 
+# pip install with uv when it works, else pip (.ci/install: uv hash-pinned in .ci/uv.txt, its wheel
+# cache in .venv-uv/ shared by both environments; TOOLKV_INSTALLER=pip uses pip only).
+INSTALL := .ci/install
+
 $(STAMP): requirements/lock-cpu.txt requirements/sglang.txt requirements/tla.txt pyproject.toml
 	@command -v java >/dev/null || { echo "java (17+) is required for TLC: apt-get install -y openjdk-17-jre-headless" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-deps -r requirements/lock-cpu.txt
-	$(PY) -m pip install -q --no-deps -r requirements/sglang.txt
-	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/tla.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(INSTALL) $(VENV) --no-deps -r requirements/lock-cpu.txt
+	$(INSTALL) $(VENV) --no-deps -r requirements/sglang.txt
+	$(INSTALL) $(VENV) --no-deps --require-hashes -r requirements/tla.txt
+	$(INSTALL) $(VENV) --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, sglang.srt.mem_cache.hiradix_cache, transitions, hypothesis; print('env ok: torch', torch.__version__)"
 	touch $@
 
@@ -45,16 +49,17 @@ export STAGE_LOG ?= $(VENV)/stages.tsv
 TLC_CACHE := $(CURDIR)/$(VENV)/tlc-cache
 SPEC_CHECK_COVERED := safety live dump
 test: export SPEC_CHECK_TLC_CACHE = $(TLC_CACHE)
-test: $(STAMP)
+test:
 	@[ -n "$$STAGE_APPEND" ] || $(STAGE) --reset
+	$(STAGE) venvs $(MAKE) -s -j2 venv venv-0523
 	@rm -rf $(TLC_CACHE) && mkdir -p $(TLC_CACHE)
 	$(STAGE) spec-check $(VENV)/bin/toolkv spec-check --jobs 2 $(addprefix --skip ,$(SPEC_CHECK_COVERED))
 	$(STAGE) spec-check-decode $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
 	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
-	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15
-	$(STAGE) venv-0523 $(MAKE) -s venv-0523
-	$(STAGE) pytest-0523 $(MAKE) -s test-0523
-	@$(STAGE) --summary
+	@$(STAGE) pytest-0523 $(MAKE) -s test-0523 >$(VENV)/pytest-0523.log 2>&1 & b=$$!; \
+	echo "== pytest-0523 runs beside pytest (its output follows pytest's: $(VENV)/pytest-0523.log)"; \
+	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15; \
+	rc=$$?; wait $$b; rc_b=$$?; cat $(VENV)/pytest-0523.log; $(STAGE) --summary; [ $$rc -eq 0 ] && [ $$rc_b -eq 0 ]
 
 # The longer campaign (one command): every CPU test including the slow ones, with Hypothesis's
 # `long` profile (2,000 examples of up to 80 steps, example database on), then the mutant kill table
@@ -79,10 +84,10 @@ venv-0523: $(STAMP_0523)
 
 $(STAMP_0523): requirements/lock-cpu.txt requirements/sglang-0523.txt requirements/tla.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV_0523)
-	$(VENV_0523)/bin/python -m pip install -q --no-deps -r requirements/lock-cpu.txt
-	$(VENV_0523)/bin/python -m pip install -q --no-deps --require-hashes -r requirements/sglang-0523.txt
-	$(VENV_0523)/bin/python -m pip install -q --no-deps --require-hashes -r requirements/tla.txt
-	$(VENV_0523)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(INSTALL) $(VENV_0523) --no-deps -r requirements/lock-cpu.txt
+	$(INSTALL) $(VENV_0523) --no-deps --require-hashes -r requirements/sglang-0523.txt
+	$(INSTALL) $(VENV_0523) --no-deps --require-hashes -r requirements/tla.txt
+	$(INSTALL) $(VENV_0523) --no-deps --no-build-isolation -e .
 	$(VENV_0523)/bin/python -c "import sglang, sglang.srt.mem_cache.unified_radix_cache, toolkv.core.backends.unified; print('env-0523 ok: sglang', sglang.__version__)"
 	touch $@
 
@@ -118,4 +123,4 @@ lock:
 	@echo "review /tmp/toolkv-lock.txt and copy it into requirements/lock-cpu.txt (keep the header)"
 
 clean:
-	rm -rf $(VENV) .tox .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-uv .tox .pytest_cache .mypy_cache .ruff_cache
