@@ -52,7 +52,23 @@ def _longest_first(items: list[pytest.Item]) -> None:
     items[:] = [item for m in order for item in by_module[m]]
 
 
+#: Tests ``make test`` leaves to ``make test-long`` from here (marked ``slow`` at collection, so their
+#: modules stay as their owners wrote them), each with what still covers its property in
+#: ``make test`` (``model_tests/test_make_test_cover.py`` checks the covers; docs/testing.md). The
+#: conformance replays left to ``make test-long`` are ``LONG_CASES`` in ``model_tests/test_conformance.py``.
+LONG: dict[str, str] = {
+    # the kill table's slowest search (91 examples, about half the kill table's time): that the
+    # checks catch the defect is TLC's counterexample replayed on the same broken implementation
+    "fuzz/test_stateful.py::test_every_mutant_is_killed[DoubleLoad]": "model_tests/test_conformance.py::"
+    "test_mutant_trace_reproduces_on_the_broken_implementation_only[DoubleLoad]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in LONG:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
         _longest_first(items)
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]

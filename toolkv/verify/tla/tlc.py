@@ -257,12 +257,18 @@ def tlc_command(
     extra: Sequence[str] = (),
     heap: str | None = None,
     coverage: bool = False,
+    quick_jit: bool = False,
 ) -> list[str]:
     """The TLC command line we always use: ``-tool``, parallel GC, a private metadir, integer workers.
 
     ``deadlock=True`` passes ``-deadlock``, which *disables* deadlock checking (the models have
     legitimately quiescent states once every session is closed and the clock has saturated).
     ``coverage=True`` makes TLC report every action of the next-state relation with its counts.
+    ``quick_jit=True`` stops the JVM's JIT at its first tier (C1, ``-XX:TieredStopAtLevel=1``): for
+    a run of seconds (a mutant or witness stopping at its first violation) the optimising compiler
+    costs more CPU than it saves (``MC_epochs.cfg``: 4.1 s of CPU against 9.2 s;
+    ``mutants/RingOverrun.cfg``, 37,540 states: 18.8 s against 25.2 s), for a run of a minute it
+    saves more (``MC_ring_policy.cfg``: 86 s against 61 s; docs/testing.md). TLC's output is the same.
     """
     # TLC copies the standard modules (Naturals.tla, ...) into java.io.tmpdir at every start and
     # parses them from there: runs at the same time (spec-check --jobs, other users of the machine)
@@ -270,6 +276,8 @@ def tlc_command(
     private_tmp = metadir / "tmp"
     private_tmp.mkdir(parents=True, exist_ok=True)
     cmd = [tools.java, "-XX:+UseParallelGC", f"-Djava.io.tmpdir={private_tmp}"]
+    if quick_jit:
+        cmd.append("-XX:TieredStopAtLevel=1")
     if heap:
         cmd.append(f"-Xmx{heap}")
     cmd += ["-cp", str(tools.jar), "tlc2.TLC", "-tool", "-workers", str(int(workers))]
@@ -296,16 +304,21 @@ def run_tlc(
     extra: Sequence[str] = (),
     heap: str | None = None,
     coverage: bool = False,
+    quick_jit: bool = False,
 ) -> TlcResult:
     """Run TLC on ``module`` with ``cfg`` in a fresh metadir and read its verdict.
 
     A fresh ``mktemp -d`` metadir per run avoids TLC's one-second-granular default directory
     names colliding between back-to-back runs; it is deleted afterwards. With ``SPEC_CHECK_TLC_CACHE``
-    set (:data:`CACHE_ENV`) a run with the same inputs as an earlier one is read back instead.
+    set (:data:`CACHE_ENV`) a run with the same inputs as an earlier one is read back instead
+    (``quick_jit`` is not an input: it changes the JVM's CPU, not TLC's output).
     """
     cache = os.environ.get(CACHE_ENV)
+    run = functools.partial(
+        _run_tlc, tools, module, cfg, workers, timeout, deadlock, dump_dot, extra, heap, coverage, quick_jit
+    )
     if not cache:
-        return _run_tlc(tools, module, cfg, workers, timeout, deadlock, dump_dot, extra, heap, coverage)
+        return run()
     key = cache_key(tools, module, cfg, workers, deadlock, dump_dot is not None, extra, heap, coverage)
     folder = Path(cache)
     folder.mkdir(parents=True, exist_ok=True)
@@ -319,7 +332,7 @@ def run_tlc(
             res = parse_tool_output(saved["output"], saved["exit_code"])
             res.seconds, res.cached = time.monotonic() - t0, True
             return res
-        res = _run_tlc(tools, module, cfg, workers, timeout, deadlock, dump_dot, extra, heap, coverage)
+        res = run()
         if res.outcome != "error":  # a timeout or a broken run is never reused
             if dump_dot is not None:
                 shutil.copyfile(dot_file(dump_dot), dot)
@@ -342,10 +355,13 @@ def _run_tlc(
     extra: Sequence[str],
     heap: str | None,
     coverage: bool,
+    quick_jit: bool = False,
 ) -> TlcResult:
     metadir = Path(tempfile.mkdtemp(prefix="toolkv-tlc-"))
     try:
-        cmd = tlc_command(tools, module, cfg, metadir, workers, deadlock, dump_dot, extra, heap, coverage)
+        cmd = tlc_command(
+            tools, module, cfg, metadir, workers, deadlock, dump_dot, extra, heap, coverage, quick_jit
+        )
         rc, out, secs = _run(cmd, module.parent, timeout)
     finally:
         shutil.rmtree(metadir, ignore_errors=True)
