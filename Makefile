@@ -47,7 +47,7 @@ PYTEST_JOBS ?= 2
 STAGE := .ci/stage
 export STAGE_LOG ?= $(VENV)/stages.tsv
 TLC_CACHE := $(CURDIR)/$(VENV)/tlc-cache
-SPEC_CHECK_COVERED := safety live dump
+SPEC_CHECK_COVERED := safety live dump ring
 test: export SPEC_CHECK_TLC_CACHE = $(TLC_CACHE)
 test:
 	@[ -n "$$STAGE_APPEND" ] || $(STAGE) --reset
