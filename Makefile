@@ -33,9 +33,12 @@ demo: $(STAMP)
 # Everything CI runs: the TLA+ model check (SANY + TLC over every config and mutant, with a progress
 # line per config), then every CPU test: harness, manager, plugin/HTTP/TP, lifecycle tables vs TLC,
 # conformance replay of TLC's state graph on the real HiRadixCache, mutant traces, the quick fuzz
-# campaign and the mutant kill table. GPU tests skip without CUDA. pytest runs on $(PYTEST_JOBS)
-# workers (pytest-xdist, one test module per worker at a time: conftest.py). Each stage
-# prints its time (.ci/stage), and the table of them comes at the end (docs/testing.md).
+# campaign and the mutant kill table; the sglang 0.5.23 tests run beside them in .venv-0523. GPU tests
+# skip without CUDA. pytest runs on $(PYTEST_JOBS) workers (pytest-xdist, one test module per worker at
+# a time: conftest.py). Both environments are built first, at once (a no-op once built). Each stage
+# prints its time (.ci/stage), and the table of them comes at the end (docs/testing.md). What
+# make test leaves to test-long (tests marked slow, the skipped configs) is covered by a cheaper
+# check of the same property in make test (model_tests/test_make_test_cover.py, docs/testing.md).
 #
 # Within one `make test`, a TLC run with the same inputs as an earlier one (same modules, config
 # and options) is read back from $(TLC_CACHE) instead of run again (SPEC_CHECK_TLC_CACHE,
@@ -56,7 +59,7 @@ test:
 	$(STAGE) spec-check $(VENV)/bin/toolkv spec-check --jobs 2 $(addprefix --skip ,$(SPEC_CHECK_COVERED))
 	$(STAGE) spec-check-decode $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
 	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
-	@$(STAGE) pytest-0523 $(MAKE) -s test-0523 >$(VENV)/pytest-0523.log 2>&1 & b=$$!; \
+	@$(STAGE) pytest-0523 $(PYTEST_0523) >$(VENV)/pytest-0523.log 2>&1 & b=$$!; \
 	echo "== pytest-0523 runs beside pytest (its output follows pytest's: $(VENV)/pytest-0523.log)"; \
 	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15; \
 	rc=$$?; wait $$b; rc_b=$$?; cat $(VENV)/pytest-0523.log; $(STAGE) --summary; [ $$rc -eq 0 ] && [ $$rc_b -eq 0 ]
@@ -91,8 +94,9 @@ $(STAMP_0523): requirements/lock-cpu.txt requirements/sglang-0523.txt requiremen
 	$(VENV_0523)/bin/python -c "import sglang, sglang.srt.mem_cache.unified_radix_cache, toolkv.core.backends.unified; print('env-0523 ok: sglang', sglang.__version__)"
 	touch $@
 
+PYTEST_0523 = $(VENV_0523)/bin/pytest -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
 test-0523: $(STAMP_0523)
-	$(VENV_0523)/bin/pytest -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
+	$(PYTEST_0523)
 
 # The long soak (docs/reliability.md): 100,000 tool calls per stack through toolkv's HTTP routes and
 # scheduler side over the real caches, with a progress line; writes results/soak/soak_<stack>.json
