@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.tools.fuzz_cli import MUTANTS, campaign
+from toolkv.tools.fuzz_cli import LAZY_MUTANTS, MUTANTS, campaign
 from toolkv.verify.toolkv.fuzzing import machine_class
 from toolkv.verify.toolkv.refinement import Bounds
 from toolkv.verify.toolkv.tracecheck import check_trace
@@ -30,6 +30,9 @@ TestToolKVMachine = machine_class().TestCase
 # the per-call policy deciding every tool_start (keep / offload / let go, demotions for room):
 # its choice is checked as the spec step it stands for, at every step
 TestToolKVMachineAuto = machine_class(policy="auto").TestCase
+# the production default on HiRadixCache: finished offloads leave their GPU copies to sglang's
+# eviction (spec LazyFree), so tool_end often finds the path resident and hands it over unloaded
+TestToolKVMachineLazy = machine_class(policy="auto", lazy_free=True).TestCase
 
 
 def test_campaign_reaches_every_action() -> None:
@@ -65,6 +68,7 @@ def test_every_mutant_is_killed(mutant: str) -> None:
         seed=7,
         label=mutant,
         shrink=False,
+        lazy_free=mutant in LAZY_MUTANTS,
     )
     print(f"kill {mutant}: {json.dumps({k: r[k] for k in ('examples_to_kill', 'failure')})}")
     assert r["failure"] is not None, f"mutant {mutant} (caveat {caveat}) survived {r['examples']} examples"

@@ -35,7 +35,8 @@ MODEL=$STAGE_ROOT/models/$CFG PORT=${PORT:-30000}
 # importlib.metadata.entry_points() scans every sys.path entry for *.dist-info/entry_points.txt.
 toolkv_entry_point "$STAGE_ROOT/toolkv_ep"; EP=$STAGE_ROOT/toolkv_ep
 export PYTHONPATH=$ROOT:$EP:$STAGED_DEPS:$PYTHONPATH
-export TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
+# the check asserts the GPU copy is freed during the tool call: the eager path (lazy free leaves it)
+export TOOLKV_LAZY_FREE=${TOOLKV_LAZY_FREE:-0} TOOLKV_ENABLE=1 TOOLKV_TTL_S=${TOOLKV_TTL_S:-120} TOOLKV_SWEEP_EVERY=${TOOLKV_SWEEP_EVERY:-16}
 "$PY" - <<'PY' || exit 1
 import importlib.metadata as md
 eps = [e.value for e in md.entry_points(group="sglang.srt.plugins") if e.name == "toolkv"]

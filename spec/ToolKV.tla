@@ -36,6 +36,8 @@ CONSTANTS
     Ring,       \* producer slots of sglang's layer-done counter (3 in 0.5.16); 0 = not modelled
     SysLoads,   \* BOOLEAN: sglang starts host->GPU loads of its own (prefill batches with host hits)
     Policy,     \* BOOLEAN: the per-call policy's actions (Keep, LetGo, Demote, Prefetch) are enabled
+    LazyFree,   \* BOOLEAN: an offload leaves its acknowledged GPU copies to HiCache's own eviction
+                \* (GpuEvict) instead of freeing them (FreeSet) at ToolStart / WriteAck
     BUG         \* "none" or the name of one seeded defect
 
 Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
@@ -43,13 +45,14 @@ Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
          "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
          "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl",
-         "ParkUnprotected"}
+         "ParkUnprotected", "ResidentNoPin"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
        /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ KeepTTL \in Nat /\ MaxResets \in Nat
        /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
        /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0) /\ Policy \in BOOLEAN
+       /\ LazyFree \in BOOLEAN
        /\ BUG \in Bugs
 
 VARIABLES
@@ -273,8 +276,11 @@ ToolStart(s) ==
            LET wk2 == [m \in Nodes |-> IF m \in W THEN m ELSE writeKey[m]]
                lr2 == Locked(lockRef, W, 1)
                clean == \A m \in Path(n) : wk2[m] = NoNode
+               \* LazyFree: the acknowledged copies stay on device, unlocked and backed up, for
+               \* GpuEvict to take when HiCache needs the room (the implementation makes them its
+               \* first eviction victims); nothing is freed that the device does not need.
                F == IF BUG = "FreeBeforeAck" THEN FreeSetNoAck({n}, dev)
-                    ELSE IF clean THEN FreeSet({n}, dev, wk2, loadKey, lr2) ELSE {}
+                    ELSE IF clean /\ ~LazyFree THEN FreeSet({n}, dev, wk2, loadKey, lr2) ELSE {}
            IN
            /\ host' = [m \in Nodes |-> host[m] \/ m \in W]
            /\ hostFree' = hostFree - Cardinality(W)
@@ -299,7 +305,7 @@ WriteAck(k) ==
     /\ LET wk2 == [m \in Nodes |-> IF writeKey[m] = k THEN NoNode ELSE writeKey[m]]
            lr2 == Locked(lockRef, {k}, -1)
            Done == {s \in Sessions : phase[s] = "Offloading" /\ \A m \in Path(ref[s]) : wk2[m] = NoNode}
-           F == FreeSet({ref[s] : s \in Done}, dev, wk2, loadKey, lr2)
+           F == IF LazyFree THEN {} ELSE FreeSet({ref[s] : s \in Done}, dev, wk2, loadKey, lr2)
        IN
        /\ writeKey' = wk2
        /\ lockRef' = lr2
@@ -351,8 +357,11 @@ ToolEnd(s, e) ==
                   loads == IF C = {} THEN 0 ELSE 1
                   ready == \A m \in Path(n) : lk2[m] = NoNode
                   runnable == ready \/ BUG = "EarlyRunnable"
-                  \* the pin is held through the load and the hand-over alike
-                  pin == IF runnable /\ BUG = "EarlyRelease" THEN 0 ELSE 1
+                  \* the pin is held through the load and the hand-over alike; also when nothing
+                  \* is to load (ResidentNoPin: "the path is resident, nothing to hold" -- the usual
+                  \* case with LazyFree, and HiCache may evict the path before the next request)
+                  pin == IF runnable /\ (BUG = "EarlyRelease" \/ (BUG = "ResidentNoPin" /\ C = {}))
+                         THEN 0 ELSE 1
               IN
               /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
               /\ devFree' = devFree - Cardinality(C)

@@ -27,6 +27,15 @@ NeverSplitProtected ==
 NeverFreeOnAck ==
     [][~(act'[1] = "WriteAck" /\ devFree' > devFree)]_vars
 
+\* LazyFree: HiCache's eviction takes the GPU copy an offload left on the device.
+NeverLazyEvicted ==
+    [][~(act'[1] = "GpuEvict" /\ \E s \in Sessions : phase[s] = "Offloaded" /\ act'[2] \in Path(ref[s]))]_vars
+
+\* LazyFree: a tool_end finds the offloaded path still on the GPU and hands it over with no load.
+NeverResidentHandover ==
+    [][~(act'[1] = "ToolEnd" /\ phase[act'[2]] = "Offloaded" /\ phase'[act'[2]] = "Handover"
+         /\ loadAcks' = loadAcks)]_vars
+
 \* A load ack completes a restore: the session is handed over to its next request.
 NeverRestoreCompletes ==
     [][~(act'[1] = "LoadAck" /\ \E s \in Sessions : phase[s] = "Restoring" /\ phase'[s] = "Handover")]_vars

@@ -46,7 +46,8 @@ class Net:
 
     def __init__(self, h: CacheHarness, config: ToolKVConfig | None = None) -> None:
         self.h = h
-        self.tk = SchedulerToolKV(h.tree, config=config)
+        # the restore path under test needs the GPU copy freed at the write ack (TOOLKV_LAZY_FREE=0)
+        self.tk = SchedulerToolKV(h.tree, config=config if config is not None else ToolKVConfig(lazy_free=False))
         h.tree._toolkv = self.tk
         self.app = build_app(LoopbackChannel(self.tk))
         self.inner = TestClient(self.app)._transport
@@ -92,7 +93,7 @@ def net() -> Iterator[Net]:
 @pytest.fixture
 def auto_net() -> Iterator[Net]:
     with CacheHarness(HarnessConfig()) as h:
-        n = Net(h, ToolKVConfig(policy="auto"))
+        n = Net(h, ToolKVConfig(policy="auto", lazy_free=False))
         assert finish_turn(h, "s1", PROMPT, [65, 66])
         yield n
 

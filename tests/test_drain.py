@@ -65,7 +65,8 @@ class Server:
 
 
 def make_server(h: CacheHarness, config: ToolKVConfig | None = None) -> Server:
-    tk = SchedulerToolKV(h.tree, config=config)
+    # the restores drained here need the GPU copy freed at the write ack (TOOLKV_LAZY_FREE=0)
+    tk = SchedulerToolKV(h.tree, config=config if config is not None else ToolKVConfig(lazy_free=False))
     h.tree._toolkv = tk
     assert finish_turn(h, "a", A, [65, 66])
     assert finish_turn(h, "b", B, [140], slot=1)
@@ -128,7 +129,7 @@ def test_a_drained_server_counts_expired_calls_as_done() -> None:
     """A call whose tool_end never comes holds KV until its TTL: the drain waits for it, and is
     drained once the sweep (on the agreed clock) released it."""
     with CacheHarness(HarnessConfig()) as h:
-        srv = make_server(h, ToolKVConfig(ttl_s=1.0, sweep_every=1))
+        srv = make_server(h, ToolKVConfig(ttl_s=1.0, sweep_every=1, lazy_free=False))
         c = srv.client
         assert c.post("/session/tool_start", json={"session_id": "a"}).status_code == 200
         iteration(h, srv.tk, writes=True)
@@ -166,7 +167,7 @@ def test_a_malformed_drain_is_refused_and_changes_nothing(
 def test_zero_change_and_kv_hints_retain_are_refused_while_draining() -> None:
 
     with CacheHarness(HarnessConfig()) as h:
-        _zero_change_and_retain(make_server(h, ToolKVConfig(zero_change=True)))
+        _zero_change_and_retain(make_server(h, ToolKVConfig(zero_change=True, lazy_free=False)))
 
 
 def _zero_change_and_retain(srv: Server) -> None:
@@ -316,7 +317,7 @@ def live(request: pytest.FixtureRequest) -> Iterator[tuple[LiveApp, Server]]:
     """A live server; its TTL (default 1 s, swept at every tick) by ``@pytest.mark.parametrize("live", ...)``."""
     ttl_s = float(getattr(request, "param", 1.0))
     with CacheHarness(HarnessConfig()) as h:
-        srv = make_server(h, ToolKVConfig(ttl_s=ttl_s, sweep_every=1))
+        srv = make_server(h, ToolKVConfig(ttl_s=ttl_s, sweep_every=1, lazy_free=False))
         app = LiveApp(srv.app)
         yield app, srv
         app.close()

@@ -43,7 +43,7 @@ class Server:
 
 
 def make_server(h: CacheHarness, config: ToolKVConfig | None = None) -> Server:
-    tk = SchedulerToolKV(h.tree, config=config)
+    tk = SchedulerToolKV(h.tree, config=config if config is not None else ToolKVConfig(lazy_free=False))
     h.tree._toolkv = tk
     return Server(h, tk, TestClient(build_app(LoopbackChannel(tk))))
 
@@ -223,7 +223,7 @@ def test_stale_epoch_and_wrong_state_are_409_and_change_nothing(srv: Server) -> 
 
 def test_host_budget_exhausted_is_507_and_changes_nothing() -> None:
     with CacheHarness(HarnessConfig()) as h:
-        s = make_server(h, ToolKVConfig(host_budget_tokens=16))
+        s = make_server(h, ToolKVConfig(host_budget_tokens=16, lazy_free=False))
         assert finish_turn(h, "s1", PROMPT, [65])
         before = s.snapshot()
         r = s.client.post("/session/tool_start", json={"session_id": "s1"})

@@ -210,7 +210,8 @@ def call(sched: Any, op: str, **body: Any) -> ToolKVReqOutput:
     return out
 
 
-def test_full_cycle_through_the_hooks_returns_every_resource(hh: CacheHarness) -> None:
+def test_full_cycle_through_the_hooks_returns_every_resource(hh: CacheHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOOLKV_LAZY_FREE", "0")  # the host->GPU restore path (lazy free: test_lazy_free.py)
     h = hh
     initial = h.accounting()
     sched = fake_scheduler(h)
@@ -307,7 +308,7 @@ def test_zero_change_decision_tables() -> None:
 def test_zero_change_offloads_on_tool_calls_and_next_request_restores(hh: CacheHarness) -> None:
     h = hh
     initial = h.accounting()
-    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(zero_change=True))
+    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(zero_change=True, lazy_free=False))
     h.tree._toolkv = tk
     assert finish_turn(h, "agent", PROMPT, [41, 42])
     assert tk.handle("auto_offload", {"session_id": "agent"})[1]["state"] == "Offloading"
@@ -332,7 +333,7 @@ def test_turn_finishing_while_offloaded_settles_and_keeps_the_epoch(hh: CacheHar
     next turn still records, toolkv releases what it held and the old epoch stays stale."""
     h = hh
     initial = h.accounting()
-    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(restore_on_request=False))
+    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(restore_on_request=False, lazy_free=False))
     h.tree._toolkv = tk
     assert finish_turn(h, "s", PROMPT, [41])
     tk.handle("tool_start", {"session_id": "s"})
@@ -350,7 +351,7 @@ def test_turn_finishing_while_offloaded_settles_and_keeps_the_epoch(hh: CacheHar
 def test_http_side_zero_change_hook_sends_auto_offload(hh: CacheHarness) -> None:
     import toolkv.sglang.plugin as plugin
 
-    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True))
+    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True, lazy_free=False))
     hh.tree._toolkv = tk
     assert finish_turn(hh, "agent", PROMPT, [41])
     channel = LoopbackChannel(tk)
@@ -377,7 +378,7 @@ def test_http_side_zero_change_hook_sends_auto_offload(hh: CacheHarness) -> None
 def test_zero_change_names_the_models_tool_for_the_policy(hh: CacheHarness) -> None:
     import toolkv.sglang.plugin as plugin
 
-    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True, policy="auto"))
+    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True, policy="auto", lazy_free=False))
     hh.tree._toolkv = tk
     assert finish_turn(hh, "agent", PROMPT, [41])
     channel = LoopbackChannel(tk)
@@ -415,7 +416,7 @@ def test_zero_change_offloads_the_session_a_header_labelled(hh: CacheHarness) ->
 
     import toolkv.sglang.plugin as plugin
 
-    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True))
+    tk = SchedulerToolKV(hh.tree, config=ToolKVConfig(zero_change=True, lazy_free=False))
     hh.tree._toolkv = tk
     assert finish_turn(hh, "agent", PROMPT, [41])
     raw = Request({"type": "http", "headers": [(b"x-smg-routing-key", b"agent")]})
@@ -643,7 +644,7 @@ def _decisions(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_every_decision_is_one_structured_line(hh: CacheHarness, caplog: pytest.LogCaptureFixture) -> None:
     h = hh
-    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=5.0, sweep_every=1), clock=None)
+    tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=5.0, sweep_every=1, lazy_free=False), clock=None)
     h.tree._toolkv = tk
     assert finish_turn(h, "s1", PROMPT, [41, 42])
     assert finish_turn(h, 'we"ird id', [*range(500, 520)], [521], slot=1)

@@ -106,7 +106,7 @@ def _scenario(rank: int) -> dict[str, Any]:
         clock = ScriptedClock(rank)
         tk = SchedulerToolKV(
             h.tree,
-            config=ToolKVConfig(ttl_s=TTL),
+            config=ToolKVConfig(ttl_s=TTL, lazy_free=False),
             agree=agree,
             tp_size=WORLD,
             clock=AgreedClock(agree, every=1, source=clock),

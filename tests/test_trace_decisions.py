@@ -96,7 +96,7 @@ def _scheduler_run(path: Path, body: Callable[..., None]) -> Path:
     from toolkv.testing.harness import CacheHarness, HarnessConfig
 
     with CacheHarness(HarnessConfig()) as h, _Capture(path):
-        tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=5.0, sweep_every=1))
+        tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=5.0, sweep_every=1, lazy_free=False))
         h.tree._toolkv = tk
         body(h, tk)
     return path
@@ -465,7 +465,7 @@ def test_a_demotion_inside_another_call_is_its_own_line(tmp_path: Path) -> None:
     path = tmp_path / "demote.log"
     a, b = list(range(1, 301)), list(range(1000, 1300))
     with CacheHarness(HarnessConfig(device_tokens=768, host_ratio=0.5)) as h, _Capture(path):
-        tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=60.0, sweep_every=1))
+        tk = SchedulerToolKV(h.tree, config=ToolKVConfig(ttl_s=60.0, sweep_every=1, lazy_free=False))
         h.tree._toolkv = tk
         call: Callable[..., dict[str, object]] = lambda op, **kw: tk.handle(op, kw)[1]  # noqa: E731
         assert finish_turn(h, "s1", a, [301]) and finish_turn(h, "s2", b, [1300], slot=1)

@@ -11,7 +11,7 @@ backend against all of them once, and the manager holds the answer, typed: ``cap
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -53,6 +53,17 @@ class Parking(Protocol):
 
 
 @runtime_checkable
+class LazyFree(Protocol):
+    """The backend can leave a finished offload's GPU copies to sglang's own eviction instead of
+    freeing them (spec ``LazyFree``): they stay on the device, unlocked and backed up, and sglang's
+    eviction demotes them to the host copy (which the session protects) only when it needs the
+    room, so a session whose copy survives comes back with nothing to load. A plain RadixCache
+    (pin, shadow) has no such eviction: it would delete them."""
+
+    def leave_gpu(self, recs: Sequence[SessionRecord]) -> None: ...
+
+
+@runtime_checkable
 class StorageTier(Protocol):
     """The L3 storage tier of ``spec/storage/StorageTier.tla`` (sglang's
     ``--hicache-storage-backend``). Every answer read off an asynchronous event is agreed across
@@ -76,6 +87,7 @@ class Capabilities:
     pin_priced: PinPriced | None
     parking: Parking | None
     storage: StorageTier | None
+    lazy_free: LazyFree | None = None
 
     @property
     def parks(self) -> bool:
@@ -91,4 +103,5 @@ def capabilities_of(backend: object) -> Capabilities:
         pin_priced=backend if isinstance(backend, PinPriced) else None,
         parking=backend if isinstance(backend, Parking) else None,
         storage=backend if isinstance(backend, StorageTier) else None,
+        lazy_free=backend if isinstance(backend, LazyFree) else None,
     )

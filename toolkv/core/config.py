@@ -51,6 +51,12 @@ class ManagerConfig:
     # policy actions): restore at every tool_end that fits the running requests' promise, else 503,
     # and pin until admission whatever is queued. The plugin turns it on (TOOLKV_ADAPTIVE=1).
     adaptive: bool = False
+    # Spec LazyFree: a finished offload leaves its GPU copies to sglang's eviction, as its first
+    # victims (the session predicted back last first), instead of freeing them; they are taken only
+    # when sglang needs the room, and a session whose copy survives comes back with nothing to load.
+    # False (the base spec): freed once the write is acknowledged. The plugin turns it on
+    # (TOOLKV_LAZY_FREE=1) on backends that can (HiRadixCache under its LRU strategy).
+    lazy_free: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -249,6 +249,9 @@ class ToolKVConfig:
     # nothing pinned; sglang's load_back at admission loads it) and hand-over pins yield to queued
     # requests; 0: restore and pin at every tool_end that fits the running requests
     adaptive: bool = True
+    # TOOLKV_LAZY_FREE: a finished offload leaves its GPU copies to sglang's eviction (its first
+    # victims) instead of freeing them at once; 0: free them once the write is acknowledged
+    lazy_free: bool = True
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
     # TOOLKV_KEEP_TTL_S: the longest a GPU pin (kept, or restored early) waits for tool_end
     keep_ttl_s: float = 30.0
@@ -361,6 +364,7 @@ class ToolKVConfig:
             policy=policy,
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
             adaptive=_bool(e, "TOOLKV_ADAPTIVE", True),
+            lazy_free=_bool(e, "TOOLKV_LAZY_FREE", True),
             restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
             keep_ttl_s=_float(
                 e,
@@ -407,6 +411,7 @@ class ToolKVConfig:
             policy=self.policy,
             prefetch=self.prefetch,
             adaptive=self.adaptive,
+            lazy_free=self.lazy_free,
             restore_tokens_per_s=self.restore_tokens_per_s,
             keep_ttl_s=self.keep_ttl_s,
             handover_ttl_s=self.handover_ttl_s,

@@ -71,7 +71,7 @@ EVENTS: tuple[str, ...] = (
     "l3_prefetch_refused", "l3_prefetch_short", "l3_restored", "l3_store", "l3_store_refused",
     "l3_store_short", "l3_store_l3_early", "l3_store_host_room", "l3_readahead",
 )  # fmt: skip
-TOKEN_KINDS: tuple[str, ...] = ("offloaded", "freed", "restored", "l3_stored")
+TOKEN_KINDS: tuple[str, ...] = ("offloaded", "freed", "left", "restored", "l3_stored")
 # decisions_total{op,outcome} created at 0: every decision's acceptance, and the refusals the shipped
 # alert rules and the drain's dashboard panel read.
 DECISION_OPS = (

@@ -55,7 +55,15 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
         frozenset(),
         "load-adaptive: a parked session's host copy unprotected",
     ),
+    "ResidentNoPin": (
+        frozenset({"ResidentNoPin"}),
+        frozenset(),
+        "lazy free: a resident path handed over unpinned",
+    ),
 }
+# Mutants whose defect lives on the lazy-free path (spec LazyFree): their campaign runs with it on
+# (the production default on HiRadixCache), where a tool_end finds the offloaded path resident.
+LAZY_MUTANTS = frozenset({"ResidentNoPin"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                 every=args.every,
                 label=name,
                 shrink=not args.no_shrink,
+                lazy_free=name in LAZY_MUTANTS,
             )
             r["caveat"] = caveat
             r["killed"] = r["failure"] is not None

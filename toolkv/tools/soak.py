@@ -461,6 +461,9 @@ class SoakConfig:
     idle_ttl_s: float = (
         3600.0  # a session holding nothing and silent this long is forgotten (TOOLKV_IDLE_TTL_S)
     )
+    # TOOLKV_LAZY_FREE: off here, so that every tool call takes the host->GPU restore path the soak
+    # checks byte for byte (with lazy free most sessions come back resident: tests/test_lazy_free.py)
+    lazy_free: bool = False
     flush_every: int = 2_500  # tool calls between deferred /flush_cache?timeout requests
     sample_every: int = 250  # iterations between samples
     progress: bool = False
@@ -921,6 +924,7 @@ class Soak:
                     sweep_every=1,
                     closed_history=cfg.closed_history,
                     idle_ttl_s=cfg.idle_ttl_s,
+                    lazy_free=cfg.lazy_free,
                 )
                 clock = AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
                 self.tk = SchedulerToolKV(h.tree, config=tk_cfg, clock=clock)

@@ -29,12 +29,14 @@ def campaign(
     shrink: bool = True,
     reproduce: str | None = None,
     machine: Any = None,
+    lazy_free: bool = False,
 ) -> dict[str, Any]:
     """Run one campaign under a Hypothesis profile; returns a summary (``failure`` is None when
     nothing was found). Statistics come from Hypothesis: each example reports its action counts as
     ``event``s, read here through Hypothesis's observability callbacks (one per test case).
     ``machine``: another state machine class to run (the storage tier's,
-    ``toolkv.verify.storage.fuzzing``); the machine options above are then its own business."""
+    ``toolkv.verify.storage.fuzzing``); the machine options above are then its own business.
+    ``lazy_free``: finished offloads leave their GPU copies to sglang's eviction (spec LazyFree)."""
     from hypothesis import Phase, reproduce_failure, settings
     from hypothesis import __version__ as hypothesis_version
     from hypothesis import seed as hseed
@@ -47,7 +49,8 @@ def campaign(
     profiles.register()
     base = settings.get_profile(profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT)
     cls: Any = machine or machine_class(
-        caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir
+        caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir,
+        lazy_free=lazy_free,
     )
     if reproduce is not None:
         cls = reproduce_failure(hypothesis_version, reproduce.encode())(cls)

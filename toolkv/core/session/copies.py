@@ -66,7 +66,7 @@ class CopyActions(MachineCore):
         rec.epoch += 1
         self._arm_deadline(rec)
         if self._free_at_tool_start(clean):
-            self.backend.free_gpu([rec])
+            self._free_or_leave([rec])
             fire(rec, "tool_start", Phase.OFFLOADED)
             self._offloaded(rec)
         else:
@@ -85,6 +85,21 @@ class CopyActions(MachineCore):
         ``write_ack`` frees it once sglang has retired the ack)."""
         return clean
 
+    def _free_or_leave(self, recs: list[SessionRecord]) -> None:
+        """The GPU copies of finished offloads: freed (spec ``FreeSet``), or with ``lazy_free`` left
+        to sglang's eviction (spec ``LazyFree``) on a backend whose eviction keeps the host copy.
+        Freeing buys room nobody may need: the regime map found that with few sessions stock
+        sglang kept the copies toolkv had freed, and reused more. Left, they cost nothing that
+        sglang cannot take back the moment it needs the room."""
+        lazy = self.caps.lazy_free
+        if self.config.lazy_free and lazy is not None:
+            lazy.leave_gpu(recs)
+            for r in recs:
+                r.freed_tokens = 0
+                self.counters["left_tokens"] += r.offload_tokens
+        else:
+            self.backend.free_gpu(recs)
+
     # ---- WriteAck -------------------------------------------------------------------------------------
     def write_ack(self) -> int:
         """Spec ``WriteAck``: finish every offload whose path writes are all acknowledged (its GPU
@@ -94,7 +109,7 @@ class CopyActions(MachineCore):
         done = [r for r in self._offloading.values() if not self.backend.offload_pending(r)]
         if not done:
             return 0
-        self.backend.free_gpu(done)
+        self._free_or_leave(done)
         for rec in done:
             del self._offloading[rec.session_id]
             fire(rec, "write_ack", Phase.OFFLOADED)

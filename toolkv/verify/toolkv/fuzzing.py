@@ -102,6 +102,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     ttl: ClassVar[int] = 4
     keep_ttl: ClassVar[int] = 2  # spec KeepTTL: a kept pin is due before a host protection
     policy: ClassVar[str] = "offload"  # "auto": tool_start is the per-call policy's choice
+    lazy_free: ClassVar[bool] = False  # spec LazyFree: finished offloads leave their GPU copies
     examples: ClassVar[int] = 0  # examples built by this class (names the trace files)
 
     def __init__(self) -> None:
@@ -122,6 +123,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             max_epoch=BIG,
             max_resets=BIG,
             policy=True,
+            lazy_free=self.lazy_free,
             keep_ttl=self.keep_ttl,
         )
         unit = 4 * max(16, self.page_size)
@@ -675,6 +677,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             "keep_ttl": self.keep_ttl,
             "caveats": sorted(self.caveats),
             "policy": True,
+            "lazy_free": self.lazy_free,
         }
         with path.open("w") as f:
             f.write(json.dumps({"header": header}) + "\n")
@@ -690,12 +693,14 @@ def machine_class(
     page_size: int = 1,
     trace_dir: Path | None = None,
     policy: str = "offload",
+    lazy_free: bool = False,
 ) -> type[ToolKVMachine]:
     """A configured subclass (Hypothesis instantiates the class itself, once per example)."""
     return type(
         "ToolKVMachine_"
         + ("_".join(sorted(caveats | env_bugs)) or "correct")
-        + ("_auto" if policy == "auto" else ""),
+        + ("_auto" if policy == "auto" else "")
+        + ("_lazy" if lazy_free else ""),
         (ToolKVMachine,),
         {
             "caveats": caveats,
@@ -705,6 +710,7 @@ def machine_class(
             "page_size": page_size,
             "trace_dir": trace_dir,
             "policy": policy,
+            "lazy_free": lazy_free,
             "examples": 0,
         },
     )

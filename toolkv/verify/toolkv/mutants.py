@@ -132,6 +132,18 @@ class EarlyReleaseMachine(SessionMachine):
         super()._hand_over(rec, trigger)
 
 
+class ResidentNoPinMachine(SessionMachine):
+    """``ResidentNoPin`` (with ``lazy_free``): a tool_end that finds the offloaded path still on the
+    GPU takes no hand-over pin ("nothing to load, nothing to hold"), so sglang may evict the path
+    before the session's next request holds it -- the usual case once offloads leave their GPU
+    copies to sglang's eviction."""
+
+    def _pin_for_handover(self, rec: SessionRecord) -> None:
+        if rec.restore == "resident":
+            return
+        super()._pin_for_handover(rec)
+
+
 # ---- backend defects (mixins for HiRadixBackend and UnifiedBackend) --------------------------------
 
 
@@ -218,6 +230,7 @@ MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
     "KeepFullTtl": KeepFullTtlMachine,
     "WarmFullTtl": WarmFullTtlMachine,
     "ParkUnprotected": ParkUnprotectedMachine,
+    "ResidentNoPin": ResidentNoPinMachine,
 }
 
 

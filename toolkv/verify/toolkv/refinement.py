@@ -57,6 +57,7 @@ class Bounds:
     ring: int = 0
     sys_loads: bool = False
     policy: bool = False
+    lazy_free: bool = False  # spec LazyFree
     keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
 
     @property
@@ -83,6 +84,7 @@ class Bounds:
             ring=int(consts.get("Ring", 0)),
             sys_loads=bool(consts.get("SysLoads", False)),
             policy=bool(consts.get("Policy", False)),
+            lazy_free=bool(consts.get("LazyFree", False)),
             keep_ttl=int(consts["KeepTTL"]) if "KeepTTL" in consts else None,
         )
 
@@ -102,6 +104,7 @@ class Bounds:
             ring=self.ring,
             sys_loads=self.sys_loads,
             policy=self.policy,
+            lazy_free=self.lazy_free,
             keep_ttl=self.keep_ttl,
             bug=bug,
             fits=fits,

@@ -55,6 +55,7 @@ class Rules:
     ring: int = 0
     sys_loads: bool = False
     policy: bool = False  # the per-call policy's actions (Keep, LetGo, Demote, Prefetch)
+    lazy_free: bool = False  # spec LazyFree: offloads leave acknowledged GPU copies to GpuEvict
     bug: str = "none"
     fits: bool | None = None  # HostFits/DevFits decided by the implementation (None: the spec's)
     slots: bool = True  # False: InsertFits, WriteFits, SplitFits are TRUE (token pools decide)
@@ -91,6 +92,7 @@ class Rules:
             ring=int(c.get("Ring", 0)),
             sys_loads=bool(c.get("SysLoads", False)),
             policy=bool(c.get("Policy", False)),
+            lazy_free=bool(c.get("LazyFree", False)),
             bug=str(c.get("BUG", "none")),
             keep_ttl=int(c["KeepTTL"]) if "KeepTTL" in c else None,
         )
@@ -225,7 +227,7 @@ def tool_start(st: State, r: Rules, sid: str) -> State | None:
     if r.bug == "FreeBeforeAck":
         f = free_set(st, [n], st["dev"], wk2, st["loadKey"], lr2, lim, no_ack=True)
     else:
-        f = free_set(st, [n], st["dev"], wk2, st["loadKey"], lr2, lim) if clean else set()
+        f = free_set(st, [n], st["dev"], wk2, st["loadKey"], lr2, lim) if clean and not r.lazy_free else set()
     for m in w:
         s["host"][m] = True
     s["hostFree"] -= len(w)
@@ -255,7 +257,7 @@ def write_ack(st: State, r: Rules, k: str) -> State | None:
         for x in r.sessions
         if st["phase"][x] == "Offloading" and all(wk2[m] == NO for m in path(st, st["ref"][x], lim))
     ]
-    f = free_set(st, [st["ref"][x] for x in done], st["dev"], wk2, st["loadKey"], lr2, lim)
+    f = set() if r.lazy_free else free_set(st, [st["ref"][x] for x in done], st["dev"], wk2, st["loadKey"], lr2, lim)
     s["writeKey"], s["lockRef"] = wk2, lr2
     for m in f:
         s["dev"][m] = False
@@ -297,7 +299,7 @@ def tool_end(st: State, r: Rules, sid: str, e: Any) -> State | None:
         lk2 = {m: (n if m in c else v) for m, v in st["loadKey"].items()}
         loads = 1 if c else 0
         runnable = all(lk2[m] == NO for m in pn) or r.bug == "EarlyRunnable"
-        pin = 0 if runnable and r.bug == "EarlyRelease" else 1
+        pin = 0 if runnable and (r.bug == "EarlyRelease" or (r.bug == "ResidentNoPin" and not c)) else 1
         for m in c:
             s["dev"][m] = True
         s["devFree"] -= len(c)

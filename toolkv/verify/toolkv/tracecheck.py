@@ -191,6 +191,7 @@ TraceNext == TNext \\/ Done
     Ring = 0
     SysLoads = FALSE
     Policy = {"TRUE" if header.get("policy") else "FALSE"}
+    LazyFree = {"TRUE" if header.get("lazy_free") else "FALSE"}
     BUG = "none"
     HostFits <- THostFits
     HostShort <- THostShort

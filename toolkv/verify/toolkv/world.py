@@ -233,6 +233,7 @@ class Replayer:
                 policy=self.policy,
                 prefetch=False,
                 idle_ttl_s=float("inf"),  # the spec closes sessions only when told to
+                lazy_free=self.b.lazy_free,  # spec LazyFree: leave finished offloads' GPU copies
             ),
             caveats=self.caveats,
         )
