@@ -67,7 +67,12 @@ class ImmediateChannel(ChannelTransport):
 class Bench:
     """A stack, toolkv over it, the HTTP routes, and a scheduler loop stepped by hand."""
 
-    def __init__(self, stack: Stack, *, ttl_s: float = 60.0, handover_ttl_s: float = 5.0) -> None:
+    def __init__(
+        self, stack: Stack, *, ttl_s: float = 60.0, handover_ttl_s: float = 5.0, lazy_free: bool = False
+    ) -> None:
+        # The faults here are of the host->GPU restore path, which needs the GPU copy freed at the write
+        # ack (TOOLKV_LAZY_FREE=0); with lazy free a copy sglang did not evict is handed over as it is
+        # (tests/test_lazy_free.py).
         self.stack = stack
         h = stack.h
         self.h = h
@@ -79,6 +84,7 @@ class Bench:
             handover_ttl_s=handover_ttl_s,
             fallback="shadow" if stack.name == "shadow" else "pin",
             sweep_every=1,
+            lazy_free=lazy_free,
         )
         self.tk = SchedulerToolKV(
             h.tree, config=cfg, clock=AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
