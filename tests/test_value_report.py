@@ -199,3 +199,15 @@ def test_the_l3_gpu_table_is_the_reports_output(
     assert block is not None and block.strip().startswith(printed), (
         "regenerate the table in docs/benchmarks.md"
     )
+
+
+def test_the_lazy_free_round_is_the_reports_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The round at the lazy-free default (docs/results/value_repeat/C/, one H100) as
+    docs/benchmarks.md shows it."""
+    monkeypatch.chdir(ROOT)
+    assert main(["docs/results/value_repeat/C/r1"]) == 0
+    printed = capsys.readouterr().out.strip()
+    block = doc_block("benchmarks.md", "value-repeat-lazy")
+    assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
