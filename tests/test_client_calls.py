@@ -47,7 +47,9 @@ class Net:
     def __init__(self, h: CacheHarness, config: ToolKVConfig | None = None) -> None:
         self.h = h
         # the restore path under test needs the GPU copy freed at the write ack (TOOLKV_LAZY_FREE=0)
-        self.tk = SchedulerToolKV(h.tree, config=config if config is not None else ToolKVConfig(lazy_free=False))
+        self.tk = SchedulerToolKV(
+            h.tree, config=config if config is not None else ToolKVConfig(lazy_free=False)
+        )
         h.tree._toolkv = self.tk
         self.app = build_app(LoopbackChannel(self.tk))
         self.inner = TestClient(self.app)._transport

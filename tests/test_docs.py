@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from toolkv.tools.diagram import session_diagram, tier_diagram
 
@@ -110,3 +113,51 @@ def test_spec_results_table_is_generated_from_spec_check_json() -> None:
     manifest = tomllib.loads((ROOT / "spec" / "configs.toml").read_text())
     names = {c["name"] for c in manifest["config"]}
     assert {c["name"] for c in summary["configs"]} <= names, "a config in the table no longer exists"
+
+
+def test_a_later_spec_check_run_merges_into_the_stored_rows(tmp_path: Path, monkeypatch: Any) -> None:
+    """`toolkv docs --spec-check-add`: a config of the later run replaces its row, a new one joins
+    after the last of its kind, seconds add up, the runs are counted and the table says so; runs
+    with different worker counts are refused and change nothing."""
+
+    from toolkv.errors import InputError
+    from toolkv.tools import docgen
+
+    def row(name: str, kind: str, seconds: float) -> dict[str, Any]:
+        return {
+            "name": name,
+            "kind": kind,
+            "cfg": f"{name}.cfg",
+            "expected": "pass",
+            "result": "pass",
+            "ok": True,
+            "generated": 10,
+            "distinct": 5,
+            "depth": 3,
+            "seconds": seconds,
+            "exit_code": 0,
+            "detail": "",
+        }
+
+    base = {
+        "ok": True,
+        "seconds": 30.0,
+        "workers": 1,
+        "sany": [],
+        "configs": [row("a", "safe", 10.0), row("m", "mutant", 20.0)],
+    }
+    added = {
+        "ok": True,
+        "seconds": 7.0,
+        "workers": 1,
+        "sany": [],
+        "configs": [row("m", "mutant", 3.0), row("b", "safe", 4.0)],
+    }
+    merged = docgen.merge_summaries(base, added)
+    assert [r["name"] for r in merged["configs"]] == ["a", "b", "m"]
+    assert merged["configs"][2]["seconds"] == 3.0 and merged["seconds"] == 37.0 and merged["runs"] == 2
+    assert "3 configs in 37 s (over 2 runs, merged by `toolkv docs --spec-check-add`)" in docgen.spec_table(
+        merged
+    )
+    with pytest.raises(InputError):
+        docgen.merge_summaries(base, {**added, "workers": 2})

@@ -85,7 +85,7 @@ def test_a_surviving_copy_is_handed_over_with_nothing_to_load(hh: CacheHarness) 
 def test_a_copy_sglang_evicts_is_restored_from_the_protected_host_copy(hh: CacheHarness) -> None:
     h = hh
     initial = h.accounting()
-    m, kv_a, free_before = offloaded(h, lazy=True)
+    m, kv_a, _free_before = offloaded(h, lazy=True)
     h.evict_device(10**6)  # another request needs the whole device: sglang's own eviction runs
     assert h.match(A).device_indices.numel() < len(A), "sglang's eviction took the copy left"
     h.evict_host(10**6)  # and the host pool too: the protected copy stays

@@ -210,7 +210,9 @@ def call(sched: Any, op: str, **body: Any) -> ToolKVReqOutput:
     return out
 
 
-def test_full_cycle_through_the_hooks_returns_every_resource(hh: CacheHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_cycle_through_the_hooks_returns_every_resource(
+    hh: CacheHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TOOLKV_LAZY_FREE", "0")  # the host->GPU restore path (lazy free: test_lazy_free.py)
     h = hh
     initial = h.accounting()

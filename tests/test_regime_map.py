@@ -87,7 +87,9 @@ def test_the_committed_map_is_whole_and_its_cells_match_its_runs() -> None:
         (t.sessions, t.host_gb, t.shape, t.seed, t.config)
         for t in tasks(ax["sessions"], ax["hosts_gb"], ax["tool_shapes"], ax["seeds"], ax["configs"])
     }
-    have = {(r["sessions"], float(r["host_gb"]), r["tool_shape"], r["seed"], r["config"]) for r in data["runs"]}
+    have = {
+        (r["sessions"], float(r["host_gb"]), r["tool_shape"], r["seed"], r["config"]) for r in data["runs"]
+    }
     assert have == want
     assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
     assert data["never_worse_violations"] == never_worse(cells(data["runs"]))

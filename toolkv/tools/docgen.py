@@ -7,6 +7,11 @@ model-checking table of docs/spec.md::
     toolkv spec-check --json > spec-check.json      # minutes: every config and mutant
     toolkv docs --spec-check spec-check.json         # docs/spec-check.json + the table in docs/spec.md
 
+A config added later need not re-run the whole set (half an hour on one TLC worker):
+``toolkv spec-check --only NEW --json > new.json && toolkv docs --spec-check-add new.json`` merges its
+rows into the stored summary (a row of the same name is replaced, the seconds are added, the runs
+counted, and the table says so).
+
 The JSON is stored without machine-specific fields (the spec directory's absolute path).
 
 ``toolkv docs --layout`` rewrites the layout measures in docs/architecture.md instead (file sizes,
@@ -41,11 +46,13 @@ def spec_table(summary: dict[str, Any]) -> str:
 
     results = [ConfigResult(**r) for r in summary["configs"]]
     ok = "all as expected" if summary["ok"] else "NOT all as expected"
+    runs = int(summary.get("runs", 1))
+    merged = f" (over {runs} runs, merged by `toolkv docs --spec-check-add`)" if runs > 1 else ""
     return "\n".join(
         [
             BEGIN,
             f"`toolkv spec-check --json` ({summary['workers']} TLC worker): {len(results)} configs in "
-            f"{summary['seconds']:.0f} s, {ok}.",
+            f"{summary['seconds']:.0f} s{merged}, {ok}.",
             "",
             "```",
             format_table(results),
@@ -53,6 +60,31 @@ def spec_table(summary: dict[str, Any]) -> str:
             END,
         ]
     )
+
+
+def merge_summaries(base: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]:
+    """``added``'s configs over ``base``'s: a config of the same name is replaced in place, a new one
+    appended; seconds add up and the runs are counted, so the table never presents two runs as one.
+    Both must have run with the same number of TLC workers (their seconds would not compare)."""
+    if base.get("workers") != added.get("workers"):
+        raise InputError(
+            f"the runs used {base.get('workers')} and {added.get('workers')} TLC workers: "
+            "merge only runs with the same --workers"
+        )
+    rows = {r["name"]: r for r in base["configs"]}
+    new = {r["name"]: r for r in added["configs"]}
+    configs = [new.get(r["name"], r) for r in base["configs"]]
+    for name, row in new.items():  # a new config goes after the last of its kind (safe, mutant, ...)
+        if name not in rows:
+            same = [i for i, r in enumerate(configs) if r.get("kind") == row.get("kind")]
+            configs.insert(same[-1] + 1 if same else len(configs), row)
+    return {
+        **base,
+        "ok": all(r["ok"] for r in configs),
+        "seconds": round(float(base["seconds"]) + float(added["seconds"]), 1),
+        "runs": int(base.get("runs", 1)) + int(added.get("runs", 1)),
+        "configs": configs,
+    }
 
 
 def replace_block(text: str, block: str) -> str:
@@ -75,6 +107,12 @@ def replace_layout_block(text: str, block: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spec-check", type=Path, metavar="FILE", help="JSON written by `toolkv spec-check --json`"
+    )
+    p.add_argument(
+        "--spec-check-add",
+        type=Path,
+        metavar="FILE",
+        help="JSON of a `toolkv spec-check --only ... --json` run whose configs join or replace the stored rows",
     )
     p.add_argument(
         "--layout",
@@ -124,20 +162,28 @@ def run_layout(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    add = getattr(args, "spec_check_add", None)
     if getattr(args, "layout", False):
-        if args.spec_check is not None:
+        if args.spec_check is not None or add is not None:
             raise InputError("--layout and --spec-check are separate runs: give one")
         return run_layout(args)
+    if add is not None and args.spec_check is not None:
+        raise InputError(
+            "--spec-check replaces the stored summary, --spec-check-add merges into it: give one"
+        )
     if not SPEC_MD.is_file():  # an installed toolkv: there is no docs/ to regenerate
         raise InputError(
             f"no {SPEC_MD}: `toolkv docs` regenerates the docs/ of a toolkv checkout; run it there"
         )
     source = args.spec_check if args.spec_check is not None else SPEC_JSON
     summary, table = load_summary(source)
+    if add is not None:
+        summary = merge_summaries(summary, load_summary(add)[0])
+        table, source = spec_table(summary), add
     before = SPEC_MD.read_text()
     text = replace_block(before, table)
     written = [SPEC_MD]
-    if args.spec_check is not None:
+    if args.spec_check is not None or add is not None:
         SPEC_JSON.write_text(json.dumps(summary, indent=2) + "\n")
         written.insert(0, SPEC_JSON)
     SPEC_MD.write_text(text)

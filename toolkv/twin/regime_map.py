@@ -141,7 +141,11 @@ def run_task_retrying(t: Task) -> dict[str, Any]:
         except ValueError as e:
             if _LOW_MEMORY not in str(e) or attempt == _RETRIES:
                 raise
-            print(f"toolkv twin map: {t}: {e}; trying again in {_RETRY_PAUSE_S:g} s", file=sys.stderr, flush=True)
+            print(
+                f"toolkv twin map: {t}: {e}; trying again in {_RETRY_PAUSE_S:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(_RETRY_PAUSE_S)
     raise AssertionError("unreachable")
 
@@ -473,7 +477,10 @@ def main(a: argparse.Namespace) -> int:
     if bad and getattr(a, "known", None):
         known = _cells_of(json.loads(Path(a.known).read_text()).get("never_worse_violations", []))
         new = [m for m in bad if _cells_of([m]) - known]
-        print(f"known misses (in {a.known}): {len(bad) - len(new)}; new: {len(new)}" + "".join(f"\n- {m}" for m in new))
+        print(
+            f"known misses (in {a.known}): {len(bad) - len(new)}; new: {len(new)}"
+            + "".join(f"\n- {m}" for m in new)
+        )
         return 0 if not new else 1
     return 0 if not bad else 1
 
@@ -509,13 +516,18 @@ def _print_doc_table(argv: Sequence[str] | None = None) -> int:
     """``python -m toolkv.twin.regime_map --doc-table MAP.json``: print the docs table of a saved map
     (what docs/benchmarks.md shows between its twin-map markers), without running anything."""
     p = argparse.ArgumentParser(prog="python -m toolkv.twin.regime_map", description=_print_doc_table.__doc__)
-    p.add_argument("--doc-table", required=True, metavar="MAP_JSON", help="a map.json written by toolkv twin map")
+    p.add_argument(
+        "--doc-table", required=True, metavar="MAP_JSON", help="a map.json written by toolkv twin map"
+    )
     a = p.parse_args(argv)
     try:
         data = json.loads(Path(a.doc_table).read_text())
         print(doc_table(data))
     except (OSError, ValueError, KeyError) as e:
-        print(f"python -m toolkv.twin.regime_map: error: cannot read a map from {a.doc_table}: {e}", file=sys.stderr)
+        print(
+            f"python -m toolkv.twin.regime_map: error: cannot read a map from {a.doc_table}: {e}",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

@@ -49,7 +49,11 @@ def campaign(
     profiles.register()
     base = settings.get_profile(profile or os.environ.get("HYPOTHESIS_PROFILE") or profiles.DEFAULT)
     cls: Any = machine or machine_class(
-        caveats=caveats, env_bugs=env_bugs, device=device, page_size=page_size, trace_dir=trace_dir,
+        caveats=caveats,
+        env_bugs=env_bugs,
+        device=device,
+        page_size=page_size,
+        trace_dir=trace_dir,
         lazy_free=lazy_free,
     )
     if reproduce is not None:

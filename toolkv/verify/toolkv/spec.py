@@ -257,7 +257,11 @@ def write_ack(st: State, r: Rules, k: str) -> State | None:
         for x in r.sessions
         if st["phase"][x] == "Offloading" and all(wk2[m] == NO for m in path(st, st["ref"][x], lim))
     ]
-    f = set() if r.lazy_free else free_set(st, [st["ref"][x] for x in done], st["dev"], wk2, st["loadKey"], lr2, lim)
+    f = (
+        set()
+        if r.lazy_free
+        else free_set(st, [st["ref"][x] for x in done], st["dev"], wk2, st["loadKey"], lr2, lim)
+    )
     s["writeKey"], s["lockRef"] = wk2, lr2
     for m in f:
         s["dev"][m] = False
