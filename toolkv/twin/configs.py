@@ -30,6 +30,9 @@ class TwinConfig:
     l3_write_gbps: float | None = None  # the write direction's, when it differs
     l3_capacity_gb: float | None = None  # the store's capacity (None: it never fills)
     l3_store: str = ""  # a store shared by several servers (a fleet's), by name; "": the server's own
+    # TOOLKV_* settings over the twin's own, as an operator's environment would set them (parsed
+    # and checked by ToolKVConfig.from_env): e.g. (("TOOLKV_L3", "0"),) to try a knob on a load
+    toolkv_env: tuple[tuple[str, str], ...] = ()
 
     def storage_link(self, kv_bytes_per_token: int) -> Any:
         """The L3 link of an L3 server (``toolkv.twin.storage.StorageLink``), None without L3."""

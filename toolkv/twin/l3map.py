@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def plan(sessions: Sequence[int], shapes: Sequence[str], seeds: Sequence[int], c
     return sorted(out, key=lambda t: -t[0])
 
 
-def run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
+def run_one(task: tuple[Any, ...]) -> dict[str, Any]:
     """One twin run (in a worker process); a gloo port another process holds is tried again on
     another port (the machine is shared)."""
     for attempt in range(5):
@@ -73,7 +74,7 @@ def run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-def _run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
+def _run_one(task: tuple[Any, ...]) -> dict[str, Any]:
     from toolkv.twin.configs import REGIMES, get
     from toolkv.twin.profile import default_profile
     from toolkv.twin.regime_map import Task, _workload, live_kv_bytes
@@ -82,12 +83,15 @@ def _run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
     from toolkv.twin.sessions import Sessions
     from toolkv.workload.metrics import closed_stats
 
-    n, shape, seed, config = task
+    n, shape, seed, config, *rest = task
+    env: tuple[tuple[str, str], ...] = rest[0] if rest else ()
     host = HOST_GB[config]
     t = Task(n, host, shape, seed, BASE[config])
     w = _workload(t)
     prof = default_profile()
     cfg = get(BASE[config]).with_host_gb(host)
+    if env and not config.startswith("stock"):  # toolkv's knobs, on toolkv's configurations only
+        cfg = replace(cfg, toolkv_env=env)
     t0 = time.process_time()
     twin = Twin(Sessions.lazy(w), cfg, prof, Options(device_tokens=REGIMES["constrained"]))
     o = twin.run()
@@ -105,7 +109,7 @@ def _run_one(task: tuple[int, str, int, str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_all(todo: list[tuple[int, str, int, str]], jobs: int, quiet: bool = False) -> list[dict[str, Any]]:
+def run_all(todo: Sequence[tuple[Any, ...]], jobs: int, quiet: bool = False) -> list[dict[str, Any]]:
     """Every run on ``jobs`` processes (spawned), a progress line per finished run on stderr."""
     import multiprocessing as mp
 
@@ -208,6 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", default=None, help="write the JSON here (e.g. docs/results/twin/l3map.json)")
     p.add_argument("--doc-table", default=None, metavar="JSON", help="print the docs block of a saved run")
+    p.add_argument(
+        "--toolkv-env",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="a TOOLKV_* setting for toolkv's configurations (repeatable), e.g. TOOLKV_L3=0",
+    )
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.doc_table:
@@ -225,12 +236,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [x.strip() for x in a.configs.split(",")]
         if set(shapes) - set(SHAPES) or set(configs) - set(CONFIGS):
             raise ValueError(f"shapes among {SHAPES}, configs among {CONFIGS}")
+        env = tuple(tuple(x.split("=", 1)) for x in a.toolkv_env)
+        if any(len(kv) != 2 for kv in env):
+            raise ValueError(f"--toolkv-env takes VAR=VALUE, got {a.toolkv_env}")
+        if env:
+            from toolkv.sglang.config import ToolKVConfig
+
+            ToolKVConfig.from_env({"TOOLKV_ENABLE": "1", **dict(env)})  # a bad name or value stops here
     except ValueError as e:
         print(f"python -m toolkv.twin.l3map: error: {e}", file=sys.stderr)
         return 2
     from toolkv.twin.regime_map import _commit
 
-    todo = plan(sessions, shapes, seeds, configs, seeds96)
+    todo = [(*t, env) for t in plan(sessions, shapes, seeds, configs, seeds96)]
     t0 = time.monotonic()
     rows = run_all(todo, a.jobs, a.quiet)
     cmd = "python -m toolkv.twin.l3map" + "".join(
@@ -240,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("shapes", a.shapes),
             ("seeds", a.seeds),
             ("seeds_96", a.seeds_96),
+            *(("toolkv_env", x) for x in a.toolkv_env),
         )
     )
     # a run from an exported tree (git archive) names its commit in TOOLKV_COMMIT

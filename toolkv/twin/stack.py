@@ -154,6 +154,8 @@ def _build(
             else {}
         ),
     )
+    if cfg.toolkv_env:
+        tcfg = with_env(tcfg, cfg.toolkv_env)
     agree = LocalAgreement()
     clock = AgreedClock(agree, every=tcfg.sweep_every, source=now)
     tk = SchedulerToolKV(h.tree, config=tcfg, agree=agree, clock=clock)
@@ -167,3 +169,17 @@ def _build(
 
         return Stack(h, tk, device_tokens, host, is_unified, TimedStorageIO(h, link), L3Scheduler)
     return Stack(h, tk, device_tokens, host, is_unified)
+
+
+def with_env(tcfg: Any, env: tuple[tuple[str, str], ...]) -> Any:
+    """``tcfg`` with the fields that ``env``'s ``TOOLKV_*`` variables name, parsed and checked as the
+    plugin parses an operator's environment (``ToolKVConfig.from_env``: a bad name or value raises
+    ``ValueError``); the other fields stay the twin's."""
+    from dataclasses import replace
+
+    from toolkv.sglang.config import ToolKVConfig
+
+    parsed = ToolKVConfig.from_env({"TOOLKV_ENABLE": "1", **dict(env)})
+    return replace(
+        tcfg, **{k[len("TOOLKV_") :].lower(): getattr(parsed, k[len("TOOLKV_") :].lower()) for k, _ in env}
+    )
