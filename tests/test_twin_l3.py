@@ -159,16 +159,40 @@ def test_link_is_a_fifo_at_its_rate() -> None:
         L3Config(read_gbps=0)
 
 
-def test_the_committed_l3map_is_the_block_in_the_docs() -> None:
-    """docs/benchmarks.md shows docs/results/twin/l3map.json as ``doc_table`` renders it; the JSON's
+@pytest.mark.parametrize(
+    ("name", "marker"), [("l3map.json", "twin-l3map"), ("l3map_toolkv_l3_off.json", "twin-l3map-toolkv-l3-off")]
+)
+def test_the_committed_l3map_is_the_block_in_the_docs(name: str, marker: str) -> None:
+    """docs/benchmarks.md shows docs/results/twin/l3map*.json as ``doc_table`` renders it; the JSON's
     cells are its rows' ratios (a test that fails on an edited table or a stale block)."""
     from toolkv.twin.l3map import cells, doc_table
 
-    data = json.loads((ROOT / "docs" / "results" / "twin" / "l3map.json").read_text())
+    data = json.loads((ROOT / "docs" / "results" / "twin" / name).read_text())
     assert data["cells"] == json.loads(json.dumps(cells(data["rows"])))
     assert all(r["passed"] and not r["crashed"] for r in data["rows"])
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = re.search(r"<!-- BEGIN twin-l3map -->\n(.*?)\n<!-- END twin-l3map -->", doc, re.S)
+    block = re.search(rf"<!-- BEGIN {marker} -->\n(.*?)\n<!-- END {marker} -->", doc, re.S)
     assert block is not None and block.group(1).strip() == doc_table(data).strip(), (
-        "regenerate the block: python -m toolkv.twin.l3map --doc-table docs/results/twin/l3map.json"
+        f"regenerate the block: python -m toolkv.twin.l3map --doc-table docs/results/twin/{name}"
     )
+
+
+def test_a_toolkv_setting_reaches_the_twins_toolkv_and_a_bad_one_stops_the_sweep(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--toolkv-env VAR=VALUE`` (l3map) and ``TwinConfig.toolkv_env``: parsed as the plugin parses
+    an operator's environment; only the named fields change; a bad name or value is an error
+    before any run."""
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.twin import l3map
+    from toolkv.twin.stack import with_env
+
+    base = ToolKVConfig(enable=True, ttl_s=600.0, l3_read_tokens_per_s=5.0)
+    got = with_env(base, (("TOOLKV_L3", "0"), ("TOOLKV_L3_STORE_MARGIN_S", "1e9")))
+    assert (got.l3, got.l3_store_margin_s) == (False, 1e9)
+    assert (got.ttl_s, got.l3_read_tokens_per_s, got.policy) == (600.0, 5.0, base.policy)
+    with pytest.raises(ValueError, match="TOOLKV_L3"):
+        with_env(base, (("TOOLKV_L3", "maybe"),))
+    for bad in ("TOOLKV_L3=maybe", "TOOLKV_NOPE=1", "NOEQUALS"):
+        assert l3map.main(["--sessions", "24", "--shapes", "long", "--toolkv-env", bad]) == 2
+        assert "error" in capsys.readouterr().err
