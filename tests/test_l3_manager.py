@@ -449,3 +449,44 @@ def test_the_decision_log_of_an_l3_round_trip_is_a_spec_behaviour(tmp_path: Path
     bad = tmp_path / "bad.log"
     bad.write_text(text.replace(" l3=fetching", ""))
     assert not check_logs([bad]).ok
+
+
+def test_read_at_arrival_leaves_a_stored_sessions_read_to_sglang(tmp_path: Path) -> None:
+    """``l3_read_at_arrival`` (TOOLKV_L3_READ_AT_ARRIVAL): the tool_end of a session stored whole in
+    L3 reads nothing itself (spec Demote, then ToolEnd of the Released session: ``Running``, no
+    protection, no storage pin); sglang's own read at the next request's arrival brings the copy
+    back from storage, byte for byte, and every lock, host reference and slot is returned. A stale
+    epoch still changes nothing. (Without the knob the same tool_end reads L3 itself:
+    ``test_a_session_demoted_to_l3_when_the_host_is_full_comes_back_byte_identical``.)"""
+    with StorageCacheHarness(CFG, tmp_path / "l3") as h:
+        initial = h.accounting()
+        be = HiRadixBackend(h.tree, host_budget_tokens=BUDGET)
+        m = ToolKVManager(
+            h.tree, be, config=ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, l3_read_at_arrival=True)
+        )
+        kv = turn(h, m, "a", A)
+        epoch = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
+        step(h, m, 0.0, writes=True)
+        h.await_store_acks()
+        turn(h, m, "b", B)
+        demote_a(h, m)
+        with pytest.raises(StaleEpoch):
+            m.tool_end("a", epoch - 1)
+        assert m.kv_meta("a")["l3"] == "stored", "a stale epoch changed nothing"
+        meta = m.tool_end("a", epoch)
+        assert meta["state"] == "Running" and "l3" not in meta and not meta["protected"], meta
+        assert (m.counters["tool_end_l3_arrival"], m.counters["tool_end_l3"], m.counters["l3_prefetch"]) == (
+            1,
+            0,
+            0,
+        )
+        assert not be.storage_copies, "toolkv holds no storage pin for it"
+        with pytest.raises(WrongState):
+            m.tool_end("a", epoch)  # the call is over: never a second restore
+        # the next request arrives: sglang's prefetch reads the copy from storage, then its load_back
+        assert h.prefetch("req-a", A) > 0, "sglang's own arrival read found the copy in storage"
+        dev = h.load_to_device(A)
+        assert dev.numel() == len(A)
+        assert torch.equal(h.device_kv(dev), kv), "the bytes sglang read back = the offloaded bytes"
+        settle(h, m)
+        assert h.accounting() == initial, "every lock, host reference and slot returned"

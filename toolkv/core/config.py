@@ -40,6 +40,13 @@ class ManagerConfig:
     # With an L3 storage tier (sglang's --hicache-storage-backend): a host that must make room
     # stores an offloaded session's copy to L3 instead of dropping it. False: drop, as without one.
     l3: bool = True
+    # With an L3 tier: a tool_end of a session whose copy lives in L3 (StoreAck whole) reads
+    # nothing itself: spec Demote, then ToolEnd of the Released session, and sglang's own read at the
+    # next request's arrival brings the copy (as under stock sglang with L3). toolkv's reads ahead
+    # into a host with no room came back short; in the twin this kept more with long and named tools
+    # (docs/benchmarks.md). False (what spec/storage/StorageTier.tla models): StoragePrefetch at
+    # tool_end, and a read ahead of the predicted return for a session stored early.
+    l3_read_at_arrival: bool = False
     # the rate the early restore assumes for reading a session back from L3 (tokens per second):
     # a session's early restore starts that much earlier once its copy lives in L3
     l3_read_tokens_per_s: float = 100_000.0
@@ -51,9 +58,9 @@ class ManagerConfig:
     # policy actions): restore at every tool_end that fits the running requests' promise, else 503,
     # and pin until admission whatever is queued. The plugin turns it on (TOOLKV_ADAPTIVE=1).
     adaptive: bool = False
-    # Spec LazyFree: a finished offload leaves its GPU copies to sglang's eviction, as its first
-    # victims (the session predicted back last first), instead of freeing them; they are taken only
-    # when sglang needs the room, and a session whose copy survives comes back with nothing to load.
+    # Spec LazyFree: a finished offload leaves its GPU copies to sglang's eviction (unlocked, backed
+    # up, in sglang's own LRU order) instead of freeing them; they are taken only when sglang needs
+    # the room, and a session whose copy survives comes back with nothing to load.
     # False (the base spec): freed once the write is acknowledged. The plugin turns it on
     # (TOOLKV_LAZY_FREE=1) on backends that can (HiRadixCache under its LRU strategy).
     lazy_free: bool = False

@@ -272,7 +272,7 @@ class L3Tier(MachineCore):
             if rec.prefetch_at != float("inf"):  # the early restore now reads L3 first: start sooner
                 lead = rec.offload_tokens / self.config.l3_read_tokens_per_s
                 self.timers.arm_prefetch(rec, max(self.now, rec.prefetch_at - lead))
-            elif early:  # stored for being away long: read it back to the host before its return
+            elif early and not self.config.l3_read_at_arrival:  # read it back before its return
                 self._arm_readahead(rec)
             log.debug("session %s demoted to L3", rec.session_id)
         else:
@@ -307,9 +307,12 @@ class L3Tier(MachineCore):
 
     def _tool_end_l3(self, rec: SessionRecord) -> bool:
         """tool_end of a session with an L3 copy. True: handled here (the restore goes on at the
-        prefetch's ack); False: the host copy is protected, restore from it as usual."""
+        prefetch's ack, or sglang's read at arrival brings it); False: the host copy is protected,
+        restore from it as usual."""
         if rec.l3 == L3.STORING and self._store_left_for_host(rec):  # ToolEndFromHost
             return False
+        if rec.l3 == L3.STORED and not rec.l3_then and self.config.l3_read_at_arrival:
+            return self._tool_end_at_arrival(rec)
         if rec.l3_then == "tool_end":  # this call's tool_end was accepted already
             raise WrongState(
                 f"tool_end already accepted; {rec.session_id!r} is being restored from L3", state=rec.state
@@ -321,6 +324,20 @@ class L3Tier(MachineCore):
         self._observe_call(rec)
         self.counters["tool_end"] += 1
         self.counters["tool_end_l3"] += 1
+        return True
+
+    def _tool_end_at_arrival(self, rec: SessionRecord) -> bool:
+        """``l3_read_at_arrival``: the tool_end of a session stored whole in L3 reads nothing
+        itself. Spec ``Demote`` (its protection and L3 sub-phase end; the copy stays in sglang's
+        storage), then ``ToolEnd`` of the ``Released`` session (→ ``Running``): sglang's own
+        prefetch at the next request's arrival reads what its storage holds, into whatever host
+        room its LRU makes, where toolkv's read into a host full of protected copies came back
+        short. Both are ToolKV.tla steps; the storage spec's ``StoragePrefetch`` is not taken."""
+        self.demote(rec.session_id)
+        fire(rec, "tool_end", Phase.RUNNING)
+        self._observe_call(rec)
+        self.counters["tool_end"] += 1
+        self.counters["tool_end_l3_arrival"] += 1
         return True
 
     def _l3_prefetch(self, rec: SessionRecord) -> bool:
