@@ -378,7 +378,10 @@ def test_restore_on_request_reads_an_l3_session_back_once(tmp_path: Path) -> Non
     with StorageCacheHarness(CFG, tmp_path / "l3") as h:
         initial = h.accounting()
         tk = SchedulerToolKV(
-            h.tree, config=ToolKVConfig(ttl_s=TTL, host_budget_tokens=BUDGET, lazy_free=False)
+            h.tree,
+            config=ToolKVConfig(
+                ttl_s=TTL, host_budget_tokens=BUDGET, lazy_free=False, l3_read_at_arrival=False
+            ),
         )
         m = tk.manager
         kv = turn(h, m, "a", A)
@@ -419,7 +422,10 @@ def test_the_decision_log_of_an_l3_round_trip_is_a_spec_behaviour(tmp_path: Path
     try:
         with StorageCacheHarness(CFG, tmp_path / "l3") as h:
             tk = SchedulerToolKV(
-                h.tree, config=ToolKVConfig(ttl_s=TTL, host_budget_tokens=BUDGET, lazy_free=False)
+                h.tree,
+                config=ToolKVConfig(
+                    ttl_s=TTL, host_budget_tokens=BUDGET, lazy_free=False, l3_read_at_arrival=False
+                ),
             )
             m = tk.manager
             turn(h, m, "a", A)

@@ -105,32 +105,43 @@ def test_storage_writes_and_reads_at_the_link_rate_and_bytes_come_back_equal() -
         h.close()
 
 
-def _run(name: str) -> tuple[Any, Any]:
+def _run(name: str, env: tuple[tuple[str, str], ...] = ()) -> tuple[Any, Any]:
+    from dataclasses import replace
+
     from toolkv.twin.configs import get
     from toolkv.twin.run import Twin
     from toolkv.twin.sessions import Sessions
 
-    cfg = get(name).with_host_gb(1.0)
+    cfg = replace(get(name).with_host_gb(1.0), toolkv_env=env)
     twin = Twin(Sessions.lazy(L3W), cfg, default_profile(), L3OPTS)
     return twin, twin.run()
 
 
 def test_toolkv_l3_runs_through_the_manager_and_stock_l3_through_sglang() -> None:
     """offload-l3: toolkv's manager stores sessions to L3 (l3_store, demoted_l3: acknowledged
-    whole) and reads them back (l3_prefetch or l3_readahead), and the storage double moved those
-    tokens; stock-l3: sglang's own write-through and arrival reads, no toolkv L3 action. Every run
-    conserves tokens and leaves nothing held."""
+    whole); by default (TOOLKV_L3_READ_AT_ARRIVAL=1) their tool_ends read nothing
+    (tool_end_l3_arrival) and sglang's arrival reads bring them, with it off toolkv reads them back
+    (l3_prefetch or l3_readahead) and the storage double moved those tokens; stock-l3: sglang's own
+    write-through and arrival reads, no toolkv L3 action. Every run conserves tokens and leaves
+    nothing held."""
     from toolkv.twin.report import result
 
     runs = {c: _run(c) for c in ("stock-l3", "offload-l3", "offload")}
+    runs["offload-l3-toolkv-read"] = _run("offload-l3", (("TOOLKV_L3_READ_AT_ARRIVAL", "0"),))
     for c, (_twin, o) in runs.items():
         r = result(o, default_profile(), window=(3.0, L3W.duration_s))
         assert o.crashed is None and r["passed"], (c, o.crashed, o.leaks)
     tk_twin, tk = runs["offload-l3"]
     c = tk.meta_end["counters"]
-    assert c["l3_store"] > 0 and c["demoted_l3"] > 0, c
-    assert c.get("l3_prefetch", 0) + c.get("l3_readahead", 0) > 0, c
+    assert c["l3_store"] > 0 and c["demoted_l3"] > 0 and c["tool_end_l3_arrival"] > 0, c
+    assert c.get("l3_prefetch", 0) + c.get("l3_readahead", 0) == 0, c
     st = tk_twin.stack.storage.stats
+    assert st["toolkv_read_tokens"] == 0 and st["read_tokens"] > 0 and st["write_tokens"] > 0
+    rd_twin, rd = runs["offload-l3-toolkv-read"]
+    c = rd.meta_end["counters"]
+    assert c["l3_store"] > 0 and c["demoted_l3"] > 0 and not c.get("tool_end_l3_arrival"), c
+    assert c.get("l3_prefetch", 0) + c.get("l3_readahead", 0) > 0, c
+    st = rd_twin.stack.storage.stats
     assert st["toolkv_read_tokens"] > 0 and st["write_tokens"] > 0
     s_twin, s = runs["stock-l3"]
     assert not any(k.startswith("l3_") and v for k, v in s.meta_end["counters"].items())

@@ -265,8 +265,9 @@ class ToolKVConfig:
     # TOOLKV_L3_READ_TOKENS_PER_S: the L3 read rate the early restore of a session in L3 assumes
     l3_read_tokens_per_s: float = 100_000.0
     # TOOLKV_L3_READ_AT_ARRIVAL: a tool_end of a session stored in L3 lets sglang's own read at the
-    # next request's arrival bring it, instead of toolkv reading it back to the host (ManagerConfig)
-    l3_read_at_arrival: bool = False
+    # next request's arrival bring it, instead of toolkv reading it back to the host (ManagerConfig;
+    # on by default: in the twin it kept more with long and named tools, docs/benchmarks.md)
+    l3_read_at_arrival: bool = True
     # TOOLKV_SESSION_HEADER: an HTTP header whose value labels a request that has no session_id in
     # its body (lower-cased; "" = off): X-SMG-Routing-Key behind sglang's router
     session_header: str = ""
@@ -390,7 +391,7 @@ class ToolKVConfig:
             idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, lo=1.0),
             l3=_bool(e, "TOOLKV_L3", True),
             l3_read_tokens_per_s=_float(e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, lo=1.0),
-            l3_read_at_arrival=_bool(e, "TOOLKV_L3_READ_AT_ARRIVAL", False),
+            l3_read_at_arrival=_bool(e, "TOOLKV_L3_READ_AT_ARRIVAL", True),
             session_header=_header(e, "TOOLKV_SESSION_HEADER"),
             **_policy_knobs(e),
         )
