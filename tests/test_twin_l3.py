@@ -172,7 +172,11 @@ def test_link_is_a_fifo_at_its_rate() -> None:
 
 @pytest.mark.parametrize(
     ("name", "marker"),
-    [("l3map.json", "twin-l3map"), ("l3map_toolkv_l3_off.json", "twin-l3map-toolkv-l3-off")],
+    [
+        ("l3map.json", "twin-l3map"),
+        ("l3map_toolkv_read.json", "twin-l3map-toolkv-read"),
+        ("l3map_toolkv_l3_off.json", "twin-l3map-toolkv-l3-off"),
+    ],
 )
 def test_the_committed_l3map_is_the_block_in_the_docs(name: str, marker: str) -> None:
     """docs/benchmarks.md shows docs/results/twin/l3map*.json as ``doc_table`` renders it; the JSON's
