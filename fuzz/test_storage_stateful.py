@@ -44,9 +44,24 @@ def test_the_storage_tier_survives_the_campaign() -> None:
     assert r["actions"].get("composite", 0) > 0, "no implementation step stood for several spec steps"
 
 
-@pytest.mark.parametrize("mutant", ["RestoreBeforeStoreAck", "ReleaseDropsPin", "TrustShortAck"])
+def test_the_read_at_arrival_survives_the_campaign() -> None:
+    """``ReadAtArrival`` / ``l3_read_at_arrival``: a Stored session's tool_end is
+    ``ToolEndAtArrival`` (toolkv reads nothing, the session holds nothing)."""
+    r = campaign(examples=EXAMPLES // 2, steps=STEPS, read_at_arrival=True)
+    keys = ("examples", "steps", "seconds", "kv_bytes_checked")
+    print("storage fuzz arrival:", json.dumps({k: r[k] for k in keys}), json.dumps(r["actions"]))
+    assert r["failure"] is None, (r["failure"], r["first_failure"])
+    every = [a for a in EVERY_ACTION if a not in ("StoragePrefetch", "ReadPage", "PrefetchAck")]
+    missing = [a for a in (*every, "ToolEndAtArrival") if not r["actions"].get(a)]
+    assert not missing, f"the campaign never performed {missing}: {r['actions']}"
+
+
+@pytest.mark.parametrize(
+    "mutant", ["RestoreBeforeStoreAck", "ReleaseDropsPin", "TrustShortAck", "ArrivalKeepsPin"]
+)
 def test_every_storage_defect_is_killed(mutant: str) -> None:
-    r = campaign(examples=KILL_EXAMPLES, steps=STEPS, mutant=mutant)
+    arrival = mutant == "ArrivalKeepsPin"  # it acts on the tool_end at arrival only
+    r = campaign(examples=KILL_EXAMPLES, steps=STEPS, mutant=mutant, read_at_arrival=arrival)
     print(f"storage kill {mutant}: {json.dumps({k: r[k] for k in ('examples_to_kill', 'failure')})}")
     assert r["failure"] is not None, f"{mutant} survived {r['examples']} examples"
 
@@ -54,14 +69,17 @@ def test_every_storage_defect_is_killed(mutant: str) -> None:
 @pytest.mark.parametrize(
     ("mutant", "invariant"),
     [("RestoreBeforeStoreAck", "RestoreSourceWhole"), ("ReleaseDropsPin", "ReadSourcePresent"),
-     ("TrustShortAck", "StoredWhole")],
+     ("TrustShortAck", "StoredWhole"), ("ArrivalKeepsPin", "ReleasedHoldsNothing")],
 )  # fmt: skip
 def test_the_invariant_alone_kills_the_defect(mutant: str, invariant: str) -> None:
     """Without the step check and the teardown's leak check, the spec's invariant on the
     refinement mapping is what reports the defect: restored from a copy whose write was not
     acknowledged whole; a page deleted under a prefetch whose pin close let go; a short copy
     taken for a whole one."""
-    r = campaign(examples=KILL_EXAMPLES, steps=STEPS, mutant=mutant, checks="invariants")
+    arrival = mutant == "ArrivalKeepsPin"
+    r = campaign(
+        examples=KILL_EXAMPLES, steps=STEPS, mutant=mutant, checks="invariants", read_at_arrival=arrival
+    )
     print(
         f"storage kill {mutant} by {invariant}: {json.dumps({k: r[k] for k in ('examples_to_kill', 'failure')})}"
     )

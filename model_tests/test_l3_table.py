@@ -7,7 +7,7 @@ phase is outside the sub-machine (``""``). As ``test_tables.py`` does for ``spec
 1. From TLC's full state graphs of the storage conformance models, extract for every edge each
    session's sub-phase change, labelled with the action (snake_case): that relation must equal the
    table (every row is reached, and nothing else is).
-2. At the safety bounds (``MC_safety.cfg``) TLC checks an action property generated from the
+2. At the safety bounds (``MC_safety.cfg``, and ``MC_arrival.cfg`` with ``ReadAtArrival``) TLC checks an action property generated from the
    table: every sub-phase change any action makes is a row of it.
 
 Changing the table or the spec without the other fails one of these.
@@ -106,11 +106,14 @@ L3Rows == [][\\A s \\in Sessions : Moved(s) =>
 """
 
 
-def test_every_sub_phase_change_is_a_row_at_safety_bounds(tools: Toolchain, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cfg_name", ["MC_safety.cfg", "MC_arrival.cfg"])
+def test_every_sub_phase_change_is_a_row_at_safety_bounds(
+    tools: Toolchain, tmp_path: Path, cfg_name: str
+) -> None:
     for f in SPEC.glob("*.tla"):
         shutil.copy(f, tmp_path / f.name)
     (tmp_path / "L3Table.tla").write_text(_module())
-    cfg = (SPEC / "MC_safety.cfg").read_text()
+    cfg = (SPEC / cfg_name).read_text()
     if "PROPERTIES" in cfg:
         cfg = re.sub(r"PROPERTIES", "PROPERTIES\n    L3Rows", cfg, count=1)
     else:

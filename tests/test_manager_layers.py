@@ -77,6 +77,7 @@ def test_the_l3_sub_machine_refuses_a_move_its_table_has_not() -> None:
         "store_ack",
         "tool_end_from_host",
         "storage_prefetch",
+        "tool_end_at_arrival",
         "prefetch_ack",
         "expire",
         "close",

@@ -43,15 +43,19 @@ CONSTANTS
     P,          \* pages per session
     HostSlots,  \* host pool size, in pages
     StoreFails, \* BOOLEAN: the storage backend may refuse a page (storage full)
+    ReadAtArrival, \* BOOLEAN: a Stored session's tool_end reads nothing (l3_read_at_arrival)
     BUG         \* "none" or the name of one seeded defect
 
-Bugs == {"none", "RestoreBeforeStoreAck", "TrustShortAck", "LateL3Protect", "ReleaseDropsPin"}
+Bugs == {"none", "RestoreBeforeStoreAck", "TrustShortAck", "LateL3Protect", "ReleaseDropsPin",
+         "ArrivalKeepsPin"}
 
-ASSUME /\ P \in Nat \ {0} /\ HostSlots \in Nat /\ StoreFails \in BOOLEAN /\ BUG \in Bugs
+ASSUME /\ P \in Nat \ {0} /\ HostSlots \in Nat /\ StoreFails \in BOOLEAN
+       /\ ReadAtArrival \in BOOLEAN /\ BUG \in Bugs
 
 Pg == 1..P
 
-Phases == {"Running",     \* the session's request runs; its KV is on the GPU
+Phases == {"Running",     \* the session's request runs (its KV on the GPU), or will arrive
+                          \* with nothing held (ToolEndAtArrival: no GPU copy, sglang reads)
            "Offloading",  \* tool_start: GPU->host write in flight
            "Offloaded",   \* the host copy is whole and protected; GPU copy freed
            "Storing",     \* demoted: the host copy is being written to storage
@@ -121,6 +125,7 @@ Init ==
 \* protect the host copy.  A start that does not fit changes nothing.
 ToolStart(s) ==
     /\ phase[s] = "Running"
+    /\ gpu[s]   \* a session back through ToolEndAtArrival has no GPU copy until its request runs
     /\ hostFree >= P
     /\ phase' = [phase EXCEPT ![s] = "Offloading"]
     /\ gw' = [gw EXCEPT ![s] = TRUE]
@@ -183,7 +188,7 @@ LoadFromHost(s) ==
 ToolEndFromHost(s) ==
     /\ \/ phase[s] = "Offloaded"
        \/ phase[s] = "Storing" /\ BUG # "RestoreBeforeStoreAck"
-       \/ phase[s] = "Stored" /\ hostN[s] = P
+       \/ phase[s] = "Stored" /\ hostN[s] = P /\ ~ReadAtArrival
     /\ LoadFromHost(s)
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]   \* the session no longer relies on storage
     /\ UNCHANGED <<gpu, hostN, gw, wr, wn, wfail, l3, pin, pf, rn, rfail, viaL3, hostFree>>
@@ -191,7 +196,7 @@ ToolEndFromHost(s) ==
 \* tool_end with the host copy gone: prefetch from storage into freshly allocated host slots,
 \* pinning the storage copy.  No host room: nothing changes (retried; the TTL bounds the wait).
 StoragePrefetch(s) ==
-    /\ \/ phase[s] = "Stored" /\ hostN[s] = 0
+    /\ \/ phase[s] = "Stored" /\ hostN[s] = 0 /\ ~ReadAtArrival
        \/ phase[s] = "Storing" /\ BUG = "RestoreBeforeStoreAck"
     /\ ~pf[s]
     /\ hostFree >= P
@@ -205,7 +210,21 @@ StoragePrefetch(s) ==
     /\ hostFree' = hostFree - P
     /\ UNCHANGED <<gpu, hostN, gw, ld, wr, wn, wfail, l3, viaL3>>
 
-ToolEnd(s) == ToolEndFromHost(s) \/ StoragePrefetch(s)
+\* tool_end of a Stored session with ReadAtArrival (toolkv's l3_read_at_arrival): toolkv reads
+\* nothing.  The session's protections end (ToolKV.tla's Demote, then its ToolEnd of the Released
+\* session: Running), its storage copy stays in storage unprotected and unpinned by toolkv, and
+\* its host copy, if not yet evicted, stays unprotected: sglang's own prefetch at the next
+\* request's arrival reads what storage still holds (not modelled: sglang's read, whatever it
+\* finds; what is missing is recomputed).  ArrivalKeepsPin keeps the storage protection.
+ToolEndAtArrival(s) ==
+    /\ ReadAtArrival
+    /\ phase[s] = "Stored"
+    /\ phase' = [phase EXCEPT ![s] = "Running"]
+    /\ hprot' = [hprot EXCEPT ![s] = FALSE]
+    /\ l3prot' = [l3prot EXCEPT ![s] = BUG = "ArrivalKeepsPin"]
+    /\ UNCHANGED <<gpu, hostN, gw, ld, wr, wn, wfail, l3, pin, pf, rn, rfail, viaL3, hostFree>>
+
+ToolEnd(s) == ToolEndFromHost(s) \/ StoragePrefetch(s) \/ ToolEndAtArrival(s)
 
 \* The prefetch ack (check_prefetch_progress, then the manager's hook): the pages read enter
 \* the host tree, the slots of pages not read are freed, the prefetch's pin ends.  A whole
@@ -387,4 +406,7 @@ NeverShortWrite == \A s \in Sessions : ~(phase[s] = "Offloaded" /\ l3[s] # {} /\
 
 \* A session closed while its prefetch reads keeps the storage copy pinned until the ack.
 NeverPinnedAfterClose == \A s \in Sessions : ~(phase[s] = "Closed" /\ pin[s] = 1)
+
+\* A Stored session's tool_end with ReadAtArrival leaves its whole storage copy to sglang's read.
+NeverArrivalRead == \A s \in Sessions : ~(phase[s] = "Running" /\ ~gpu[s] /\ l3[s] = Pg)
 =============================================================================

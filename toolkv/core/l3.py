@@ -71,6 +71,7 @@ L3_TRANSITIONS: tuple[Row, ...] = (
     ("store_ack", L3.STORING, L3.NONE),  # short: never restored from; back on the host copy
     ("tool_end_from_host", (L3.STORING, L3.STORED), L3.NONE),  # the host copy is whole: read it
     ("storage_prefetch", L3.STORED, L3.FETCHING),  # tool_end (or an early restore) reads L3
+    ("tool_end_at_arrival", L3.STORED, L3.NONE),  # l3_read_at_arrival: sglang reads it, not toolkv
     ("prefetch_ack", L3.FETCHING, L3.NONE),  # read back to host (or nothing came back)
     ("expire", _IN_L3, L3.NONE),  # the TTL releases the copy
     ("close", _IN_L3, L3.NONE),
@@ -332,13 +333,25 @@ class L3Tier(MachineCore):
         storage), then ``ToolEnd`` of the ``Released`` session (→ ``Running``): sglang's own
         prefetch at the next request's arrival reads what its storage holds, into whatever host
         room its LRU makes, where toolkv's read into a host full of protected copies came back
-        short. Both are ToolKV.tla steps; the storage spec's ``StoragePrefetch`` is not taken."""
-        self.demote(rec.session_id)
+        short. StorageTier.tla's ``ToolEndAtArrival`` (``ReadAtArrival``): the L3 sub-phase ends
+        through its own row, the protections go as a demotion's do (mutant ``ArrivalKeepsPin``
+        keeps the storage one), and the main machine moves Offloaded → Released → Running through
+        ToolKV.tla's ``Demote`` and ``ToolEnd`` rows."""
+        self._arrival_release(rec)
+        self._settle(rec, "tool_end_at_arrival")
+        fire(rec, "demote", Phase.RELEASED)
+        self.counters["demoted"] += 1
+        self.on_demote(rec.session_id)
         fire(rec, "tool_end", Phase.RUNNING)
         self._observe_call(rec)
         self.counters["tool_end"] += 1
         self.counters["tool_end_l3_arrival"] += 1
         return True
+
+    def _arrival_release(self, rec: SessionRecord) -> None:
+        """What the tool_end at arrival gives back: what a demotion does (the host protection, the
+        storage copy's protection; a Stored copy has no prefetch pin)."""
+        self._demote_release(rec)
 
     def _l3_prefetch(self, rec: SessionRecord) -> bool:
         """The early restore (spec ``Prefetch``) of a session with an L3 copy. True: handled here

@@ -202,6 +202,9 @@ class MachineCore:
     def demote(self, session_id: str) -> SessionView:
         raise NotImplementedError
 
+    def _demote_release(self, rec: SessionRecord) -> None:
+        raise NotImplementedError
+
     def prefetch(self, session_id: str) -> SessionView:
         raise NotImplementedError
 

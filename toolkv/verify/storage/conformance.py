@@ -191,7 +191,9 @@ def replay_storage_trace(
     implementation left the trace (None: it took every step)."""
     work = Path(storage_dir or tempfile.mkdtemp(prefix="toolkv-l3-trace-"))
     world = StorageWorld(
-        StorageBounds(b.sessions, b.pages, b.host_slots, b.store_fails), work / "l3", mutant=mutant
+        StorageBounds(b.sessions, b.pages, b.host_slots, b.store_fails, read_at_arrival=b.read_at_arrival),
+        work / "l3",
+        mutant=mutant,
     )
     seen: list[str] = []
     diverged: str | None = None

@@ -36,6 +36,7 @@ checked are Hypothesis ``event``s, so :func:`toolkv.verify.campaign.campaign` su
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import tempfile
 from pathlib import Path
@@ -52,6 +53,8 @@ from toolkv.verify.storage.world import StorageWorld, Unrealizable, WorldFailure
 #: two sessions of two pages; the host holds two copies and a page, so a prefetch waits for the
 #: other session's copy to go (and a broken restore that reads a copy still being written fits)
 BOUNDS = StorageBounds(sessions=("s1", "s2"), pages=2, host_slots=5, store_fails=True)
+#: storage defects that act on the tool_end at arrival only: their campaigns run with ``ReadAtArrival``
+ARRIVAL_MUTANTS = frozenset({"ArrivalKeepsPin"})
 
 
 #: steps served in order: acks in issue order, each of sglang's storage threads one page at a time
@@ -173,7 +176,7 @@ class StorageMachine(RuleBasedStateMachine):
         "ToolStart": 6, "HostAck": 6, "Store": 6, "StorePage": 6, "StoreAck": 6, "HostEvict": 6,
         "StoragePrefetch": 6, "ReadPage": 4, "PrefetchAck": 6, "LoadAck": 6,
         "ToolEndFromHost": 1, "StoreRefused": 1, "L3Evict": 3, "Expire": 1, "Close": 1, "Refused": 1,
-        "MidRead": 5,
+        "MidRead": 5, "ToolEndAtArrival": 6,
     }  # fmt: skip
     #: swarm testing: each example leaves out a random subset of these diversions, so that some
     #: examples are dense in closes mid-read, others in refused pages or page deletions
@@ -229,11 +232,14 @@ class StorageMachine(RuleBasedStateMachine):
             calls = ("ToolStart", "Store", "ToolEndFromHost", "Expire", "Close")
             # (tool_end during the GPU->host write is spec/ToolKV.tla's, handed over at once; a
             # stored session's tool_end with no host room for its prefetch waits in the model,
-            # while sglang evicts, reads a shorter prefix or revokes: a degradation left out)
+            # while sglang evicts, reads a shorter prefix or revokes: a degradation left out; a
+            # session back through ToolEndAtArrival has no GPU copy until its next request, which
+            # the model does not run: its tool_start is ToolKV.tla's, not refused)
             return [
                 (a, s) for s in ss for a in calls
                 if not self._on(a, s)
                 and not (a == "ToolEndFromHost" and self.state["phase"][s] in ("Offloading", "Stored"))
+                and not (a == "ToolStart" and self.state["phase"][s] == "Running" and not self.state["gpu"][s])
             ]  # fmt: skip
         if name in IN_ORDER:  # the copy engine and each thread serve one session at a time
             return [(name, s) for s in ss if self._on(name, s) and self._next.get(name) == s]
@@ -284,14 +290,25 @@ def _delta(pre: State, post: State) -> dict[str, Any]:
     return out
 
 
-def machine_class(*, mutant: str | None = None, checks: str = "all") -> type[StorageMachine]:
-    """A configured subclass (Hypothesis instantiates the class itself, once per example)."""
+def machine_class(
+    *, mutant: str | None = None, checks: str = "all", read_at_arrival: bool = False
+) -> type[StorageMachine]:
+    """A configured subclass (Hypothesis instantiates the class itself, once per example).
+    ``read_at_arrival``: the model's ``ReadAtArrival`` and the manager's ``l3_read_at_arrival``
+    (a Stored session's tool_end is ``ToolEndAtArrival``, never ``StoragePrefetch``)."""
     if checks not in ("all", "invariants"):
         raise ValueError(f"checks must be 'all' or 'invariants', not {checks!r}")
     return type(
-        "StorageMachine_" + (mutant or "correct") + ("" if checks == "all" else "_invariants"),
+        "StorageMachine_"
+        + (mutant or "correct")
+        + ("_arrival" if read_at_arrival else "")
+        + ("" if checks == "all" else "_invariants"),
         (StorageMachine,),
-        {"mutant": mutant, "checks": checks},
+        {
+            "mutant": mutant,
+            "checks": checks,
+            "bounds": dataclasses.replace(BOUNDS, read_at_arrival=read_at_arrival),
+        },
     )
 
 
@@ -302,17 +319,21 @@ def campaign(
     seed: int | None = 1,
     mutant: str | None = None,
     checks: str = "all",
+    read_at_arrival: bool | None = None,
     profile: str = "ci",
     shrink: bool = False,
     every: int = 0,
 ) -> dict[str, Any]:
     """One campaign (``toolkv.verify.campaign.campaign`` with this machine); the stack is closed at
-    the end. ``failure`` is None when nothing was found."""
+    the end. ``failure`` is None when nothing was found. ``read_at_arrival`` (``ReadAtArrival``, the
+    manager's ``l3_read_at_arrival``): None is on for the defects of :data:`ARRIVAL_MUTANTS` only."""
     from hypothesis.internal import observability
 
     from toolkv.verify.campaign import campaign as run
 
-    cls = machine_class(mutant=mutant, checks=checks)
+    if read_at_arrival is None:
+        read_at_arrival = mutant in ARRIVAL_MUTANTS
+    cls = machine_class(mutant=mutant, checks=checks, read_at_arrival=read_at_arrival)
     # The statistics come through Hypothesis's observability callbacks, which by default also
     # trace every line run for coverage (Hypothesis supports switching that off here): with real
     # sglang threads in every step that costs several times the step. The stack is built before,
@@ -326,7 +347,7 @@ def campaign(
             steps=steps,
             profile=profile,
             seed=seed,
-            label=mutant or "correct",
+            label=(mutant or "correct") + ("+arrival" if read_at_arrival else ""),
             shrink=shrink,
             every=every,
             machine=cls,
@@ -336,4 +357,4 @@ def campaign(
         _Holder.close()
 
 
-__all__ = ["BOUNDS", "StorageFuzzFailure", "StorageMachine", "campaign", "machine_class"]
+__all__ = ["ARRIVAL_MUTANTS", "BOUNDS", "StorageFuzzFailure", "StorageMachine", "campaign", "machine_class"]

@@ -23,7 +23,14 @@ from typing import Any
 State = dict[str, Any]
 Act = tuple[Any, ...]  # ("StorePage", "s1"), ("L3Evict", "s1", 2)
 
-BUGS = ("none", "RestoreBeforeStoreAck", "TrustShortAck", "LateL3Protect", "ReleaseDropsPin")
+BUGS = (
+    "none",
+    "RestoreBeforeStoreAck",
+    "TrustShortAck",
+    "LateL3Protect",
+    "ReleaseDropsPin",
+    "ArrivalKeepsPin",
+)
 WAITING = frozenset({"Offloading", "Offloaded", "Storing", "Stored", "Prefetching"})  # the TTL applies
 SESSION_VARS = (
     "phase", "gpu", "hostN", "hprot", "gw", "ld", "wr", "wn", "wfail", "l3", "l3prot", "pin", "pf",
@@ -38,13 +45,15 @@ INVARIANTS = (
 
 @dataclass(frozen=True)
 class StorageBounds:
-    """The model's constants (``Sessions``, ``P``, ``HostSlots``, ``StoreFails``, ``BUG``)."""
+    """The model's constants (``Sessions``, ``P``, ``HostSlots``, ``StoreFails``, ``ReadAtArrival``,
+    ``BUG``)."""
 
     sessions: tuple[str, ...]
     pages: int
     host_slots: int
     store_fails: bool = True
     bug: str = "none"
+    read_at_arrival: bool = False
 
     @classmethod
     def from_cfg(cls, consts: Mapping[str, Any]) -> StorageBounds:
@@ -55,6 +64,7 @@ class StorageBounds:
             host_slots=int(consts["HostSlots"]),
             store_fails=bool(consts["StoreFails"]),
             bug=str(consts.get("BUG", "none")),
+            read_at_arrival=bool(consts.get("ReadAtArrival", False)),
         )
 
     def cfg_constants(self) -> dict[str, str]:
@@ -64,6 +74,7 @@ class StorageBounds:
             "P": str(self.pages),
             "HostSlots": str(self.host_slots),
             "StoreFails": "TRUE" if self.store_fails else "FALSE",
+            "ReadAtArrival": "TRUE" if self.read_at_arrival else "FALSE",
             "BUG": f'"{self.bug}"',
         }
 
@@ -100,7 +111,7 @@ def _set(st: State, **changes: Any) -> State:
 
 # ---- the manager ---------------------------------------------------------------------------------------
 def tool_start(st: State, s: str, b: StorageBounds) -> State | None:
-    if st["phase"][s] != "Running" or st["hostFree"] < b.pages:
+    if st["phase"][s] != "Running" or not st["gpu"][s] or st["hostFree"] < b.pages:
         return None
     return _set(
         st, phase={s: "Offloading"}, gw={s: True}, hostN={s: b.pages}, hprot={s: True},
@@ -146,7 +157,7 @@ def tool_end_from_host(st: State, s: str, b: StorageBounds) -> State | None:
     if not (
         ph == "Offloaded"
         or (ph == "Storing" and b.bug != "RestoreBeforeStoreAck")
-        or (ph == "Stored" and st["hostN"][s] == b.pages)
+        or (ph == "Stored" and st["hostN"][s] == b.pages and not b.read_at_arrival)
     ):
         return None
     return _set(st, **_load_from_host(s), l3prot={s: False})
@@ -155,7 +166,8 @@ def tool_end_from_host(st: State, s: str, b: StorageBounds) -> State | None:
 def storage_prefetch(st: State, s: str, b: StorageBounds) -> State | None:
     ph = st["phase"][s]
     if not (
-        (ph == "Stored" and st["hostN"][s] == 0) or (ph == "Storing" and b.bug == "RestoreBeforeStoreAck")
+        (ph == "Stored" and st["hostN"][s] == 0 and not b.read_at_arrival)
+        or (ph == "Storing" and b.bug == "RestoreBeforeStoreAck")
     ):
         return None
     if st["pf"][s] or st["hostFree"] < b.pages:
@@ -164,6 +176,12 @@ def storage_prefetch(st: State, s: str, b: StorageBounds) -> State | None:
         st, phase={s: "Prefetching"}, pf={s: True}, pin={s: 1}, rn={s: 0}, rfail={s: False},
         hprot={s: False}, l3prot={s: True}, hostFree=st["hostFree"] - b.pages,
     )  # fmt: skip
+
+
+def tool_end_at_arrival(st: State, s: str, b: StorageBounds) -> State | None:
+    if not b.read_at_arrival or st["phase"][s] != "Stored":
+        return None
+    return _set(st, phase={s: "Running"}, hprot={s: False}, l3prot={s: b.bug == "ArrivalKeepsPin"})
 
 
 def prefetch_ack(st: State, s: str, b: StorageBounds) -> State | None:
@@ -248,6 +266,7 @@ ACTIONS: dict[str, SessionAction] = {
     "StoreAck": store_ack,
     "ToolEndFromHost": tool_end_from_host,
     "StoragePrefetch": storage_prefetch,
+    "ToolEndAtArrival": tool_end_at_arrival,
     "PrefetchAck": prefetch_ack,
     "LoadAck": load_ack,
     "Expire": expire,

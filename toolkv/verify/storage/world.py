@@ -15,7 +15,7 @@ differ between sessions, so their pages (sglang's chained page hashes) do too.
 | ``Store(s)`` | ``manager.store`` (``HiRadixBackend.store`` → sglang ``write_backup_storage``) |
 | ``StorePage(s)`` / ``StoreRefused(s)`` | the backup thread's next ``HiCacheFile.set`` is let through / answers ``False`` (storage full) |
 | ``StoreAck(s)`` | the backup thread acknowledged the operation; one scheduler iteration (``drain_storage_control_queues``, the tick's ``store_ack``) |
-| ``ToolEndFromHost(s)`` / ``StoragePrefetch(s)`` | ``manager.tool_end`` (the implementation chooses); for a prefetch, sglang's hit query and one scheduler iteration (the host slots are allocated) |
+| ``ToolEndFromHost(s)`` / ``StoragePrefetch(s)`` / ``ToolEndAtArrival(s)`` | ``manager.tool_end`` (the implementation chooses; the manager is built with ``l3_read_at_arrival`` = ``ReadAtArrival``); for a prefetch, sglang's hit query and one scheduler iteration (the host slots are allocated) |
 | ``ReadPage(s)`` | the I/O thread's next ``HiCacheFile.get`` is let through (a missing file ends the read) |
 | ``PrefetchAck(s)`` | sglang's prefetch is complete; one scheduler iteration (``check_prefetch_progress`` in ``prefetch_ack`` or ``poll_storage``, the restore it starts) |
 | ``LoadAck(s)`` | the copy engine finishes s's host→GPU load; one scheduler iteration |
@@ -210,6 +210,7 @@ class StorageWorld:
             handover_ttl_s=TTL_S,
             idle_ttl_s=float("inf"),
             policy_config=PolicyConfig(l3_store_margin_s=1e9),
+            l3_read_at_arrival=self.b.read_at_arrival,
         )
         self.mgr: ToolKVManager = mcls(self.h.tree, self.be, config=cfg)
         self.epoch: dict[str, int] = {s: 0 for s in self.b.sessions}
@@ -740,6 +741,7 @@ _METHODS = {
     "StoreAck": "store_ack",
     "ToolEndFromHost": "tool_end",
     "StoragePrefetch": "tool_end",
+    "ToolEndAtArrival": "tool_end",
     "ToolEnd": "tool_end",
     "ReadPage": "read_page",
     "PrefetchAck": "prefetch_ack",

@@ -392,6 +392,15 @@ class RestoreBeforeStoreAckBackend(HiRadixBackend):
         return super()._read_from(copy, node, matched)
 
 
+class ArrivalKeepsPinMachine(SessionMachine):
+    """``ArrivalKeepsPin``: the tool_end at arrival (``l3_read_at_arrival``) of a Stored session
+    releases nothing (``_arrival_release``): the session is Running and still holds its storage
+    copy's protection (spec ``ReleasedHoldsNothing``), which the backend may then never evict."""
+
+    def _arrival_release(self, rec: SessionRecord) -> None:
+        pass
+
+
 # storage-tier defect -> (manager class, HiRadix backend class) that seed it
 STORAGE_MUTANTS: dict[str, tuple[type[ToolKVManager], type[HiRadixBackend]]] = {
     "RestoreBeforeStoreAck": (
@@ -400,4 +409,5 @@ STORAGE_MUTANTS: dict[str, tuple[type[ToolKVManager], type[HiRadixBackend]]] = {
     ),
     "TrustShortAck": (ToolKVManager, TrustShortAckBackend),
     "ReleaseDropsPin": (ToolKVManager, ReleaseDropsPinBackend),
+    "ArrivalKeepsPin": (_manager_running("ArrivalKeepsPin", ArrivalKeepsPinMachine), HiRadixBackend),
 }
