@@ -211,3 +211,47 @@ def test_the_lazy_free_round_is_the_reports_output(
     printed = capsys.readouterr().out.strip()
     block = doc_block("benchmarks.md", "value-repeat-lazy")
     assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
+
+
+def test_the_ttft_bins_table_is_the_tools_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/benchmarks.md's resumed-turn TTFT bins (GPU rounds against the twin) are what
+    ``python -m toolkv.tools.ttft_bins`` prints for the command beside them; a bad argument is an
+    error, not a traceback."""
+    import re
+    import shlex
+
+    from toolkv.tools.ttft_bins import main as bins_main
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    m = re.search(
+        r"```bash\n(python -m toolkv\.tools\.ttft_bins .*?)\n```\n\n<!-- BEGIN ttft-bins -->", text, re.S
+    )
+    assert m is not None, "the command above the ttft-bins block"
+    args = shlex.split(m.group(1).replace("\\\n", " "))[3:]
+    assert bins_main(args) == 0
+    printed = capsys.readouterr().out.strip()
+    assert doc_block("benchmarks.md", "ttft-bins").strip() == printed, "regenerate the ttft-bins block"
+    for bad in (["nolabel.json"], ["x=docs/results/value_repeat"], ["x=/nonexistent.json"]):
+        assert bins_main(bad) == 2
+        assert "ttft_bins: error" in capsys.readouterr().err
+
+
+def test_ttft_bins_counts_resumed_answered_turns_by_uncached_tokens() -> None:
+    """Only turns after the first that were answered count; each lands in the bin of its
+    prompt - cached tokens; decode is end to end - TTFT."""
+    from toolkv.tools.ttft_bins import row
+
+    def t(turn: int, prompt: int, cached: int, ttft: float, status: int = 200) -> dict[str, object]:
+        return {"turn": turn, "prompt_tokens": prompt, "cached_tokens": cached, "ttft_s": ttft,
+                "e2e_s": ttft + 1.0, "status": status}  # fmt: skip
+
+    res = {"turns": [t(0, 3000, 0, 9.0), t(1, 3000, 2900, 0.2), t(1, 3000, 2700, 0.4), t(2, 6000, 0, 3.0),
+                     t(2, 4000, 1000, 2.0), t(3, 5000, 4900, 7.0, status=503)]}  # fmt: skip
+    r = row("x", res)
+    assert r["resumed"] == 4 and r["decode_median_s"] == 1.0
+    assert r["bins"][0]["ttft_median_s"] == pytest.approx(0.3)
+    assert [b["n"] for b in r["bins"]] == [2, 0, 1, 1]
+    assert r["bins"][2]["ttft_median_s"] == 2.0 and r["bins"][3]["ttft_median_s"] == 3.0
