@@ -139,20 +139,11 @@ def test_a_later_spec_check_run_merges_into_the_stored_rows(tmp_path: Path, monk
             "detail": "",
         }
 
-    base = {
-        "ok": True,
-        "seconds": 30.0,
-        "workers": 1,
-        "sany": [],
-        "configs": [row("a", "safe", 10.0), row("m", "mutant", 20.0)],
-    }
-    added = {
-        "ok": True,
-        "seconds": 7.0,
-        "workers": 1,
-        "sany": [],
-        "configs": [row("m", "mutant", 3.0), row("b", "safe", 4.0)],
-    }
+    def summary(seconds: float, *configs: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "seconds": seconds, "workers": 1, "sany": [], "configs": list(configs)}
+
+    base = summary(30.0, row("a", "safe", 10.0), row("m", "mutant", 20.0))
+    added = summary(7.0, row("m", "mutant", 3.0), row("b", "safe", 4.0))
     merged = docgen.merge_summaries(base, added)
     assert [r["name"] for r in merged["configs"]] == ["a", "b", "m"]
     assert merged["configs"][2]["seconds"] == 3.0 and merged["seconds"] == 37.0 and merged["runs"] == 2

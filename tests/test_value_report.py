@@ -175,15 +175,23 @@ def test_a_run_without_its_stock_counts_for_reuse_not_for_ratios(
     assert main([str(folders[0]), str(folders[1] / "offload16.json")]) == 2  # folders and files mixed
 
 
-def test_the_named96_table_is_the_reports_output(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("run", "marker"),
+    [
+        # the 96-session named-tools GPU run
+        ("docs/results/value_repeat/named96/r1", "value-named96"),
+        # the round at the lazy-free default (one H100)
+        ("docs/results/value_repeat/C/r1", "value-repeat-lazy"),
+    ],
+)
+def test_a_one_run_table_is_the_reports_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, run: str, marker: str
 ) -> None:
-    """The 96-session named-tools GPU run (docs/results/value_repeat/named96/) as docs/benchmarks.md
-    shows it."""
+    """A one-run GPU table of docs/benchmarks.md is value_report's output over its run folder."""
     monkeypatch.chdir(ROOT)
-    assert main(["docs/results/value_repeat/named96/r1"]) == 0
+    assert main([run]) == 0
     printed = capsys.readouterr().out.strip()
-    block = doc_block("benchmarks.md", "value-named96")
+    block = doc_block("benchmarks.md", marker)
     assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
 
 
@@ -199,18 +207,6 @@ def test_the_l3_gpu_table_is_the_reports_output(
     assert block is not None and block.strip().startswith(printed), (
         "regenerate the table in docs/benchmarks.md"
     )
-
-
-def test_the_lazy_free_round_is_the_reports_output(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The round at the lazy-free default (docs/results/value_repeat/C/, one H100) as
-    docs/benchmarks.md shows it."""
-    monkeypatch.chdir(ROOT)
-    assert main(["docs/results/value_repeat/C/r1"]) == 0
-    printed = capsys.readouterr().out.strip()
-    block = doc_block("benchmarks.md", "value-repeat-lazy")
-    assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
 
 
 def test_the_ttft_bins_table_is_the_tools_output(

@@ -239,10 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = tuple(tuple(x.split("=", 1)) for x in a.toolkv_env)
         if any(len(kv) != 2 for kv in env):
             raise ValueError(f"--toolkv-env takes VAR=VALUE, got {a.toolkv_env}")
-        if env:
+        if env:  # a bad name or value stops here, parsed as each run will parse it
             from toolkv.sglang.config import ToolKVConfig
+            from toolkv.twin.stack import with_env
 
-            ToolKVConfig.from_env({"TOOLKV_ENABLE": "1", **dict(env)})  # a bad name or value stops here
+            with_env(ToolKVConfig(), env)
     except ValueError as e:
         print(f"python -m toolkv.twin.l3map: error: {e}", file=sys.stderr)
         return 2
