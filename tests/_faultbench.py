@@ -29,7 +29,7 @@ from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.plugin import after_get_new_batch_prefill, before_handle_generate_request
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.sglang.tp import AgreedClock
-from toolkv.tools.soak import SchedulerStandIn, Stack, _Batch
+from toolkv.tools.soak import SchedulerStandIn, Stack
 
 ROWS_DIR = Path(os.environ.get("TOOLKV_FAULT_ROWS", "")) if os.environ.get("TOOLKV_FAULT_ROWS") else None
 
@@ -77,7 +77,8 @@ class Bench:
         h = stack.h
         self.h = h
         self.initial = stack.accounting()
-        self.sched = SchedulerStandIn(h.tree, h.req_pool, h.allocator, hicache=h.is_hi)
+        self.sched = SchedulerStandIn(stack.sched, hicache=h.is_hi)
+        stack.on_admitted = self._admitted
         self.now = 0.0
         cfg = ToolKVConfig(
             ttl_s=ttl_s,
@@ -91,6 +92,7 @@ class Bench:
         )
         h.tree._toolkv = self.tk
         self.sched._toolkv = self.tk
+        self.tk.bind_scheduler(self.sched)
         self.channel = ImmediateChannel(self.tk)
         self.client = TestClient(build_app(self.channel))
         self.errors: list[str] = []
@@ -124,12 +126,15 @@ class Bench:
         return run
 
     def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Any:
+        """The request reaches the scheduler (toolkv's BEFORE hook may restore its session) and
+        the scheduler model admits it into a prefill batch, whose forward runs; the request holds
+        its prefix until ``stack.finish``. None when it cannot be admitted now."""
         before_handle_generate_request(self.sched, SimpleNamespace(session_id=sid, session_params=None))
-        self.stack.start_and_finish_loads()
-        run = self.stack.admit(sid, prompt, output)
-        if run is not None:
-            after_get_new_batch_prefill(SimpleNamespace(batch_to_run=_Batch([run.req])), self.sched)
-        return run
+        return self.stack.admit(sid, prompt, output)
+
+    def _admitted(self, req: Any) -> None:
+        """The plugin's AFTER hook on ``get_new_batch_prefill``, per admitted request."""
+        after_get_new_batch_prefill(SimpleNamespace(batch_to_run=SimpleNamespace(reqs=[req])), self.sched)
 
     # ---- the scheduler loop --------------------------------------------------------------------------------
     def iteration(self, *, writes: bool = False, loads: bool = False, dt: float = 0.1) -> None:

@@ -380,7 +380,6 @@ def test_flush_under_load_waits_for_the_requests_then_loses_held_kv(bench: Bench
     b.iteration()
     assert b.sched.flush_replies.sent == [] and b.meta("s1")["state"] == "Offloaded"
     b.stack.finish(run)
-    b.sched.running_batch.reqs = []
     b.iteration(writes=True)
     b.iteration()
     b.iteration()

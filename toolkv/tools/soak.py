@@ -9,11 +9,16 @@ iteration, in the order sglang's ``event_loop_normal`` runs (scheduler.py:1520):
    ``flush_cache`` requests (sglang's real ``SchedulerFlushWrapper.handle``), then the wrapper's
    ``check_pending()`` (a deferred ``/flush_cache?timeout=T`` runs here, on the first idle
    iteration), then toolkv's AFTER hook: the tick;
-2. ``get_next_batch_to_run``: sglang's ack checks (``writing_check``/``loading_check`` on 0.5.16,
-   ``check_hicache_events`` on 0.5.23), the requests of the previous batch finish (their KV is
-   inserted by the real ``cache_finished_req`` / ``release_kv_cache``, whose toolkv hook records the
-   turn), the waiting requests are admitted (prefix matched, checked byte for byte, locked; toolkv's
-   ``get_new_batch_prefill`` hook ends hand-overs) and "computed" (deterministic KV of their tokens);
+2. ``get_next_batch_to_run``, the forward and the batch's results, by the scheduler model every
+   driver runs (:class:`~toolkv.twin.scheduler.TwinScheduler`, or its 0.5.23 subclass): sglang's
+   ack checks (``check_hicache_events``), the last prefill batch merged into the running batch,
+   the waiting requests (real ``Req`` objects) admitted by sglang's ``PrefillAdder`` (prefix
+   matched, HiCache ``init_load_back``, locked; toolkv's AFTER hook on ``get_new_batch_prefill``
+   ends hand-overs), chunked prefill and decode steps, retractions; the forward
+   (:class:`~toolkv.twin.forward.KVForward`) waits for the loads, checks every reused prefix byte
+   for byte and writes the new positions' KV (deterministic per token); a finished request's KV
+   is inserted by the real ``cache_finished_req`` / ``release_kv_cache``, whose toolkv hook
+   records the turn;
 3. the copy engine (test double, ``ControlledTransferEngine``) finishes some of the writes and
    loads in flight, so acks retire one or more iterations later, as on a GPU.
 
@@ -27,9 +32,10 @@ session is closed, the caches drained, and every counter must equal its initial 
 Test doubles, each for what cannot exist on CPU: the harnesses' three (unpinned host pool, torch
 copy primitives, the controlled copy engine), :class:`SchedulerStandIn` (sglang's ``Scheduler``
 needs a model runner; the real ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache`` run
-bound to it), :class:`SoakChannel` (the tokenizer-manager <-> scheduler ZMQ channel: the wire
-objects are pickled both ways), and the request stand-in of 0.5.16 (``_Finished``: the fields
-``cache_finished_req`` reads). ``python -m toolkv.tools.soak`` is the long run (``make soak-long``).
+bound to it, over the scheduler model's queues), :class:`SoakChannel` (the tokenizer-manager <->
+scheduler ZMQ channel: the wire objects are pickled both ways) and the forward (``KVForward``: the
+model's KV as a function of the token ids, the planned output ids as its samples).
+``python -m toolkv.tools.soak`` is the long run (``make soak-long``).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.sglang.tp import AgreedClock
 from toolkv.twin.clock import Clock, FixedIteration
+from toolkv.twin.forward import KVForward
+from toolkv.twin.scheduler import Batch, TwinScheduler, make_scheduler
 from toolkv.workload.plan import SessionPlan, Workload, plan_session
 
 StackKind = Literal["hiradix", "pin", "shadow", "unified"]
@@ -72,15 +80,7 @@ STACKS: tuple[StackKind, ...] = ("hiradix", "pin", "shadow", "unified")
 log = logging.getLogger("toolkv.soak")
 
 
-# ---- the scheduler: a stand-in that runs sglang's own flush code -----------------------------------
-class _Batch:
-    def __init__(self, reqs: list[Any]) -> None:
-        self.reqs = reqs
-
-    def is_empty(self) -> bool:
-        return not self.reqs
-
-
+# ---- the scheduler: the twin's scheduler model, and a stand-in that runs sglang's own flush code -----
 class FlushReplies:
     """TEST DOUBLE of ``SchedulerIpcChannels.send_to_tokenizer``: records what a deferred
     ``flush_cache`` answers (the reply the client of ``/flush_cache`` sees)."""
@@ -93,22 +93,20 @@ class FlushReplies:
 
 
 class SchedulerStandIn:
-    """TEST DOUBLE of sglang's ``Scheduler`` (it needs a model runner, which CPU lacks): exactly
-    the attributes that the REAL ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache`` read,
-    with those two functions bound to it, and sglang's REAL ``SchedulerFlushWrapper`` over them.
-    ``waiting_queue`` and ``running_batch`` are the soak's own queues, so "idle" means what it
-    means in sglang: no request waiting or running and (HiCache) no write or load pending."""
+    """TEST DOUBLE of sglang's ``Scheduler`` object (it needs a model runner, which CPU lacks):
+    exactly the attributes that the REAL ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache``
+    read, with those two functions bound to it, and sglang's REAL ``SchedulerFlushWrapper`` over
+    them. The queues and batches are the scheduler model's (:class:`~toolkv.twin.scheduler.
+    TwinScheduler`, the one scheduler every driver runs), so "idle" means what it means in sglang:
+    no request waiting or running and (HiCache) no write or load pending."""
 
-    def __init__(self, tree: Any, req_pool: Any, allocator: Any, *, hicache: bool) -> None:
+    def __init__(self, sched: TwinScheduler, *, hicache: bool) -> None:
         from sglang.srt.disaggregation.utils import DisaggregationMode
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
 
-        self.running_batch = _Batch([])
-        self.waiting_queue: list[Any] = []
-        self.chunked_req = None
+        self.model = sched
         self.dllm_manager = SimpleNamespace(any_staging_reqs=lambda: False)
-        self.last_batch: Any = None
         self.enable_overlap = False
         self.result_queue: deque[Any] = deque()
         self.ps = SimpleNamespace(pp_size=1)
@@ -117,9 +115,9 @@ class SchedulerStandIn:
         self.enable_hisparse = False
         self.decode_offload_manager = None
         self.enable_hierarchical_cache = hicache
-        self.tree_cache = tree
-        self.req_to_token_pool = req_pool
-        self.token_to_kv_pool_allocator = allocator
+        self.tree_cache = sched.tree
+        self.req_to_token_pool = sched.h.req_pool
+        self.token_to_kv_pool_allocator = sched.h.allocator
         self.metrics_reporter = SimpleNamespace(reset_metrics=lambda: None, is_stats_logging_rank=False)
         self.draft_worker = None
         self.cur_batch_for_debug = None
@@ -142,6 +140,27 @@ class SchedulerStandIn:
             flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle, **reply
         )
 
+    # the scheduler model's state, under the names sglang's Scheduler gives it
+    @property
+    def waiting_queue(self) -> list[Any]:
+        return self.model.waiting_queue
+
+    @property
+    def running_batch(self) -> Any:
+        return self.model.running_batch
+
+    @property
+    def chunked_req(self) -> Any:
+        return self.model.chunked_req
+
+    @property
+    def last_batch(self) -> Any:
+        return self.model.last_batch
+
+    @last_batch.setter
+    def last_batch(self, value: Any) -> None:
+        self.model.last_batch = value
+
     def request_flush(self, timeout_s: float) -> Any:
         """``/flush_cache?timeout=T`` as the scheduler receives it: answered now (idle, or
         ``timeout_s`` 0) or deferred to ``check_pending`` (None)."""
@@ -151,77 +170,139 @@ class SchedulerStandIn:
 
 
 # ---- the two cache stacks ---------------------------------------------------------------------------
-@dataclass
-class Running:
-    """A request admitted into a batch: what finishing it needs."""
-
-    sid: str | None
-    tokens: list[int]  # prompt + output; the last sampled token has no KV
-    kv_len: int
-    req: Any
-
-
-@dataclass
-class _Finished:
-    """TEST DOUBLE of sglang 0.5.16's ``Req``: the fields ``cache_finished_req`` and toolkv's
-    hooks read (radix_cache.py:437-488); its slots live in the harness's real ``ReqToTokenPool``."""
-
-    origin_input_ids: array[int]
-    output_ids: array[int]
-    req_pool_idx: int
-    cache_protected_len: int
-    last_node: Any
-    session_id: str | None = None
-    session: Any = None
-    extra_key: str | None = None
-    priority: int = 0
+VOCAB = 128_256  # Llama-3.1-8B's; the soak's ids are below 120,000
+Hook = Callable[[Any], None]
 
 
 class Stack:
-    """One real cache stack with the request lifecycle the soak drives (version specifics live
-    in the two subclasses)."""
+    """One server over one real cache: the harness, the scheduler model of its release
+    (:func:`~toolkv.twin.scheduler.make_scheduler`, sized for CPU prompts: chunked prefill on) and
+    the forward that writes and checks KV bytes (:class:`~toolkv.twin.forward.KVForward`).
+    Requests are real ``Req`` objects; a request's output ids are the ones its client planned
+    (the forward "samples" them), so a turn's tokens are known before it runs.
+
+    :meth:`admit` and :meth:`finish` run one request at a time for the fault bench
+    (``tests/_faultbench.py``); the soak runs the scheduler loop itself (:meth:`Soak.step`)."""
 
     name: str
     tree_api: str
     h: Any
 
-    def __init__(self) -> None:
-        self.bytes_checked = 0
-        self.byte_mismatches = 0
+    def _attach(self, *, chunked_prefill_size: int = 256, max_prefill_tokens: int = 1024) -> None:
+        self.sched = make_scheduler(
+            self.h,
+            chunked_prefill_size=chunked_prefill_size,
+            max_prefill_tokens=max_prefill_tokens,
+            max_running_requests=self.h.cfg.max_reqs - 1,
+            on_admitted=self._admitted,
+            on_finished=self._finished,
+            sample=self._sample,
+        )
+        self.forward = KVForward(self.h, self.sched)
+        self.planned: dict[str, list[int]] = {}  # rid -> the output ids its client expects
+        self.on_admitted: Hook | None = None  # the driver's: the plugin's AFTER hook runs there
+        self.on_finished: Hook | None = None
+        self._rid = 0
+        self._unprocessed: Batch | None = None  # admitted by admit(), its results not yet processed
 
-    # request lifecycle
+    # ---- requests ------------------------------------------------------------------------------------
+    def request(self, sid: str | None, prompt: list[int], output: list[int]) -> Any:
+        """A real ``Req`` for ``prompt`` that will produce ``output`` (``ignore_eos``)."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        sp = SamplingParams(max_new_tokens=len(output), ignore_eos=True, temperature=0)
+        sp.normalize(None)
+        self._rid += 1
+        rid = f"soak{self._rid}"
+        self.planned[rid] = list(output)
+        return Req(rid, "", array("q", prompt), sp, session_id=sid, vocab_size=VOCAB)
+
+    def _sample(self, req: Any) -> int:
+        return self.planned[req.rid][len(req.output_ids)]
+
+    def _admitted(self, req: Any) -> None:
+        if self.on_admitted is not None:
+            self.on_admitted(req)
+
+    def _finished(self, req: Any) -> None:
+        self.planned.pop(req.rid, None)
+        if self.on_finished is not None:
+            self.on_finished(req)
+
+    def drop(self, req: Any) -> bool:
+        """Take a request out of the waiting queue (an abort before admission); False if it
+        is not waiting any more."""
+        q = self.sched.waiting_queue
+        for i, r in enumerate(q):
+            if r is req:
+                del q[i]
+                self.planned.pop(req.rid, None)
+                return True
+        return False
+
+    def iterate(self) -> Batch | None:
+        """``get_next_batch_to_run``, the forward, the results (one scheduler iteration's
+        batch): returns the batch that ran, if any."""
+        batch = self.sched.next_batch()
+        if batch is not None:
+            self.forward.run(batch)
+            self.sched.finish_batch(batch)
+        return batch
+
+    # ---- one request at a time (the fault bench) ----------------------------------------------------
+    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Any | None:
+        """The request enters the waiting queue and is admitted into a prefill batch, which runs
+        its forward; its results wait for :meth:`finish`, so it holds its prefix and memory until
+        then. None (and nothing queued) when the scheduler cannot admit it now."""
+        self._flush_unprocessed()
+        req = self.request(sid, prompt, output)
+        self.sched.add_request(req)
+        batch = self.sched.next_batch()
+        if batch is None or not any(r is req for r in batch.reqs):
+            self.drop(req)
+            if batch is not None:
+                self.forward.run(batch)
+                self.sched.finish_batch(batch)
+            return None
+        self.forward.run(batch)
+        self._unprocessed = batch
+        return req
+
+    def finish(self, req: Any) -> None:
+        """Run the scheduler until ``req`` has its output and is released into the tree (the hooked
+        insert records the turn), then the next iteration's merge, so an idle server reads idle."""
+        self._flush_unprocessed()
+        while not req.finished():
+            batch = self.iterate()
+            assert batch is not None, f"{req.rid} cannot run: nothing scheduled"
+        batch = self.sched.next_batch()
+        if batch is not None:
+            self.forward.run(batch)
+            self._unprocessed = batch
+
+    def _flush_unprocessed(self) -> None:
+        if self._unprocessed is not None:
+            batch, self._unprocessed = self._unprocessed, None
+            self.sched.finish_batch(batch)
+
+    # ---- bytes --------------------------------------------------------------------------------------
     def match_device(self, tokens: list[int]) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
-    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Running | None:
-        raise NotImplementedError
-
-    def finish(self, run: Running) -> None:
-        raise NotImplementedError
-
-    def start_and_finish_loads(self) -> None:
-        """sglang's prefill batch starts every queued load (``ready_to_load_host_cache``) and
-        its forward waits for them (the schedule stream waits on the load's event)."""
-        if not self.h.is_hi:
-            return
-        if self.h.tree.cache_controller.load_queue:
-            self.h.tree.ready_to_load_host_cache()
-        self.h.complete("load")
-
     def verify_prefix(self, tokens: list[int], indices: torch.Tensor) -> bool:
-        """The prefix a request reuses must hold exactly its tokens' KV (the harness's KV is a
-        function of the token id): a restore that moved the wrong bytes, or a slot freed and
-        reused while still in the tree, shows here."""
-        n = len(indices)
-        if n == 0:
-            return True
-        got = self.h.device_kv(indices).float()
-        ok = bool(torch.equal(got, self.h.expected_kv(tokens[:n])))
-        self.bytes_checked += got.numel() * got.element_size()
-        self.byte_mismatches += 0 if ok else 1
-        return ok
+        """``indices`` hold exactly the KV of ``tokens``' first ``len(indices)`` tokens."""
+        return self.forward.equal(tokens, indices)
 
-    # copies
+    @property
+    def bytes_checked(self) -> int:
+        return self.forward.bytes_checked
+
+    @property
+    def byte_mismatches(self) -> int:
+        return self.forward.byte_mismatches
+
+    # ---- copies -------------------------------------------------------------------------------------
     def check_events(self) -> None:
         self.h.check_events()
 
@@ -281,7 +362,6 @@ class Stack0516(Stack):
     tree_api = "radix"
 
     def __init__(self, kind: StackKind, *, device_tokens: int, host_ratio: float, context_len: int) -> None:
-        super().__init__()
         from toolkv.testing.harness import CacheHarness, HarnessConfig
 
         self.name = kind
@@ -294,58 +374,19 @@ class Stack0516(Stack):
                 context_len=context_len,
             )
         )
-        self._slots = list(range(1, 64))
+        self._attach()
 
     def match_device(self, tokens: list[int]) -> tuple[torch.Tensor, Any]:
         m = self.h.match(tokens)
         return m.device_indices, m.last_device_node
 
-    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Running | None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        h = self.h
-        tokens = prompt + output
-        kv_len = len(tokens) - 1
-        if not self._slots:
-            return None
-        prefix, last = self.match_device(tokens[:kv_len])
-        h.tree.inc_lock_ref(last)
-        need = kv_len - len(prefix)
-        new = h.allocator.alloc(need) if need else prefix[:0]
-        if new is None:
-            h.tree.evict(EvictParams(num_tokens=need))
-            new = h.allocator.alloc(need)
-        if new is None:
-            h.tree.dec_lock_ref(last)
-            return None
-        self.verify_prefix(tokens, prefix)
-        if need:
-            h.fill_kv(new, tokens[len(prefix) : kv_len])
-        slot = self._slots.pop()
-        h.req_pool.req_to_token[slot, :kv_len] = torch.cat([prefix, new.to(prefix.device)]).to(torch.int32)
-        req = _Finished(
-            origin_input_ids=array("q", prompt),
-            output_ids=array("q", output),
-            req_pool_idx=slot,
-            cache_protected_len=len(prefix),
-            last_node=last,
-            session_id=sid,
-        )
-        return Running(sid, tokens, kv_len, req)
-
-    def finish(self, run: Running) -> None:
-        self.h.tree.cache_finished_req(run.req, kv_len_to_handle=run.kv_len)  # hooked: records the turn
-        self._slots.append(run.req.req_pool_idx)
-
 
 class Stack0523(Stack):
-    """sglang 0.5.23: ``UnifiedRadixCache`` with HiCache and the Python tree core; a real
-    ``Req`` released by sglang's own ``release_kv_cache``."""
+    """sglang 0.5.23: ``UnifiedRadixCache`` with HiCache and the Python tree core."""
 
     tree_api = "unified"
 
     def __init__(self, *, device_tokens: int, host_ratio: float, context_len: int) -> None:
-        super().__init__()
         from sglang.srt.runtime_context import get_parallel
 
         from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
@@ -358,58 +399,11 @@ class Stack0523(Stack):
                 device_tokens=device_tokens, host_ratio=host_ratio, max_reqs=64, context_len=context_len
             )
         )
-        self._rid = 0
+        self._attach()
 
     def match_device(self, tokens: list[int]) -> tuple[torch.Tensor, Any]:
         m = self.h.match(tokens)
         return self.h.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len], m.last_device_node
-
-    def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Running | None:
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        h = self.h
-        tokens = prompt + output
-        kv_len = len(tokens) - 1
-        self._rid += 1
-        req = Req(
-            f"soak{self._rid}",
-            "",
-            array("q", prompt),
-            SamplingParams(max_new_tokens=len(output)),
-            session_id=sid,
-        )
-        prefix, last = self.match_device(tokens[:kv_len])
-        req.last_node = last
-        req.lock = h.tree.lock(last)
-        need = kv_len - len(prefix)
-        new = h.allocator.alloc(need) if need else prefix[:0]
-        if new is None:
-            h.tree.evict(EvictParams(num_tokens=need))
-            new = h.allocator.alloc(need)
-        if new is None or h.req_pool.alloc([req]) is None:
-            if new is not None and need:
-                h.allocator.free(new)
-            h.tree.unlock(req.lock)
-            req.lock = None
-            return None
-        self.verify_prefix(tokens, prefix)
-        if need:
-            h.fill_kv(new, tokens[len(prefix) : kv_len])
-        row = torch.cat([prefix, new.to(prefix.device)]).to(torch.int32)
-        h.req_pool.write((req.kv.req_pool_idx, slice(0, kv_len)), row)
-        req.kv.cache_protected_len = len(prefix)
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = kv_len
-        req.output_ids.extend(output)
-        return Running(sid, tokens, kv_len, req)
-
-    def finish(self, run: Running) -> None:
-        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-        from sglang.srt.mem_cache.common import release_kv_cache
-
-        run.req.finished_reason = FINISH_LENGTH(length=len(run.req.output_ids))
-        release_kv_cache(run.req, self.h.tree, checkpoint=True)  # checkpoint is hooked: records the turn
 
     def close(self) -> None:
         self.h.close()
@@ -618,8 +612,9 @@ class Soak:
         self.clock: Clock = FixedIteration(cfg.tick_s)  # an iteration is tick_s, whatever it ran
         self.iteration = 0
         self.result = SoakResult(config=asdict(cfg))
-        self.waiting: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
-        self.running: list[tuple[Running, asyncio.Future[str]]] = []
+        self.futures: dict[str, asyncio.Future[list[int]]] = {}  # rid -> the client waiting for it
+        self.aborting: set[str] = set()  # rids the client aborts once they are admitted
+        self.restored: set[str] = set()  # rids admitted while their session's restore was loading
         self.timers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = 0
         self.in_http = 0
@@ -630,7 +625,7 @@ class Soak:
         self._progress = 0  # the last iteration a request finished (a stall detector)
         # requests held in front of the scheduler while a flush waits for an idle moment (an
         # operator drains traffic before /flush_cache; sglang itself would keep admitting them)
-        self.held: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
+        self.held: list[Any] = []
 
     # ---- clients' view -------------------------------------------------------------------------------
     async def sleep(self, seconds: float) -> None:
@@ -661,15 +656,23 @@ class Soak:
         self.result.replies[f"{op} {status} {body.get('error', body.get('state', ''))}"] += 1
         return status, body
 
-    def submit(self, sid: str | None, prompt: list[int], output: list[int]) -> asyncio.Future[str]:
+    def submit(
+        self, sid: str | None, prompt: list[int], output: list[int]
+    ) -> tuple[Any, asyncio.Future[list[int]]]:
         """A generate request reaches the scheduler (``handle_generate_request``: toolkv's BEFORE
-        hook may restore the session first) and waits to be admitted."""
+        hook may restore the session first) and waits in its queue to be admitted; the future
+        resolves to the output it produced."""
         from toolkv.sglang.plugin import before_handle_generate_request
 
         before_handle_generate_request(self.sched, SimpleNamespace(session_id=sid, session_params=None))
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        (self.held if self.flush_waiters else self.waiting).append((sid, prompt, output, fut))
-        return fut
+        req = self.stack.request(sid, prompt, output)
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self.futures[req.rid] = fut
+        if self.flush_waiters:
+            self.held.append(req)
+        else:
+            self.stack.sched.add_request(req)
+        return req, fut
 
     async def agent(self, plan: SessionPlan) -> None:
         """One agent session: turns and tool calls as planned, with the faults of the config."""
@@ -747,28 +750,53 @@ class Soak:
         admission is sent again later, as an agent retries; one aborted after admission ends
         early (the part computed is cached, the output is cut)."""
         while True:
+            req, fut = self.submit(sid, prompt, output)
             if rng.random() < self.cfg.abort_running_p:
-                output = output[:1]
-                self.result.events["aborted_running"] += 1
-            fut = self.submit(sid, prompt, output)
+                # the client goes away once it runs: sglang's abort sets ``to_finish``, and the
+                # request ends at its next result with the part computed cached
+                self.aborting.add(req.rid)
             if rng.random() < self.cfg.abort_waiting_p:
                 await asyncio.sleep(0)  # the client goes away before the scheduler admits it
-                if self._abort_waiting(fut):
+                if self._abort_waiting(req):
                     self.result.events["aborted_waiting"] += 1
                     await self.sleep(rng.uniform(0.5, 2.0 * self.cfg.handover_ttl_s))
                     continue
-            await fut
-            return output
+            return await fut
 
-    def _abort_waiting(self, fut: asyncio.Future[str]) -> bool:
+    def _abort_waiting(self, req: Any) -> bool:
         """Abort a request still waiting (held or queued); False once it was admitted."""
-        for queue in (self.waiting, self.held):
-            for i, w in enumerate(queue):
-                if w[3] is fut:
-                    del queue[i]
-                    fut.set_result("aborted")
-                    return True
-        return False
+        held = next((i for i, r in enumerate(self.held) if r is req), None)
+        if held is not None:
+            del self.held[held]
+        elif not self.stack.drop(req):
+            return False
+        self.aborting.discard(req.rid)
+        self.futures.pop(req.rid).set_result([])
+        return True
+
+    def _admitted(self, req: Any) -> None:
+        """A request is in a new prefill batch: the plugin's AFTER hook on
+        ``get_new_batch_prefill`` (its session's hand-over ends); a client gone since aborts it."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        from toolkv.sglang.plugin import after_get_new_batch_prefill
+
+        sid = req.session_id
+        rec = self.tk.manager.sessions.get(sid) if sid else None
+        # toolkv's load of the session is in flight (Restoring) or done and not yet handed over:
+        # the forward waits for it, then checks the restored prefix byte for byte
+        if rec is not None and rec.state in ("Restoring", "Handover") and rec.restore == "loading":
+            self.restored.add(req.rid)
+        after_get_new_batch_prefill(SimpleNamespace(batch_to_run=SimpleNamespace(reqs=[req])), self.sched)
+        if req.rid in self.aborting:
+            self.aborting.discard(req.rid)
+            req.to_finish = FINISH_ABORT()
+            self.result.events["aborted_running"] += 1
+
+    def _finished(self, req: Any) -> None:
+        """A request's result is processed and its KV released into the tree: its client has it."""
+        self.futures.pop(req.rid).set_result(list(req.output_ids))
+        self._progress = self.iteration
 
     def _repopulate(self, sid: str) -> None:
         """Another request (no session label) runs the offloaded session's tokens, re-inserting
@@ -777,7 +805,7 @@ class Soak:
         rec = self.tk.manager.sessions.get(sid)
         if rec is None or rec.state not in ("Offloaded", "Offloading") or not rec.tokens:
             return
-        self.waiting.append((None, list(rec.tokens), [1], asyncio.get_running_loop().create_future()))
+        self.submit(None, list(rec.tokens), [1])  # nobody waits for its answer
         self.result.events["repopulated"] += 1
 
     async def _flush(self) -> None:
@@ -809,55 +837,31 @@ class Soak:
             self._flush_pending = False
             self.flush_waiters.pop(0).set_result(bool(sched.flush_replies.sent[-1].success))
         if not self.flush_waiters and self.held:
-            self.waiting += self.held
+            for req in self.held:
+                self.stack.sched.add_request(req)
             self.held = []
         tk.tick()  # the AFTER hook of process_input_requests
-        # 2. get_next_batch_to_run: acks, last batch finishes, new batch admitted
-        self.stack.check_events()
-        for run, fut in self.running:
-            self.stack.finish(run)
-            fut.set_result("done")
-            self._progress = self.iteration
-        self.running = []
-        sched.running_batch.reqs = []
-        if self.waiting:
-            self.stack.start_and_finish_loads()  # the batch's forward waits for its loads
-            admitted: list[Any] = []
-            keep: list[tuple[str | None, list[int], list[int], asyncio.Future[str]]] = []
-            for sid, prompt, output, fut in self.waiting:
-                if len(admitted) >= 8:
-                    keep.append((sid, prompt, output, fut))
-                    continue
-                rec = tk.manager.sessions.get(sid) if sid else None
-                restored = rec is not None and rec.state == "Handover" and rec.restore == "loading"
-                mism = self.stack.byte_mismatches
-                checked = self.stack.bytes_checked
-                admit = self.stack.admit(sid, prompt, output)
-                if admit is None:
-                    keep.append((sid, prompt, output, fut))
-                    continue
-                run = admit
-                if restored:
-                    res.restores_verified += 1
-                    res.restored_bytes_checked += self.stack.bytes_checked - checked
-                if self.stack.byte_mismatches > mism:
-                    log.error("session %s: reused prefix holds wrong bytes", sid)
-                admitted.append(run.req)
-                self.running.append((run, fut))
-            self.waiting = keep
-            sched.waiting_queue[:] = [w[0] for w in keep]
-            sched.running_batch.reqs = admitted
-            if admitted:
-                from toolkv.sglang.plugin import after_get_new_batch_prefill
-
-                after_get_new_batch_prefill(SimpleNamespace(batch_to_run=_Batch(admitted)), sched)
-        sched.waiting_queue[:] = [w[0] for w in self.waiting]
+        # 2. get_next_batch_to_run (sglang's ack checks first; toolkv's AFTER hook on
+        # get_new_batch_prefill for each admitted request), the forward, the batch's results
+        mism = self.stack.byte_mismatches
+        batch = self.stack.sched.next_batch()
+        if batch is not None:
+            seen = self.stack.bytes_checked
+            self.stack.forward.run(batch)
+            if self.stack.byte_mismatches > mism:
+                log.error("reused prefix holds wrong bytes: requests %s", self.stack.forward.mismatched[-3:])
+            restored = [r for r in batch.reqs if r.rid in self.restored]
+            if restored:
+                self.restored.difference_update(r.rid for r in restored)
+                res.restores_verified += len(restored)
+                res.restored_bytes_checked += self.stack.bytes_checked - seen
+            self.stack.sched.finish_batch(batch)
         # 3. the copy engine
         self.stack.progress_copies(self.rng)
         # the clock: one iteration, or straight to the next wake-up when nothing at all happens
         idle = (
-            not self.waiting
-            and not self.running
+            not self.stack.sched.busy
+            and not self.held
             and not self.channel.inbox
             and self.in_http == 0
             and not self.stack.busy()
@@ -916,7 +920,9 @@ class Soak:
             with toolkv_cache_hooks(self.stack.tree_api):
                 initial = self.stack.accounting()
                 h = self.stack.h
-                self.sched = SchedulerStandIn(h.tree, h.req_pool, h.allocator, hicache=h.is_hi)
+                self.sched = SchedulerStandIn(self.stack.sched, hicache=h.is_hi)
+                self.stack.on_admitted = self._admitted
+                self.stack.on_finished = self._finished
                 tk_cfg = ToolKVConfig(
                     ttl_s=cfg.ttl_s,
                     handover_ttl_s=cfg.handover_ttl_s,
@@ -930,6 +936,7 @@ class Soak:
                 self.tk = SchedulerToolKV(h.tree, config=tk_cfg, clock=clock)
                 h.tree._toolkv = self.tk
                 self.sched._toolkv = self.tk
+                self.tk.bind_scheduler(self.sched)  # as the plugin binds sglang's Scheduler
                 self.channel = SoakChannel()
                 transport = httpx.ASGITransport(app=build_app(self.channel))
                 async with httpx.AsyncClient(transport=transport, base_url="http://toolkv") as client:
@@ -988,11 +995,15 @@ class Soak:
             if self.iteration - self._progress > 5_000:
                 self.result.leaks.append(
                     f"stalled: {self.iteration} iterations for {self.calls_started} tool calls;"
-                    f" {len(self.waiting)} requests waiting, device/host in use {self.stack.occupancy()}"
+                    f" {len(self.stack.sched.waiting_queue)} requests waiting,"
+                    f" {len(self.stack.sched.running_batch.reqs)} running, device/host in use"
+                    f" {self.stack.occupancy()}"
                 )
                 for t in live:
                     t.cancel()
-                self.waiting, self.held, self.running = [], [], []
+                for r in list(self.stack.sched.waiting_queue):
+                    self.stack.drop(r)
+                self.held, self.futures = [], {}
                 return
             self.step()
             for _ in range(3):  # let the woken clients and their HTTP round trips move on
@@ -1022,7 +1033,7 @@ class Soak:
             res.leaks.append(f"backend loads in flight: {len(b._loads)}")
         if len(self.channel.replies):
             res.leaks.append(f"{len(self.channel.replies)} replies never delivered")
-        if self.waiting or self.held or self.running or any(not f.done() for _, _, f in self.timers):
+        if self.stack.sched.busy or self.held or self.futures or any(not f.done() for _, _, f in self.timers):
             res.leaks.append("requests or client timers left over")
 
     def run(self) -> SoakResult:

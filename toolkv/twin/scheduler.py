@@ -57,6 +57,12 @@ from typing import Any
 import torch
 
 Hook = Callable[[Any], None]
+Sampler = Callable[[Any], int]  # the next output token of a request (the model's sample)
+
+
+def sampled_id(req: Any) -> int:
+    """The twin's sample: a fixed id per output position (the twin counts tokens, not their ids)."""
+    return 1000 + len(req.output_ids)
 
 
 @dataclass
@@ -70,6 +76,10 @@ class Batch:
     context: int = 0
     loads: bool = False  # a HiCache load into this batch's prefixes was started
 
+    def is_empty(self) -> bool:
+        """``ScheduleBatch.is_empty`` (what ``Scheduler.is_fully_idle`` asks of ``last_batch``)."""
+        return not self.reqs
+
 
 class TwinScheduler:
     """The scheduling half of sglang's ``Scheduler`` over one real tree.
@@ -77,7 +87,9 @@ class TwinScheduler:
     ``on_admitted(req)`` is called for every request of a new prefill batch once the batch is
     formed (``PrefillAdder`` matched and locked its prefix, its memory is allocated): where the
     plugin's AFTER hook on ``get_new_batch_prefill`` runs; ``on_first_token(req)`` and ``on_finished(req)``
-    when a result is processed; ``on_retracted(req)`` when decode memory ran out.
+    when a result is processed; ``on_retracted(req)`` when decode memory ran out. ``sample(req)``
+    is the token a forward samples for a request (the twin's fixed ids by default; a driver that
+    checks KV bytes passes the ids its client expects).
 
     The methods up to ``# ---- release hooks`` are the walk both releases share; the hooks below
     it are 0.5.16's, and :class:`~toolkv.twin.scheduler_0523.TwinScheduler0523` overrides them."""
@@ -93,6 +105,7 @@ class TwinScheduler:
         on_first_token: Hook | None = None,
         on_finished: Hook | None = None,
         on_retracted: Hook | None = None,
+        sample: Sampler = sampled_id,
     ) -> None:
         from sglang.srt.managers.schedule_policy import SchedulePolicy
 
@@ -115,6 +128,7 @@ class TwinScheduler:
         self.on_first_token = on_first_token
         self.on_finished = on_finished
         self.on_retracted = on_retracted
+        self.sample = sample
         self.retractions = 0
         self.prefill_tokens = 0  # computed prompt tokens (new KV written by prefill)
         self.cached_tokens = 0  # prompt tokens served from cache at admission
@@ -343,7 +357,7 @@ class TwinScheduler:
                 req.inflight_middle_chunks -= 1
                 continue
             first = len(req.output_ids) == 0
-            req.output_ids.append(1000 + len(req.output_ids))
+            req.output_ids.append(self.sample(req))
             if first and self.on_first_token is not None:
                 self.on_first_token(req)
             req.update_finish_state()
@@ -479,3 +493,16 @@ class TwinScheduler:
         from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
 
         maybe_cache_unfinished_req(req, self.tree)
+
+
+def make_scheduler(harness: Any, **kwargs: Any) -> TwinScheduler:
+    """The scheduler of ``harness``'s release: :class:`TwinScheduler` over sglang 0.5.16's caches,
+    :class:`~toolkv.twin.scheduler_0523.TwinScheduler0523` over a ``UnifiedRadixCache`` (0.5.21+);
+    ``kwargs`` are :class:`TwinScheduler`'s."""
+    from toolkv.testing.unified_harness import UnifiedCacheHarness
+
+    if isinstance(harness, UnifiedCacheHarness):
+        from toolkv.twin.scheduler_0523 import TwinScheduler0523
+
+        return TwinScheduler0523(harness, **kwargs)
+    return TwinScheduler(harness, **kwargs)
