@@ -158,7 +158,9 @@ def test_demo_in_the_smallest_pool_finishes_and_verifies_its_restores(
     report = json.loads(captured.out)
     assert report["restore_mismatches"] == 0 and report["restores_verified"] > 0
     assert report["leaks"]["sessions_unfinished"] == 0 and report["leaks"]["count"] == 0
-    assert report["deferred_restores"] > 0, "the pool was tight: some restores had to wait"
+    # the pool was tight: some restores had to wait (parked: the request's admission loads them)
+    assert report["deferred_restores"] + report["parked_restores"] > 0, report["counters"]
+    assert report["prefix_bytes_checked"] > 0
     assert "FAILED" not in captured.err
 
 

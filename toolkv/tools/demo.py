@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = sim.run(progress)
     bar.close()  # type: ignore[attr-defined]
-    sim.h.close()
+    sim.close()
     if args.plot:
         plot(report, str(args.plot))
     if args.out:
@@ -146,11 +146,13 @@ def print_report(r: object, timeline: int) -> None:
         ("tokens offloaded (tool_start)", r.tokens_offloaded),
         ("tokens restored (host->GPU)", r.tokens_restored),
         ("restores verified byte-identical", f"{r.restores_verified} ({r.bytes_verified:,} bytes)"),
-        ("restores with differing bytes", r.restore_mismatches),
+        ("restores or prefixes with differing bytes", r.restore_mismatches),
         ("GPU tokens freed during tool calls", r.device_tokens_freed),
         ("peak GPU tokens freed at once", r.peak_device_freed_during_tools),
         ("sessions expired by TTL", r.expired),
         ("restores deferred (no GPU memory)", r.deferred_restores),
+        ("restores parked (loaded at admission)", r.parked_restores),
+        ("reused prefixes checked (bytes)", f"{r.prefix_bytes_checked:,}"),
         ("offloads refused (host full / KV lost)", r.refused_offloads),
         ("scheduler iterations", r.ticks),
         ("leaks (counters not back to initial)", r.leaks["count"]),

@@ -1,14 +1,29 @@
 """An agent workload over a real cache stack: sessions alternate generation turns and tool calls.
 
-This is what ``toolkv demo`` runs on the embedded default (CPU, real HiRadixCache, the controllable
-copy engine standing in for the GPU's DMA) and what the benchmarks reuse. One loop iteration is one
-scheduler iteration: copies that have had their time finish, sglang's ``check_hicache_events``
-processes acks, the manager ticks, then every agent acts.
+This is what ``toolkv demo`` runs (CPU, sglang's real HiRadixCache, the controllable copy engine
+standing in for the GPU's DMA). It is a driver over the same server stand-in as the twin and the
+soak: toolkv's scheduler side attached as the plugin attaches it (its cache hooks applied through
+sglang's ``HookRegistry``, the tick on an agreed clock), the scheduler model
+(:class:`~toolkv.twin.scheduler.TwinScheduler`: real ``Req`` objects admitted by sglang's
+``PrefillAdder``, prefill and decode) and the forward that writes and checks KV bytes
+(:class:`~toolkv.twin.forward.KVForward`). One loop iteration is one scheduler iteration, in
+sglang's order: copies that have had their time finish; the agents' messages (generate requests
+through toolkv's BEFORE hook, ``tool_start``/``tool_end``/``close`` through its control handler);
+toolkv's tick; ``get_next_batch_to_run`` (which processes HiCache's acks), the forward, the results.
+A finished request's KV enters the tree through the real ``cache_finished_req``, whose toolkv hook
+records the turn.
+
+toolkv runs with ``TOOLKV_LAZY_FREE=0`` here: every offload frees its GPU copy once the write is
+acknowledged and every ``tool_end`` loads it back, so each call shows the whole round trip and
+each restore is compared byte for byte (the server default leaves the GPU copy to sglang's
+eviction: docs/policy.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,11 +31,17 @@ from typing import Any
 
 import torch
 
+from toolkv.core.backends.base import LocalAgreement
 from toolkv.core.lifecycle import HOLDING
-from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.core.treeops import path_to, walk
-from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, ToolKVError
+from toolkv.errors import DeviceMemoryFull
+from toolkv.sglang.cache_hooks import toolkv_cache_hooks
+from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.tp import AgreedClock
 from toolkv.testing.harness import CacheHarness, HarnessConfig
+from toolkv.twin.clock import Clock, FixedIteration
+from toolkv.twin.forward import KVForward
+from toolkv.twin.scheduler import make_scheduler
 
 
 @dataclass(frozen=True)
@@ -52,10 +73,11 @@ class Agent:
     sid: str
     tokens: list[int]
     turns_left: int
-    phase: str = "generate"  # generate | tool | restoring | abandoned | done
+    phase: str = "generate"  # generate | running | tool | restoring | abandoned | done
     epoch: int = 0
     tool_until: int = 0
     snapshot: torch.Tensor | None = None
+    output: list[int] = field(default_factory=list)  # the running request's planned answer
 
 
 @dataclass
@@ -83,6 +105,8 @@ class DemoReport:
     peak_device_freed_during_tools: int = 0
     expired: int = 0
     deferred_restores: int = 0
+    parked_restores: int = 0  # tool_end answered Parked: the next request's admission loads it
+    prefix_bytes_checked: int = 0  # KV bytes of every reused prefix, compared by the forward
     refused_offloads: int = 0
     ticks: int = 0
     leaks: dict[str, Any] = field(default_factory=dict)
@@ -96,20 +120,51 @@ class DemoReport:
         return d
 
 
+OUTPUT_TOKENS = 8  # the model's answer in each turn's new tokens (the rest: the tool's result)
+VOCAB = 128_256
+
+
 class Simulation:
     def __init__(self, cfg: DemoConfig, harness: CacheHarness | None = None) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(toolkv_cache_hooks("radix"))  # the plugin's turn capture
         self.h = harness or CacheHarness(
             HarnessConfig(
-                page_size=cfg.page_size, device_tokens=cfg.device_tokens, host_ratio=cfg.host_ratio
+                page_size=cfg.page_size,
+                device_tokens=cfg.device_tokens,
+                host_ratio=cfg.host_ratio,
+                max_reqs=cfg.sessions + 2,
+                context_len=cfg.min_device_tokens() + cfg.page_size + 8,
             ),
             seed=cfg.seed,
         )
-        self.mgr = ToolKVManager(self.h.tree, config=ManagerConfig(ttl_s=float(cfg.ttl_ticks)))
-        self.report = DemoReport(config=asdict(cfg))
-        self._seen: dict[int, int] = {}  # id(ack) -> tick first seen
         self.now = 0
+        self.clock: Clock = FixedIteration(1.0)  # one scheduler iteration is one tick
+        from toolkv.sglang.scheduler_side import SchedulerToolKV  # imports sglang's scheduler: not at --help
+
+        tk_cfg = ToolKVConfig(enable=True, ttl_s=float(cfg.ttl_ticks), lazy_free=False, sweep_every=1)
+        self.tk = SchedulerToolKV(
+            self.h.tree, config=tk_cfg, clock=AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
+        )
+        self.h.tree._toolkv = self.tk
+        self.mgr = self.tk.manager
+        self.sched = make_scheduler(
+            self.h,
+            chunked_prefill_size=512,
+            max_prefill_tokens=2048,
+            max_running_requests=cfg.sessions + 1,
+            on_admitted=lambda req: self.tk.on_batch([req]),  # the AFTER hook on get_new_batch_prefill
+            on_finished=self._finished,
+            sample=self._sample,
+        )
+        self.tk.bind_scheduler(self.sched)
+        self.forward = KVForward(self.h, self.sched)
+        self.report = DemoReport(config=asdict(cfg))
+        self._seen: dict[int, tuple[Any, int]] = {}  # id(ack) -> (ack, tick first seen)
+        self._running: dict[str, Agent] = {}  # rid -> the agent whose request it is
+        self._rid = 0
         prefix = [self.rng.randrange(1, 50_000) for _ in range(cfg.shared_prefix)]
         self.agents = [
             Agent(sid=f"s{i:02d}", tokens=list(prefix), turns_left=cfg.turns) for i in range(cfg.sessions)
@@ -126,16 +181,26 @@ class Simulation:
         idx = torch.cat([m.value for m in path_to(self.h.tree, rec.node)])
         return self.h.device_kv(idx)
 
-    def _advance_copies(self) -> None:
-        """The copy engine finishes transfers that have been in flight for ``dma_ticks``."""
-        ctrl = self.h.tree.cache_controller
-        for queue in (ctrl.ack_write_queue, ctrl.ack_load_queue):
-            for ack in queue:
-                first = self._seen.setdefault(id(ack), self.now)
-                if self.now - first >= self.cfg.dma_ticks and not ack.finish_event.query():
-                    ack.finish_event.synchronize()
+    def _state(self, sid: str) -> str:
+        rec = self.mgr.sessions.get(sid)
+        return "Closed" if rec is None else rec.state
 
-    def _sample(self) -> None:
+    def _advance_copies(self) -> None:
+        """The copy engine finishes transfers that have been in flight for ``dma_ticks``. (An ack
+        is remembered with a reference to it, so its ``id`` cannot pass to a newer one.)"""
+        ctrl = self.h.tree.cache_controller
+        live = [ack for queue in (ctrl.ack_write_queue, ctrl.ack_load_queue) for ack in queue]
+        self._seen = {id(ack): self._seen.get(id(ack), (ack, self.now)) for ack in live}
+        for ack in live:
+            if self.now - self._seen[id(ack)][1] >= self.cfg.dma_ticks and not ack.finish_event.query():
+                ack.finish_event.synchronize()
+
+    def _sample(self, req: Any) -> int:
+        """The forward's sample: the answer the agent's turn planned."""
+        a = self._running[req.rid]
+        return a.output[len(req.output_ids)]
+
+    def _record_sample(self) -> None:
         h, m = self.h, self.mgr
         dev_used = h.cfg.device_tokens - h.allocator.available_size()
         host_used = h.host_pool.size - h.host_pool.available_size()
@@ -154,39 +219,60 @@ class Simulation:
         freed = sum(r.freed_tokens for r in m.sessions.values() if r.state == "Offloaded")
         self.report.peak_device_freed_during_tools = max(self.report.peak_device_freed_during_tools, freed)
 
+    def _call(self, op: str, **body: Any) -> tuple[int, dict[str, Any]]:
+        """A control call as the scheduler side handles it (what ``POST /session/<op>`` reaches)."""
+        return self.tk.handle(op, body)
+
     # ---- agents ---------------------------------------------------------------------------------------
     def _generate(self, a: Agent) -> None:
+        """The agent sends its next turn: the tool's result (or the user's first message) as the
+        prompt's new tokens; the model answers with ``OUTPUT_TOKENS`` planned tokens."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
         lo, hi = self.cfg.turn_tokens
         new = [self.rng.randrange(1, 50_000) for _ in range(self.rng.randint(lo, hi))]
-        tokens = a.tokens + new
-        if not self.h.run_request(tokens, deterministic=True):  # a recomputed prefix has its old bytes
-            return  # no device memory this iteration; retry next one
-        a.tokens = tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size]
-        self.mgr.record_turn(a.sid, a.tokens)
+        a.output = new[-OUTPUT_TOKENS:]
+        prompt = a.tokens + new[:-OUTPUT_TOKENS]
+        sp = SamplingParams(max_new_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
+        sp.normalize(None)
+        self._rid += 1
+        req = Req(f"{a.sid}#{self._rid}", "", array("q", prompt), sp, session_id=a.sid, vocab_size=VOCAB)
+        self._running[req.rid] = a
+        self.tk.on_request(a.sid)  # the BEFORE hook on handle_generate_request
+        self.sched.add_request(req)
+        a.phase = "running"
+
+    def _finished(self, req: Any) -> None:
+        """The turn's request finished; its KV is in the tree and toolkv recorded the turn."""
+        a = self._running.pop(req.rid)
+        a.tokens = [*req.origin_input_ids, *req.output_ids]
         a.turns_left -= 1
         self.report.turns += 1
+        a.phase = "generate"
         if a.turns_left == 0:
             a.phase = "done"
-            self.mgr.close(a.sid)
+            self._call("close", session_id=a.sid)
             self._log(f"{a.sid} finished its last turn ({len(a.tokens)} tokens) and closed")
             return
-        try:
-            snap = self._path_kv(a.sid)
-            r = self.mgr.tool_start(a.sid)
-        except (HostMemoryFull, SessionKVLost) as e:
+        self._start_tool(a)
+
+    def _start_tool(self, a: Agent) -> None:
+        snap = self._path_kv(a.sid) if self._state(a.sid) == "Running" else None
+        status, r = self._call("tool_start", session_id=a.sid)
+        a.tool_until = self.now + self.rng.randint(*self.cfg.tool_ticks)
+        if status != 200:
             self.report.refused_offloads += 1
-            self._log(f"{a.sid} tool_start refused: {e.code}")
+            self._log(f"{a.sid} tool_start refused: {r.get('error')}")
             a.phase = "tool"  # the tool still runs; the KV just stays on the GPU
             a.snapshot = None
-            a.tool_until = self.now + self.rng.randint(*self.cfg.tool_ticks)
             return
-        a.epoch = int(r["epoch"])  # type: ignore[call-overload]
+        a.epoch = int(r["epoch"])
         a.snapshot = snap
         self.report.tool_calls += 1
-        self.report.tokens_offloaded += int(r["tokens"])  # type: ignore[call-overload]
+        self.report.tokens_offloaded += int(r["tokens"])
         abandon = self.rng.random() < self.cfg.abandon_prob
         a.phase = "abandoned" if abandon else "tool"
-        a.tool_until = self.now + self.rng.randint(*self.cfg.tool_ticks)
         self._log(
             f"{a.sid} tool_start epoch={a.epoch} {r['tokens']} tokens -> {r['state']}"
             + ("  (client will vanish)" if abandon else "")
@@ -196,31 +282,34 @@ class Simulation:
         if a.snapshot is None:  # the offload was refused: nothing to restore
             a.phase = "generate"
             return
-        try:
-            r = self.mgr.tool_end(a.sid, a.epoch)
-        except DeviceMemoryFull:
+        status, r = self._call("tool_end", session_id=a.sid, epoch=a.epoch)
+        if status == DeviceMemoryFull.http_status and r.get("error") == DeviceMemoryFull.code:
             self.report.deferred_restores += 1
             return  # retry next iteration
-        except ToolKVError as e:
-            self._log(f"{a.sid} tool_end refused: {e.code} ({self.mgr.kv_meta(a.sid)['state']})")
+        if status != 200:
+            self._log(f"{a.sid} tool_end refused: {r.get('error')} ({self._state(a.sid)})")
             a.phase = "generate"
             return
         self.report.tokens_restored += self.mgr.sessions[a.sid].restored_tokens
         a.phase = "restoring"
+        if r["state"] == "Parked":
+            self.report.parked_restores += 1
+            self._log(
+                f"{a.sid} tool_end epoch={a.epoch} -> Parked (its request would wait: sglang loads it then)"
+            )
+            return
         self._log(f"{a.sid} tool_end epoch={a.epoch} -> {r['state']}")
 
     def _check_restored(self, a: Agent) -> None:
         """Compare the restored KV with the snapshot as soon as the load is acknowledged: in
-        ``Handover``, while toolkv pins it for the next request. Not later: once the hand-over's
-        TTL unpins it (``Runnable``), a small pool may already have evicted part of the path. The
-        agent's next turn waits for ``Runnable`` (a turn cannot be recorded during the hand-over)."""
-        rec = self.mgr.sessions.get(a.sid)
-        state = "Closed" if rec is None else rec.state
-        if a.snapshot is not None and state not in HOLDING and state != "Runnable":
-            # the call ended with nothing to restore (the KV never left the GPU, or toolkv let it
-            # go): there is no restore to compare, and the next turn recomputes what is missing
-            self._log(f"{a.sid} tool call over in {state}: nothing restored to compare")
-            a.snapshot = None
+        ``Handover``, while toolkv pins it for the next request (not later: once the hand-over's
+        TTL unpins it, a small pool may evict part of the path). Then the agent sends its next
+        turn, whose admission ends the hand-over. A session toolkv parked (nothing loaded yet: its
+        request would queue) is loaded by sglang's ``load_back`` when that request is admitted;
+        the forward checks those bytes as it checks every reused prefix."""
+        state = self._state(a.sid)
+        if state in HOLDING and state not in ("Handover", "Parked"):
+            return  # the load is still in flight
         if a.snapshot is not None and state in ("Handover", "Runnable"):
             kv = self._path_kv(a.sid)
             if torch.equal(kv, a.snapshot):
@@ -229,9 +318,12 @@ class Simulation:
             else:
                 self.report.restore_mismatches += 1
                 self._log(f"{a.sid} RESTORED BYTES DIFFER")
-            a.snapshot = None
-        if a.snapshot is None and state != "Handover":
-            a.phase = "generate"
+        elif a.snapshot is not None and state != "Parked":
+            # the call ended with nothing to restore (toolkv let the KV go): the next turn reuses
+            # what sglang still has and recomputes the rest
+            self._log(f"{a.sid} tool call over in {state}: nothing restored to compare")
+        a.snapshot = None
+        a.phase = "generate"
 
     def _act(self, a: Agent) -> None:
         if a.phase == "generate":
@@ -243,8 +335,7 @@ class Simulation:
         elif a.phase == "abandoned":
             # the client is gone: the session ends once toolkv holds nothing of it any more, by its
             # TTL (Expired) or earlier (Released: demoted for host room; Lost; forgotten as idle)
-            rec = self.mgr.sessions.get(a.sid)
-            state = "Closed" if rec is None else rec.state
+            state = self._state(a.sid)
             if state in HOLDING:
                 return
             if state == "Expired":
@@ -252,22 +343,26 @@ class Simulation:
                 self._log(f"{a.sid} expired by TTL: protection released; client gone, session closed")
             else:
                 self._log(f"{a.sid} {state}: nothing held any more; client gone, session closed")
-            if rec is not None:
-                self.mgr.close(a.sid)
+            if state != "Closed":
+                self._call("close", session_id=a.sid)
             a.phase = "done"
 
     # ---- main loop ------------------------------------------------------------------------------------
     def step(self) -> None:
+        """One scheduler iteration (see the module docstring for the order)."""
         self._advance_copies()
-        self.h.tree.check_hicache_events()
-        self.mgr.tick(float(self.now))
         order = list(self.agents)
         self.rng.shuffle(order)
         for a in order:
-            if a.phase != "done":
+            if a.phase not in ("done", "running"):
                 self._act(a)
-        self._sample()
-        self.now += 1
+        self.tk.tick()  # the AFTER hook on process_input_requests
+        batch = self.sched.next_batch()
+        if batch is not None:
+            self.forward.run(batch)
+            self.sched.finish_batch(batch)
+        self._record_sample()
+        self.now += int(self.clock.iteration_s(batch, float(self.now)))
 
     def run(self, progress: Callable[[int], None] | None = None) -> DemoReport:
         initial = self.h.accounting()
@@ -278,13 +373,18 @@ class Simulation:
         self.report.ticks = self.now
         self.report.device_tokens_freed = int(self.mgr.counters["freed_tokens"])
         self.report.counters = dict(self.mgr.counters)
+        self.report.restore_mismatches += self.forward.byte_mismatches
+        self.report.prefix_bytes_checked = self.forward.bytes_checked
         self.report.leaks = self._leaks(initial)
         return self.report
 
     def _leaks(self, initial: Any) -> dict[str, Any]:
         """Close everything, let every copy finish, evict all: every counter must be back."""
         for sid in list(self.mgr.sessions):
-            self.mgr.close(sid)
+            self._call("close", session_id=sid)
+        unfinished = sum(1 for a in self.agents if a.phase != "done")
+        for r in list(self.sched.waiting_queue):  # requests of sessions cut off by the limit
+            self.sched.waiting_queue.remove(r)
         self.h.drain()
         final = self.h.accounting()
         diffs = {
@@ -295,8 +395,13 @@ class Simulation:
         return {
             "count": len(diffs),
             "differences": {k: list(v) for k, v in diffs.items()},
-            "sessions_unfinished": sum(1 for a in self.agents if a.phase != "done"),
+            "sessions_unfinished": unfinished,
         }
+
+    def close(self) -> None:
+        """Release the harness and undo the plugin's cache hooks."""
+        self.h.close()
+        self._hooks.close()
 
 
 def tokens_of(h: CacheHarness, tokens: list[int]) -> int:
