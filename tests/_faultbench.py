@@ -22,14 +22,12 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from toolkv.core.backends.base import LocalAgreement
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.http_api import ChannelTransport, build_app
 from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.sglang.plugin import after_get_new_batch_prefill, before_handle_generate_request
 from toolkv.sglang.scheduler_side import SchedulerToolKV
-from toolkv.sglang.tp import AgreedClock
-from toolkv.tools.soak import SchedulerStandIn, Stack
+from toolkv.twin.server import Server
 
 ROWS_DIR = Path(os.environ.get("TOOLKV_FAULT_ROWS", "")) if os.environ.get("TOOLKV_FAULT_ROWS") else None
 
@@ -65,10 +63,11 @@ class ImmediateChannel(ChannelTransport):
 
 
 class Bench:
-    """A stack, toolkv over it, the HTTP routes, and a scheduler loop stepped by hand."""
+    """A server stand-in, toolkv attached to it, the HTTP routes, and a scheduler loop stepped by
+    hand."""
 
     def __init__(
-        self, stack: Stack, *, ttl_s: float = 60.0, handover_ttl_s: float = 5.0, lazy_free: bool = False
+        self, stack: Server, *, ttl_s: float = 60.0, handover_ttl_s: float = 5.0, lazy_free: bool = False
     ) -> None:
         # The faults here are of the host->GPU restore path, which needs the GPU copy freed at the write
         # ack (TOOLKV_LAZY_FREE=0); with lazy free a copy sglang did not evict is handed over as it is
@@ -77,7 +76,7 @@ class Bench:
         h = stack.h
         self.h = h
         self.initial = stack.accounting()
-        self.sched = SchedulerStandIn(stack.sched, hicache=h.is_hi)
+        self.sched = stack.scheduler
         stack.on_admitted = self._admitted
         self.now = 0.0
         cfg = ToolKVConfig(
@@ -87,12 +86,7 @@ class Bench:
             sweep_every=1,
             lazy_free=lazy_free,
         )
-        self.tk = SchedulerToolKV(
-            h.tree, config=cfg, clock=AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
-        )
-        h.tree._toolkv = self.tk
-        self.sched._toolkv = self.tk
-        self.tk.bind_scheduler(self.sched)
+        self.tk = stack.attach(cfg, now=lambda: self.now)
         self.channel = ImmediateChannel(self.tk)
         self.client = TestClient(build_app(self.channel))
         self.errors: list[str] = []

@@ -18,7 +18,7 @@ import pytest
 from _faultbench import Bench, Row, record
 
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
-from toolkv.tools.soak import Stack0516
+from toolkv.twin.server import Server0516
 
 R = "0.5.16"
 PROMPT = list(range(1000, 1064))
@@ -30,7 +30,7 @@ TURN = PROMPT + OUT[:-1]  # the tokens with KV after the first turn
 def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
     kind = getattr(request, "param", "hiradix")
     with toolkv_cache_hooks("radix"):
-        stack = Stack0516(kind, device_tokens=512, host_ratio=2.0, context_len=1024)
+        stack = Server0516(kind, device_tokens=512, host_ratio=2.0, context_len=1024)
         b = Bench(stack)
         try:
             yield b
@@ -288,7 +288,7 @@ def test_tool_end_racing_the_next_request(bench: Bench) -> None:
 @pytest.fixture
 def small_host() -> Iterator[Bench]:
     with toolkv_cache_hooks("radix"):
-        stack = Stack0516("hiradix", device_tokens=512, host_ratio=1.0, context_len=1024)
+        stack = Server0516("hiradix", device_tokens=512, host_ratio=1.0, context_len=1024)
         b = Bench(stack)
         try:
             yield b

@@ -19,7 +19,8 @@ import pytest
 
 from toolkv.core.backends.shadow import ShadowBackend
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
-from toolkv.tools.soak import SoakConfig, Stack0516, problems, run_soak
+from toolkv.tools.soak import SoakConfig, problems, run_soak
+from toolkv.twin.server import Server0516
 
 # 10,000 calls on the HiRadixCache; the fallbacks share the budget (no copies in flight there).
 CASES = [("hiradix", 10_000, 200), ("pin", 1_500, 100), ("shadow", 1_500, 100)]
@@ -41,16 +42,16 @@ def test_soak(stack: str, calls: int, sessions: int) -> None:
 
 
 @pytest.fixture
-def shadow_stack() -> Iterator[Stack0516]:
+def shadow_stack() -> Iterator[Server0516]:
     with toolkv_cache_hooks("radix"):
-        stack = Stack0516("shadow", device_tokens=512, host_ratio=2.0, context_len=1024)
+        stack = Server0516("shadow", device_tokens=512, host_ratio=2.0, context_len=1024)
         try:
             yield stack
         finally:
             stack.close()
 
 
-def test_shadow_restore_into_a_repopulated_branch_frees_its_duplicate_slots(shadow_stack: Stack0516) -> None:
+def test_shadow_restore_into_a_repopulated_branch_frees_its_duplicate_slots(shadow_stack: Server0516) -> None:
     """While a session's branch is a shadow snapshot on the host, another request computes the same
     tokens and re-inserts the branch. The restore then finds every token already in the tree: the
     slots it allocated for the snapshot are duplicates and must all go back to the allocator."""

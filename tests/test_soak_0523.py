@@ -20,7 +20,8 @@ if not has_unified_radix_cache():
 from _faultbench import Bench, Row, record
 
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
-from toolkv.tools.soak import SoakConfig, Stack0523, problems, run_soak
+from toolkv.tools.soak import SoakConfig, problems, run_soak
+from toolkv.twin.server import Server0523
 
 R = "0.5.23"
 PROMPT = list(range(1000, 1064))
@@ -49,7 +50,7 @@ def test_soak_unified() -> None:
 @pytest.fixture
 def bench() -> Iterator[Bench]:
     with toolkv_cache_hooks("unified"):
-        stack = Stack0523(device_tokens=512, host_ratio=2.0, context_len=1024)
+        stack = Server0523(device_tokens=512, host_ratio=2.0, context_len=1024)
         b = Bench(stack)
         try:
             yield b

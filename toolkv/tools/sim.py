@@ -23,25 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import random
-from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from toolkv.core.backends.base import LocalAgreement
 from toolkv.core.lifecycle import HOLDING
 from toolkv.core.treeops import path_to, walk
 from toolkv.errors import DeviceMemoryFull
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.sglang.config import ToolKVConfig
-from toolkv.sglang.tp import AgreedClock
 from toolkv.testing.harness import CacheHarness, HarnessConfig
 from toolkv.twin.clock import Clock, FixedIteration
-from toolkv.twin.forward import KVForward
-from toolkv.twin.scheduler import make_scheduler
+from toolkv.twin.server import Server
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,6 @@ class Agent:
     epoch: int = 0
     tool_until: int = 0
     snapshot: torch.Tensor | None = None
-    output: list[int] = field(default_factory=list)  # the running request's planned answer
 
 
 @dataclass
@@ -121,7 +117,6 @@ class DemoReport:
 
 
 OUTPUT_TOKENS = 8  # the model's answer in each turn's new tokens (the rest: the tool's result)
-VOCAB = 128_256
 
 
 class Simulation:
@@ -142,25 +137,22 @@ class Simulation:
         )
         self.now = 0
         self.clock: Clock = FixedIteration(1.0)  # one scheduler iteration is one tick
-        from toolkv.sglang.scheduler_side import SchedulerToolKV  # imports sglang's scheduler: not at --help
-
-        tk_cfg = ToolKVConfig(enable=True, ttl_s=float(cfg.ttl_ticks), lazy_free=False, sweep_every=1)
-        self.tk = SchedulerToolKV(
-            self.h.tree, config=tk_cfg, clock=AgreedClock(LocalAgreement(), every=1, source=lambda: self.now)
-        )
-        self.h.tree._toolkv = self.tk
-        self.mgr = self.tk.manager
-        self.sched = make_scheduler(
+        # the server stand-in every byte-checking driver shares: scheduler model, forward, toolkv
+        # attached as the plugin attaches it
+        self.server = Server(
             self.h,
+            "hiradix",
             chunked_prefill_size=512,
             max_prefill_tokens=2048,
             max_running_requests=cfg.sessions + 1,
-            on_admitted=lambda req: self.tk.on_batch([req]),  # the AFTER hook on get_new_batch_prefill
-            on_finished=self._finished,
-            sample=self._sample,
         )
-        self.tk.bind_scheduler(self.sched)
-        self.forward = KVForward(self.h, self.sched)
+        self.server.on_admitted = self._admitted
+        self.server.on_finished = self._finished
+        tk_cfg = ToolKVConfig(enable=True, ttl_s=float(cfg.ttl_ticks), lazy_free=False, sweep_every=1)
+        self.tk = self.server.attach(tk_cfg, now=lambda: self.now)
+        self.mgr = self.tk.manager
+        self.sched = self.server.sched
+        self.forward = self.server.forward
         self.report = DemoReport(config=asdict(cfg))
         self._seen: dict[int, tuple[Any, int]] = {}  # id(ack) -> (ack, tick first seen)
         self._running: dict[str, Agent] = {}  # rid -> the agent whose request it is
@@ -195,11 +187,6 @@ class Simulation:
             if self.now - self._seen[id(ack)][1] >= self.cfg.dma_ticks and not ack.finish_event.query():
                 ack.finish_event.synchronize()
 
-    def _sample(self, req: Any) -> int:
-        """The forward's sample: the answer the agent's turn planned."""
-        a = self._running[req.rid]
-        return a.output[len(req.output_ids)]
-
     def _record_sample(self) -> None:
         h, m = self.h, self.mgr
         dev_used = h.cfg.device_tokens - h.allocator.available_size()
@@ -221,27 +208,33 @@ class Simulation:
 
     def _call(self, op: str, **body: Any) -> tuple[int, dict[str, Any]]:
         """A control call as the scheduler side handles it (what ``POST /session/<op>`` reaches)."""
-        return self.tk.handle(op, body)
+        status, out = self.tk.handle(op, body)
+        return int(status), dict(out)
 
     # ---- agents ---------------------------------------------------------------------------------------
     def _generate(self, a: Agent) -> None:
         """The agent sends its next turn: the tool's result (or the user's first message) as the
-        prompt's new tokens; the model answers with ``OUTPUT_TOKENS`` planned tokens."""
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
+        prompt's new tokens; the model answers with ``OUTPUT_TOKENS`` planned tokens. The request
+        passes toolkv's BEFORE hook on ``handle_generate_request`` and waits in the queue."""
+        from toolkv.sglang.plugin import before_handle_generate_request
 
         lo, hi = self.cfg.turn_tokens
         new = [self.rng.randrange(1, 50_000) for _ in range(self.rng.randint(lo, hi))]
-        a.output = new[-OUTPUT_TOKENS:]
-        prompt = a.tokens + new[:-OUTPUT_TOKENS]
-        sp = SamplingParams(max_new_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
-        sp.normalize(None)
-        self._rid += 1
-        req = Req(f"{a.sid}#{self._rid}", "", array("q", prompt), sp, session_id=a.sid, vocab_size=VOCAB)
+        req = self.server.request(a.sid, a.tokens + new[:-OUTPUT_TOKENS], new[-OUTPUT_TOKENS:])
         self._running[req.rid] = a
-        self.tk.on_request(a.sid)  # the BEFORE hook on handle_generate_request
+        before_handle_generate_request(
+            self.server.scheduler, SimpleNamespace(session_id=a.sid, session_params=None)
+        )
         self.sched.add_request(req)
         a.phase = "running"
+
+    def _admitted(self, req: Any) -> None:
+        """The plugin's AFTER hook on ``get_new_batch_prefill``: the session's hand-over ends."""
+        from toolkv.sglang.plugin import after_get_new_batch_prefill
+
+        after_get_new_batch_prefill(
+            SimpleNamespace(batch_to_run=SimpleNamespace(reqs=[req])), self.server.scheduler
+        )
 
     def _finished(self, req: Any) -> None:
         """The turn's request finished; its KV is in the tree and toolkv recorded the turn."""
@@ -357,10 +350,7 @@ class Simulation:
             if a.phase not in ("done", "running"):
                 self._act(a)
         self.tk.tick()  # the AFTER hook on process_input_requests
-        batch = self.sched.next_batch()
-        if batch is not None:
-            self.forward.run(batch)
-            self.sched.finish_batch(batch)
+        batch = self.server.iterate()  # get_next_batch_to_run, the forward, the results
         self._record_sample()
         self.now += int(self.clock.iteration_s(batch, float(self.now)))
 

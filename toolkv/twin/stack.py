@@ -93,10 +93,8 @@ def _build(
     """:func:`build` once the cache hooks are applied."""
     import torch
 
-    from toolkv.core.backends.base import LocalAgreement
     from toolkv.sglang.config import ToolKVConfig
-    from toolkv.sglang.scheduler_side import SchedulerToolKV
-    from toolkv.sglang.tp import AgreedClock
+    from toolkv.twin.server import attach_toolkv
 
     quiet()
     torch.set_num_threads(1)  # tiny tensors: threads only contend (and the machine is shared)
@@ -156,10 +154,7 @@ def _build(
     )
     if cfg.toolkv_env:
         tcfg = with_env(tcfg, cfg.toolkv_env)
-    agree = LocalAgreement()
-    clock = AgreedClock(agree, every=tcfg.sweep_every, source=now)
-    tk = SchedulerToolKV(h.tree, config=tcfg, agree=agree, clock=clock)
-    h.tree._toolkv = tk
+    tk = attach_toolkv(h.tree, tcfg, now=now)  # as the plugin attaches it (the soak's and demo's too)
     # sglang prints the whole tree before raising "Out of memory" (alloc_token_slots): an
     # hour-long tree on stdout would bury the report; the twin records the error instead
     h.tree.pretty_print = lambda: None
