@@ -30,9 +30,10 @@ occupancy, toolkv's protected tokens and the process's RSS are sampled; at the e
 session is closed, the caches drained, and every counter must equal its initial value.
 
 Test doubles, each for what cannot exist on CPU: the harnesses' three (unpinned host pool, torch
-copy primitives, the controlled copy engine), :class:`SchedulerStandIn` (sglang's ``Scheduler``
+copy primitives, the controlled copy engine), :class:`~toolkv.twin.server.SchedulerStandIn` (sglang's ``Scheduler``
 needs a model runner; the real ``Scheduler.is_fully_idle`` and ``Scheduler.flush_cache`` run
-bound to it, over the scheduler model's queues), :class:`SoakChannel` (the tokenizer-manager <->
+bound to it, over the scheduler model's queues; the server stand-in is
+:mod:`toolkv.twin.server`, the one the demo and the fault bench run too), :class:`SoakChannel` (the tokenizer-manager <->
 scheduler ZMQ channel: the wire objects are pickled both ways) and the forward (``KVForward``: the
 model's KV as a function of the token ids, the planned output ids as its samples).
 ``python -m toolkv.tools.soak`` is the long run (``make soak-long``).
