@@ -45,7 +45,7 @@ Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
          "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
          "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl",
-         "ParkUnprotected", "ResidentNoPin"}
+         "ParkUnprotected", "ResidentNoPin", "ClosedKeepsRef"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
@@ -633,8 +633,12 @@ Close(s) ==
     /\ phase[s] \notin {"New", "Closed"}
     /\ Released({s})
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
+    \* The record stays (kv_meta, the epoch fence) but lets go of its node: a reference would keep
+    \* the node, and every evicted ancestor through its parent link, alive for as long as the record
+    \* is remembered (ClosedKeepsRef: the closed history held the whole path of every closed session).
+    /\ ref' = IF BUG = "ClosedKeepsRef" THEN ref ELSE [ref EXCEPT ![s] = NoNode]
     /\ UNCHANGED <<status, parent, dev, host, writeKey, loadKey, loadAcks, extLock, devFree, hostFree,
-                   queued, ring, ref, epoch, deadline, envVars>>
+                   queued, ring, epoch, deadline, envVars>>
     /\ Rec(<<"Close", s>>, ({prot[s]} \cup IF phase[s] \in Pinning THEN {ref[s]} ELSE {}) \ {NoNode})
 
 -----------------------------------------------------------------------------
@@ -922,6 +926,10 @@ ParkedKeepsKV == \A s \in Sessions : phase[s] = "Parked" => status[ref[s]] = "In
 
 \* Policy: a released (let go or demoted) session holds nothing that HiCache must respect.
 ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = NoNode
+
+\* A closed record references no node (the closed history is bounded by count, not by bytes: a
+\* node reference would keep the session's evicted path alive).
+ClosedHoldsNoNode == \A s \in Sessions : phase[s] = "Closed" => ref[s] = NoNode
 
 -----------------------------------------------------------------------------
 (* Properties of steps *)

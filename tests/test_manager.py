@@ -91,6 +91,36 @@ def test_full_cycle_restores_identical_bytes_and_returns_everything(hh: CacheHar
     assert h.accounting() == initial
 
 
+@pytest.mark.parametrize(
+    "defect", [frozenset(), frozenset({"ClosedKeepsRef"})], ids=["fixed", "ClosedKeepsRef"]
+)
+def test_a_closed_record_lets_its_path_be_freed(hh: CacheHarness, defect: frozenset[str]) -> None:
+    """The closed history (``TOOLKV_CLOSED_HISTORY``, 10,000 records by default) is bounded by
+    count, not bytes: a record that kept its node would keep the node object and, through its
+    parent link, every evicted ancestor with its token key alive for as long as it is remembered
+    (at 64K-token contexts, megabytes a record). Spec ``Close`` drops ``ref``
+    (``ClosedHoldsNoNode``); with the defect back (``ClosedKeepsRef``) the evicted path outlives
+    the tree."""
+    import gc
+    import weakref
+
+    from toolkv.verify.toolkv.mutants import mutant_manager
+
+    h = hh
+    m = mutant_manager(h.tree, caveats=defect)
+    tokens = SHARED + list(range(300, 332))
+    turn(h, m, "s", tokens)
+    assert m.tool_start("s")["epoch"] == 1
+    step(h, m, 1, writes=True)
+    leaf = weakref.ref(m.sessions["s"].node)
+    m.close("s")
+    meta = m.kv_meta("s")
+    assert (meta["state"], meta["epoch"]) == ("Closed", 1), "the record still answers and fences epochs"
+    h.drain()  # sglang evicts the whole path from both tiers
+    gc.collect()
+    assert (leaf() is None) == (not defect), "a closed record must not keep its evicted path alive"
+
+
 def test_offload_finishes_at_once_when_nothing_is_in_flight(hh: CacheHarness) -> None:
     h = hh
     m = ToolKVManager(h.tree)

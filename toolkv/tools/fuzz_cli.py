@@ -60,6 +60,11 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
         frozenset(),
         "lazy free: a resident path handed over unpinned",
     ),
+    "ClosedKeepsRef": (
+        frozenset({"ClosedKeepsRef"}),
+        frozenset(),
+        "closed history: a closed record keeps its evicted path alive",
+    ),
 }
 # Mutants whose defect lives on the lazy-free path (spec LazyFree): their campaign runs with it on
 # (the production default on HiRadixCache), where a tool_end finds the offloaded path resident.

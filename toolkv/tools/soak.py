@@ -678,6 +678,11 @@ class Soak:
             v = getattr(b, attr, 0)
             if v:
                 res.leaks.append(f"backend {attr} = {v}")
+        # a closed record keeps kv_meta's answer only: a node reference would keep the session's
+        # evicted path alive for as long as the bounded closed history remembers it
+        held = sum(1 for r in m._closed.values() if r.node is not None)
+        if held:
+            res.leaks.append(f"{held} closed records still reference a tree node")
         for name in ("sessions", "_offloading", "_restoring", "_prefetching"):
             if getattr(m, name):
                 res.leaks.append(f"manager.{name} holds {len(getattr(m, name))}")

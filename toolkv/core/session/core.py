@@ -194,9 +194,12 @@ class MachineCore:
         )
 
     def _forget_tokens(self, rec: SessionRecord) -> None:
-        """A closed record keeps what kv_meta and the epoch fence need; its token copy (the bulk of
-        a record) goes. The node reference stays as the spec's ref does."""
-        rec.tokens, rec.backend_state = array("q"), None
+        """A closed record keeps what kv_meta and the epoch fence need; its token copy and its node
+        reference go (spec ``Close``: ``ref`` becomes ``NoNode``, invariant ``ClosedHoldsNoNode``).
+        A kept reference holds the node object and, through its parent link, every evicted
+        ancestor with its token key: the bounded closed history would hold the whole path of
+        each of its (by default 10,000) sessions."""
+        rec.tokens, rec.backend_state, rec.node = array("q"), None, None
 
     # ---- actions of other mixins that these call (see the module docstring) ---------------------------
     def demote(self, session_id: str) -> SessionView:

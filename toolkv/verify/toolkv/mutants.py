@@ -144,6 +144,17 @@ class ResidentNoPinMachine(SessionMachine):
         super()._pin_for_handover(rec)
 
 
+class ClosedKeepsRefMachine(SessionMachine):
+    """``ClosedKeepsRef``: a closed record keeps its node reference (the manager before), so the
+    bounded closed history keeps each closed session's node and, through its parent links, every
+    evicted ancestor alive (spec invariant ``ClosedHoldsNoNode``)."""
+
+    def _forget_tokens(self, rec: SessionRecord) -> None:
+        node = rec.node
+        super()._forget_tokens(rec)
+        rec.node = node
+
+
 # ---- backend defects (mixins for HiRadixBackend and UnifiedBackend) --------------------------------
 
 
@@ -231,6 +242,7 @@ MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
     "WarmFullTtl": WarmFullTtlMachine,
     "ParkUnprotected": ParkUnprotectedMachine,
     "ResidentNoPin": ResidentNoPinMachine,
+    "ClosedKeepsRef": ClosedKeepsRefMachine,
 }
 
 

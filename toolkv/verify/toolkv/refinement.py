@@ -406,6 +406,8 @@ def check_invariants(st: Mapping[str, Any], b: Bounds) -> list[str]:
             break
     if any(st["phase"][s] == "Released" and st["prot"][s] != NO_NODE for s in sess):
         bad.append("ReleasedHoldsNothing")
+    if any(st["phase"][s] == "Closed" and st["ref"][s] != NO_NODE for s in sess):
+        bad.append("ClosedHoldsNoNode")
     return bad
 
 

@@ -428,6 +428,8 @@ def close(st: State, r: Rules, sid: str) -> State | None:
     s = copy.deepcopy(st)
     _released(st, s, r, [sid])
     s["phase"][sid] = "Closed"
+    if r.bug != "ClosedKeepsRef":
+        s["ref"][sid] = NO  # the record lets go of its node
     held = {st["prot"][sid]} | ({st["ref"][sid]} if st["phase"][sid] in pinning(r) else set())
     s["tgt"] = sorted(held - {NO})
     return s
