@@ -209,6 +209,20 @@ def test_the_l3_gpu_table_is_the_reports_output(
     )
 
 
+
+def test_the_l3_gpu_run_c_table_is_the_reports_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run C of the L3 GPU experiment (docs/results/l3_capacity/C/r1 and r2, one device call each) as
+    docs/benchmarks.md shows it: the block begins with value_report's output over the two runs."""
+    monkeypatch.chdir(ROOT)
+    assert main(["docs/results/l3_capacity/C/r1", "docs/results/l3_capacity/C/r2"]) == 0
+    printed = capsys.readouterr().out.strip()
+    block = doc_block("benchmarks.md", "l3-gpu-c")
+    assert block is not None and block.strip().startswith(printed), (
+        "regenerate the table in docs/benchmarks.md"
+    )
+
 def test_the_ttft_bins_table_is_the_tools_output(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
