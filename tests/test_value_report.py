@@ -195,33 +195,28 @@ def test_a_one_run_table_is_the_reports_output(
     assert block is not None and block.strip() == printed, "regenerate the table in docs/benchmarks.md"
 
 
-def test_the_l3_gpu_table_is_the_reports_output(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("runs", "block_name"),
+    [
+        (["docs/results/l3_capacity/A/r1"], "l3-gpu"),
+        (["docs/results/l3_capacity/C/r1", "docs/results/l3_capacity/C/r2"], "l3-gpu-c"),
+    ],
+    ids=["A", "C"],
+)
+def test_the_l3_gpu_tables_are_the_reports_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, runs: list[str], block_name: str
 ) -> None:
-    """The L3 GPU run (docs/results/l3_capacity/A/) as docs/benchmarks.md shows it: the first table
-    of the block is value_report's output over the run."""
+    """The L3 GPU runs as docs/benchmarks.md shows them (run A: one device call; run C:
+    docs/results/l3_capacity/C/r1 and r2, one call each): each block begins with value_report's
+    output over its runs."""
     monkeypatch.chdir(ROOT)
-    assert main(["docs/results/l3_capacity/A/r1"]) == 0
+    assert main(runs) == 0
     printed = capsys.readouterr().out.strip()
-    block = doc_block("benchmarks.md", "l3-gpu")
+    block = doc_block("benchmarks.md", block_name)
     assert block is not None and block.strip().startswith(printed), (
         "regenerate the table in docs/benchmarks.md"
     )
 
-
-
-def test_the_l3_gpu_run_c_table_is_the_reports_output(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Run C of the L3 GPU experiment (docs/results/l3_capacity/C/r1 and r2, one device call each) as
-    docs/benchmarks.md shows it: the block begins with value_report's output over the two runs."""
-    monkeypatch.chdir(ROOT)
-    assert main(["docs/results/l3_capacity/C/r1", "docs/results/l3_capacity/C/r2"]) == 0
-    printed = capsys.readouterr().out.strip()
-    block = doc_block("benchmarks.md", "l3-gpu-c")
-    assert block is not None and block.strip().startswith(printed), (
-        "regenerate the table in docs/benchmarks.md"
-    )
 
 def test_the_ttft_bins_table_is_the_tools_output(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

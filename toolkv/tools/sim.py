@@ -374,7 +374,7 @@ class Simulation:
             self._call("close", session_id=sid)
         unfinished = sum(1 for a in self.agents if a.phase != "done")
         for r in list(self.sched.waiting_queue):  # requests of sessions cut off by the limit
-            self.sched.waiting_queue.remove(r)
+            self.server.drop(r)
         self.h.drain()
         final = self.h.accounting()
         diffs = {

@@ -48,8 +48,9 @@ class KVForward:
         else:
             for req in batch.reqs:
                 pos = sched._committed_len(req) - 1  # the position _commit_decode just allotted
-                ids = [*req.origin_input_ids, *req.output_ids]
-                h.fill_kv(r2t[sched._req_row(req), pos : pos + 1].to(torch.int64), ids[pos : pos + 1])
+                n_in = len(req.origin_input_ids)  # (a decode position is past the prompt unless retracted)
+                token = req.origin_input_ids[pos] if pos < n_in else req.output_ids[pos - n_in]
+                h.fill_kv(r2t[sched._req_row(req), pos : pos + 1].to(torch.int64), [token])
 
     def check(self, req: Any, tokens: list[int], indices: torch.Tensor) -> bool:
         """The ``len(indices)`` first tokens of ``tokens`` have exactly their KV at ``indices``."""
