@@ -42,6 +42,20 @@ class PinPriced(Protocol):
 
 
 @runtime_checkable
+class LockPriced(Protocol):
+    """The backend's ``tool_start`` takes device locks (a HiCache write locks each node it copies,
+    and its path, until the copy is acknowledged; the pin fallback's offload is a path lock) and
+    knows what they take from what sglang may evict: sglang has promised running requests the
+    room (``headroom``) and admits the next chunk of a chunked prefill without a check, so the
+    offload's room check (``_check_offload_room``) needs both."""
+
+    tree: Tree
+    headroom: Callable[[], int]
+
+    def offload_lock_cost(self, leaf: TreeNode) -> int: ...
+
+
+@runtime_checkable
 class Parking(Protocol):
     """The backend's host copy lives in sglang's tree, so a restore can be left to sglang's own
     ``load_back`` at admission (spec ``Park``) and a hand-over pin can give way to the host copy
@@ -88,6 +102,7 @@ class Capabilities:
     parking: Parking | None
     storage: StorageTier | None
     lazy_free: LazyFree | None = None
+    lock_priced: LockPriced | None = None
 
     @property
     def parks(self) -> bool:
@@ -104,4 +119,5 @@ def capabilities_of(backend: object) -> Capabilities:
         parking=backend if isinstance(backend, Parking) else None,
         storage=backend if isinstance(backend, StorageTier) else None,
         lazy_free=backend if isinstance(backend, LazyFree) else None,
+        lock_priced=backend if isinstance(backend, LockPriced) else None,
     )

@@ -345,7 +345,14 @@ class Server0516(Server):
     tree_api = "radix"
 
     def __init__(
-        self, kind: ServerKind, *, device_tokens: int, host_ratio: float, context_len: int, **sizes: Any
+        self,
+        kind: ServerKind,
+        *,
+        device_tokens: int,
+        host_ratio: float,
+        context_len: int,
+        write_policy: str = "write_through",
+        **sizes: Any,
     ) -> None:
         from toolkv.testing.harness import CacheHarness, HarnessConfig
 
@@ -356,6 +363,7 @@ class Server0516(Server):
                 host_ratio=host_ratio,
                 max_reqs=64,
                 context_len=context_len,
+                write_policy=write_policy,
             )
         )
         super().__init__(h, kind, **sizes)
@@ -370,7 +378,15 @@ class Server0523(Server):
 
     tree_api = "unified"
 
-    def __init__(self, *, device_tokens: int, host_ratio: float, context_len: int, **sizes: Any) -> None:
+    def __init__(
+        self,
+        *,
+        device_tokens: int,
+        host_ratio: float,
+        context_len: int,
+        write_policy: str = "write_through",
+        **sizes: Any,
+    ) -> None:
         from sglang.srt.runtime_context import get_parallel
 
         from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig
@@ -379,7 +395,11 @@ class Server0523(Server):
         self._ctx.enter_context(get_parallel().override(tp_rank=0, attn_tp_rank=0))
         h = UnifiedCacheHarness(
             UnifiedHarnessConfig(
-                device_tokens=device_tokens, host_ratio=host_ratio, max_reqs=64, context_len=context_len
+                device_tokens=device_tokens,
+                host_ratio=host_ratio,
+                max_reqs=64,
+                context_len=context_len,
+                write_policy=write_policy,
             )
         )
         super().__init__(h, "unified", **sizes)
@@ -393,8 +413,18 @@ class Server0523(Server):
         self._ctx.close()
 
 
-def make_server(kind: ServerKind, *, device_tokens: int, host_ratio: float, context_len: int) -> Server:
-    """The server of ``kind`` (``unified`` needs sglang 0.5.21+, the others 0.5.16)."""
+def make_server(
+    kind: ServerKind,
+    *,
+    device_tokens: int,
+    host_ratio: float,
+    context_len: int,
+    write_policy: str = "write_through",
+    **sizes: Any,
+) -> Server:
+    """The server of ``kind`` (``unified`` needs sglang 0.5.21+, the others 0.5.16), with HiCache's
+    ``write_policy`` and the scheduler's ``sizes`` (``chunked_prefill_size``, ...)."""
+    shape = dict(device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
     if kind == "unified":
-        return Server0523(device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
-    return Server0516(kind, device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
+        return Server0523(**shape, write_policy=write_policy, **sizes)
+    return Server0516(kind, **shape, write_policy=write_policy, **sizes)

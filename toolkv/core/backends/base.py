@@ -258,6 +258,30 @@ def device_full(rec: SessionRecord, need: int, free: int, evictable: int, reserv
     )
 
 
+def offload_lock_cost(
+    path: Sequence[TreeNode], locked_by_offload: Callable[[TreeNode], bool], evictable: Callable[[TreeNode], bool]
+) -> int:
+    """Tokens of ``path`` (root-down) an offload's locks take from what sglang may evict: a lock on
+    a node is a path lock (``inc_lock_ref`` walks to the root), so every ``evictable`` node from
+    the root down to the deepest node the offload locks (``locked_by_offload``) stops being
+    evictable until the lock goes."""
+    deepest = max((i for i, m in enumerate(path) if locked_by_offload(m)), default=-1)
+    return sum(len(m.key) for m in path[: deepest + 1] if evictable(m))
+
+
+def offload_room_full(rec: SessionRecord, need: int, free: int, evictable: int, reserved: int) -> DeviceMemoryFull:
+    """The 503 for a ``tool_start`` whose locks would take device room sglang has promised."""
+    return DeviceMemoryFull(
+        f"cannot offload now: copying session {rec.session_id!r} to host would lock {need} device tokens "
+        f"until the copy lands, and {free} free + {evictable} evictable cannot spare them next to the "
+        f"{reserved} promised to running requests; its KV stays in the GPU cache (retry the tool_start)",
+        need_tokens=need,
+        device_free_tokens=free,
+        device_evictable_tokens=evictable,
+        promised_tokens=reserved,
+    )
+
+
 def make_room(
     tree: Tree,
     agree: Agreement,

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from toolkv.core.backends.base import (
+    offload_lock_cost,
     Agreement,
     HostRestore,
     LocalAgreement,
@@ -128,6 +129,17 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate:
         the resident unlocked nodes (evictable until pinned) and the evicted ones (to load)."""
         return _ntok([m for m in path_to(self.tree, leaf) if m.value is None or m.lock_ref == 0])
+
+    def offload_lock_cost(self, leaf: TreeNode) -> int:
+        """Device tokens a ``tool_start`` of ``leaf``'s path takes from what sglang may evict while
+        its writes are in flight: ``write_backup`` locks each node it copies, and with it the path
+        above (hiradix_cache.py ``write_backup`` -> ``inc_lock_ref``), until the ack; so the
+        resident unlocked nodes from the root to the deepest node without a host copy."""
+        return offload_lock_cost(path_to(self.tree, leaf), lambda m: m.host_value is None, self._evictable)
+
+    @staticmethod
+    def _evictable(m: TreeNode) -> bool:
+        return m.value is not None and m.lock_ref == 0
 
     def host_need(self, leaf: TreeNode) -> int:
         """Host tokens an offload of ``leaf``'s path would add: the unbacked ones to write, or the

@@ -8,9 +8,16 @@ and the next turn is a full cache hit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from toolkv.core.backends.base import Agreement, LocalAgreement, LockPins, SynchronousLoads, device_pressure
+from toolkv.core.backends.base import (
+    Agreement,
+    LocalAgreement,
+    LockPins,
+    SynchronousLoads,
+    device_pressure,
+    offload_lock_cost,
+)
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
@@ -28,6 +35,15 @@ class PinBackend(SynchronousLoads, LockPins):
         self.budget_tokens = budget_tokens
         self.pinned_tokens = 0
         self._handed: dict[str, int] = {}  # session -> budget tokens of its handed-over pin
+        # Device tokens sglang has promised but not allocated yet (bound by the scheduler side):
+        # the offload's pin must leave them free or evictable.
+        self.headroom: Callable[[], int] = lambda: 0
+
+    def offload_lock_cost(self, leaf: TreeNode) -> int:
+        """Device tokens the offload's pin takes from what sglang may evict: the path's resident
+        unlocked nodes (``inc_lock_ref`` on the leaf locks the whole path)."""
+        path = path_to(self.tree, leaf)
+        return offload_lock_cost(path, lambda m: m is leaf, lambda m: m.value is not None and m.lock_ref == 0)
 
     def offload(self, rec: SessionRecord, leaf: TreeNode) -> bool:
         tokens = sum(len(m.key) for m in path_to(self.tree, leaf))

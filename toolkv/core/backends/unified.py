@@ -59,6 +59,7 @@ from toolkv.core.backends.base import (
     free_set,
     host_evictable_tokens,
     host_full,
+    offload_lock_cost,
     path_resident,
     record_freed,
 )
@@ -205,6 +206,17 @@ class UnifiedBackend(HostRestore, OwnLoads):
                 for m in path_to(self.tree, leaf)
                 if full(m).value is None or all(cd.lock_ref == 0 for cd in m.component_data)
             ]
+        )
+
+    def offload_lock_cost(self, leaf: TreeNode) -> int:
+        """Device tokens a ``tool_start`` of ``leaf``'s path takes from what sglang may evict while
+        its writes are in flight: ``_execute_and_commit_kv_backup`` locks each node it copies, and
+        its path, until the ack (unified_radix_cache.py ``inc_lock_ref`` after ``commit_backup``);
+        so the resident unlocked nodes from the root to the deepest node without a host copy."""
+        return offload_lock_cost(
+            path_to(self.tree, leaf),
+            lambda m: full(m).host_value is None,
+            lambda m: full(m).value is not None and all(cd.lock_ref == 0 for cd in m.component_data),
         )
 
     def host_need(self, leaf: TreeNode) -> int:

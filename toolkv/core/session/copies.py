@@ -51,6 +51,7 @@ class CopyActions(MachineCore):
                 session_id=session_id,
             )
         rec.node, rec.tree_gen = node, self.tree_gen
+        self._check_offload_room(rec, node)  # raises DeviceMemoryFull before changing anything
         tried: set[str] = set()  # each victim once: one whose store is refused stays a candidate
         while True:
             try:

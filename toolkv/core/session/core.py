@@ -29,7 +29,7 @@ from toolkv.core.policy import DurationModel
 from toolkv.core.result import SessionView
 from toolkv.core.session.record import SessionRecord
 from toolkv.core.timers import Timers
-from toolkv.core.treeops import Tree, attached, path_to, walk
+from toolkv.core.treeops import Tree, TreeNode, attached, path_to, walk
 from toolkv.errors import BadRequest, StaleEpoch, UnknownSession
 
 log = logging.getLogger("toolkv")
@@ -230,6 +230,9 @@ class MachineCore:
         raise NotImplementedError
 
     def _check_pin_room(self, rec: SessionRecord, *, queued: bool = False) -> None:
+        raise NotImplementedError
+
+    def _check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
         raise NotImplementedError
 
     def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:

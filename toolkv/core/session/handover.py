@@ -10,12 +10,15 @@ load that pin takes room queued requests need: ``Park`` leaves the restore to sg
 
 from __future__ import annotations
 
-from toolkv.core.backends.base import device_full
+from collections.abc import Callable
+
+from toolkv.core.backends.base import device_full, offload_room_full
 from toolkv.core.lifecycle import fire
 from toolkv.core.result import SessionView
 from toolkv.core.session.core import MachineCore, log
 from toolkv.core.session.phases import OFFLOADED, Phase
 from toolkv.core.session.record import SessionRecord
+from toolkv.core.treeops import Tree, TreeNode
 from toolkv.errors import WrongState
 
 
@@ -87,18 +90,43 @@ class HandoverActions(MachineCore):
         if not self.agree.all_true(need + reserved <= free + evictable):
             raise device_full(rec, need, free, evictable, reserved)
 
+    def _check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        """Spec ``ToolStart``'s device guard (``PromiseFits``): the offload's locks (a write locks
+        the node it copies and its path until the ack) take the path's resident unlocked tokens out
+        of what sglang may evict, while sglang counts on free + evictable covering what it promised
+        running requests: the rest of a chunked prefill, whose next chunk it admits without a check
+        once its budget is spent, and which then fails to allocate ("Out of memory", the scheduler
+        exits). Refuse the offload (``DeviceMemoryFull``, nothing changed: the KV stays in sglang's
+        cache) unless free + evictable, less what was promised, still covers what the locks take.
+        Agreed across ranks."""
+        priced = self.caps.lock_priced
+        if priced is None:
+            return
+        need = int(priced.offload_lock_cost(leaf))
+        if need == 0:
+            return
+        free, evictable, reserved = self._room_of(priced.tree, priced.headroom)
+        if not self.agree.all_true(need + reserved <= free + evictable):
+            self.counters["offload_room_refused"] += 1
+            raise offload_room_full(rec, need, free, evictable, reserved)
+
     def _device_room(self, *, queued: bool) -> tuple[int, int, int]:
         """(free, evictable, promised) device tokens; ``queued``: the waiting requests' count as
         promised too."""
         priced = self.caps.pin_priced
         assert priced is not None, "only a backend that prices pins has a device room to check"
-        tree = priced.tree
-        free = int(tree.token_to_kv_pool_allocator.available_size())
-        evictable = int(tree.evictable_size())
-        reserved = int(priced.headroom())
+        free, evictable, reserved = self._room_of(priced.tree, priced.headroom)
         if queued:
             reserved += int(self.queued_demand())
         return free, evictable, reserved
+
+    @staticmethod
+    def _room_of(tree: Tree, headroom: Callable[[], int]) -> tuple[int, int, int]:
+        """(free, evictable, promised) device tokens of ``tree``, as sglang's prefill budget reads
+        them (``PrefillBudget._available_and_evictable``)."""
+        free = int(tree.token_to_kv_pool_allocator.available_size())
+        evictable = int(tree.evictable_size())
+        return free, evictable, int(headroom())
 
     def _room_short(self) -> bool:
         """Whether the device is short for what running and queued requests need: free and
