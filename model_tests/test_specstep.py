@@ -46,7 +46,7 @@ def _instances(b: Bounds) -> list[list[Any]]:
     return out
 
 
-@pytest.mark.parametrize("graph", ["dump", "split", "loadring", "policy", "policy_auto"])
+@pytest.mark.parametrize("graph", ["dump", "split", "loadring", "policy", "policy_auto", "promise"])
 def test_python_successor_equals_tlc_on_every_transition(graphs: Any, graph: str) -> None:
     g, b = graphs.get(graph)
     rules = b.rules()
@@ -65,7 +65,7 @@ def test_python_successor_equals_tlc_on_every_transition(graphs: Any, graph: str
     assert checked > 0
 
 
-@pytest.mark.parametrize("graph", ["dump", "split", "loadring", "policy", "policy_auto"])
+@pytest.mark.parametrize("graph", ["dump", "split", "loadring", "policy", "policy_auto", "promise"])
 def test_python_enables_nothing_tlc_does_not(graphs: Any, graph: str) -> None:
     g, b = graphs.get(graph)
     rules = b.rules()

@@ -38,6 +38,9 @@ CONSTANTS
     Policy,     \* BOOLEAN: the per-call policy's actions (Keep, LetGo, Demote, Prefetch) are enabled
     LazyFree,   \* BOOLEAN: an offload leaves its acknowledged GPU copies to HiCache's own eviction
                 \* (GpuEvict) instead of freeing them (FreeSet) at ToolStart / WriteAck
+    Promised,   \* device slots sglang has promised a request and will allocate without asking again:
+                \* the rest of a chunked prefill (its next chunk is admitted unchecked once the
+                \* prefill budget is spent) or a running batch's decode; 0 = not modelled
     BUG         \* "none" or the name of one seeded defect
 
 Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
@@ -45,7 +48,7 @@ Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
          "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
          "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl",
-         "ParkUnprotected", "ResidentNoPin", "ClosedKeepsRef"}
+         "ParkUnprotected", "ResidentNoPin", "ClosedKeepsRef", "WriteLockFree", "PinPricedByLoad"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
@@ -53,6 +56,7 @@ ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
        /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0) /\ Policy \in BOOLEAN
        /\ LazyFree \in BOOLEAN
+       /\ Promised \in 0..DevSlots
        /\ BUG \in Bugs
 
 VARIABLES
@@ -202,6 +206,21 @@ InsertFits == devFree >= 1                    \* a turn's new leaf fits on devic
 WriteFits == hostFree >= 1                    \* a write-through fits on host
 SplitFits(n) == (dev[n] => devFree >= 1) /\ (host[n] => hostFree >= 1)
 
+\* The device room sglang may still take without asking anyone (its prefill budget reads it so:
+\* free slots plus the evictable ones): free slots and unlocked device copies, which its eviction
+\* can free leaf by leaf (a lock is a path lock, so unlocked nodes are closed towards the leaves).
+RoomOf(df, d, lr) == df + Cardinality({m \in InTree : d[m] /\ lr[m] = 0})
+DevRoom == RoomOf(devFree, dev, lockRef)
+\* A step that leaves free slots df, device copies d and locks lr keeps sglang's promise.  Every
+\* manager step that takes device room checks it (PromiseKept); so do the environment's steps,
+\* whose admission counts the room live (PrefillAdder's budget), which is what the model assumes
+\* of sglang: only toolkv's actions are under test.  A ToolStart's writes lock the nodes they copy
+\* and their paths until the ack (write_backup's inc_lock_ref): resident unlocked copies stop
+\* being evictable (WriteLockFree: the offload counts its writes as free of device room).  A
+\* ToolEnd's load takes free slots and its pin locks the resident path (PinPricedByLoad: it
+\* counts only the slots to load, as if the resident path stayed evictable).
+PromiseFits(df, d, lr) == Promised <= RoomOf(df, d, lr)
+
 \* The load-slot ring.  start_loading (cache_controller.py:782-835) merges the whole load queue into
 \* one transfer and takes the next producer slot; update_producer (cache_controller.py:97-104)
 \* asserts that slot's last-layer event has fired.  The load stream runs in order, so the slots
@@ -282,6 +301,11 @@ ToolStart(s) ==
                F == IF BUG = "FreeBeforeAck" THEN FreeSetNoAck({n}, dev)
                     ELSE IF clean /\ ~LazyFree THEN FreeSet({n}, dev, wk2, loadKey, lr2) ELSE {}
            IN
+           IF ~PromiseFits(devFree, dev, lr2) /\ BUG # "WriteLockFree"
+           THEN \* the writes' locks would take device room sglang promised: refused, nothing changes
+                /\ UNCHANGED core
+                /\ Rec(<<"ToolStart", s>>, {})
+           ELSE
            /\ host' = [m \in Nodes |-> host[m] \/ m \in W]
            /\ hostFree' = hostFree - Cardinality(W)
            /\ writeKey' = wk2
@@ -316,6 +340,12 @@ WriteAck(k) ==
                       queued, ring, ref, epoch, prot, deadline, envVars>>
        /\ Rec(<<"WriteAck", k>>, {ref[s] : s \in Done})
 
+\* The restore of n's path, loading C, keeps the promise: its loads take |C| free slots and its pin
+\* (the load's lock, then the hand-over's) locks the whole path (PinPricedByLoad: only |C| counts).
+RestoreFits(n, C) ==
+    IF BUG = "PinPricedByLoad" THEN Promised <= DevRoom - Cardinality(C)
+    ELSE PromiseFits(devFree - Cardinality(C), [m \in Nodes |-> dev[m] \/ m \in C], Locked(lockRef, {n}, 1))
+
 \* tool_end with epoch e.  A stale epoch, or a session that is not offloading/offloaded,
 \* changes nothing.  Otherwise load_back the evicted part of the path (all or nothing against
 \* the free device slots).  On load-back failure the session stays Offloaded and keeps its
@@ -344,7 +374,7 @@ ToolEnd(s, e) ==
                            devFree, hostFree, queued, ring, ref, epoch, prot, envVars>>
             /\ Rec(<<"ToolEnd", s, e>>, IF phase[s] = "Released" THEN {} ELSE {n})
        ELSE IF phase[s] \in {"Offloading", "Offloaded"} /\ (e = epoch[s] \/ BUG = "NoEpochCheck")
-       THEN IF ~DevFits(C) \/ (BUG = "RingOverrun" /\ C # {} /\ Len(ring) >= Ring)
+       THEN IF ~DevFits(C) \/ (BUG = "RingOverrun" /\ C # {} /\ Len(ring) >= Ring) \/ ~RestoreFits(n, C)
             THEN \* load-back failure (no device memory)
                  /\ IF BUG = "HostLockLeak"
                     THEN \* the session is given up but its host_ref is never released
@@ -474,6 +504,7 @@ Keep(s) ==
     LET n == ref[s] IN
     /\ Policy /\ phase[s] = "Running" /\ n # NoNode /\ epoch[s] < MaxEpoch
     /\ PathValid(n)
+    /\ PromiseFits(devFree, dev, Locked(lockRef, {n}, 1))
     /\ lockRef' = IF BUG = "KeepNoPin" THEN lockRef ELSE Locked(lockRef, {n}, 1)
     /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
     /\ deadline' = [deadline EXCEPT ![s] = KeepDeadline]
@@ -515,6 +546,7 @@ Prefetch(s) ==
     IN
     /\ Policy /\ phase[s] = "Offloaded"
     /\ DevFits(C)
+    /\ RestoreFits(n, C)
     /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
     /\ devFree' = devFree - Cardinality(C)
     /\ loadKey' = lk2
@@ -570,7 +602,8 @@ Admit(s) ==
          /\ prot' = [prot EXCEPT ![s] = NoNode]
          /\ hostRef' = IF prot[s] # NoNode THEN [hostRef EXCEPT ![prot[s]] = @ - 1] ELSE hostRef
          /\ phase' = [phase EXCEPT ![s] = "Runnable"]
-         /\ IF DevFits(C)
+         /\ IF DevFits(C) /\ PromiseFits(devFree - Cardinality(C), [m \in Nodes |-> dev[m] \/ m \in C],
+                                          Locked(lockRef, {n}, 1))
             THEN /\ dev' = [m \in Nodes |-> dev[m] \/ m \in C]
                  /\ devFree' = devFree - Cardinality(C)
                  /\ loadKey' = [m \in Nodes |-> IF m \in C THEN n ELSE loadKey[m]]
@@ -647,6 +680,7 @@ Close(s) ==
 \* Another request matches the prefix ending at n and locks it while it runs.
 Lock(n) ==
     /\ EnvLocks /\ n \in InTree /\ ~extLock[n] /\ PathValid(n)
+    /\ PromiseFits(devFree, dev, Locked(lockRef, {n}, 1))   \* sglang's admission counts the lock
     /\ extLock' = [extLock EXCEPT ![n] = TRUE]
     /\ lockRef' = Locked(lockRef, {n}, 1)
     /\ UNCHANGED <<queued, ring, status, parent, dev, host, hostRef, writeKey, loadKey, loadAcks, devFree, hostFree,
@@ -693,6 +727,7 @@ WriteThrough(n) ==
     /\ EnvWrites /\ n \in InTree /\ dev[n] /\ ~host[n] /\ loadKey[n] = NoNode
     /\ IF parent[n] = Root THEN TRUE ELSE host[parent[n]]
     /\ WriteFits
+    /\ PromiseFits(devFree, dev, Locked(lockRef, {n}, 1))   \* sglang's own write, of its own node
     /\ host' = [host EXCEPT ![n] = TRUE]
     /\ hostFree' = hostFree - 1
     /\ writeKey' = [writeKey EXCEPT ![n] = n]
@@ -707,6 +742,8 @@ WriteThrough(n) ==
 Split(n, m) ==
     /\ n \in InTree /\ status[m] = "Unborn"
     /\ SplitFits(n)
+    \* the slot abstraction's extra device slot for the new prefix (a real split allocates none)
+    /\ (dev[n] /\ lockRef[n] > 0) => Promised <= DevRoom - 1
     /\ status' = [status EXCEPT ![m] = "InTree"]
     /\ parent' = [parent EXCEPT ![m] = parent[n], ![n] = m]
     /\ dev' = [dev EXCEPT ![m] = dev[n]]
@@ -927,6 +964,11 @@ ParkedKeepsKV == \A s \in Sessions : phase[s] = "Parked" => status[ref[s]] = "In
 \* Policy: a released (let go or demoted) session holds nothing that HiCache must respect.
 ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = NoNode
 
+\* sglang's promise of device room is kept: what it may still allocate without asking is free or
+\* evictable (the 0.5.23 crash: a burst of tool_starts locked the evictable room the rest of a
+\* chunked prefill counted on, and its unchecked next chunk failed to allocate).
+PromiseKept == Promised <= DevRoom
+
 \* A closed record references no node (the closed history is bounded by count, not by bytes: a
 \* node reference would keep the session's evicted path alive).
 ClosedHoldsNoNode == \A s \in Sessions : phase[s] = "Closed" => ref[s] = NoNode
@@ -942,11 +984,13 @@ RunnableOnlyWhenLoaded ==
                             => PathValid(ref[s])']_vars
 
 \* A tool_start is refused for host room only when sglang could not free enough for it either
-\* (RoomIgnored, the old rule, refuses while unprotected host copies could make the room).
+\* (RoomIgnored, the old rule, refuses while unprotected host copies could make the room), or
+\* when its writes' locks would take device room sglang promised.
 RefuseOnlyWhenFull ==
     [][(act'[1] = "ToolStart" /\ phase[act'[2]] = "Running" /\ ref[act'[2]] # NoNode
         /\ status[ref[act'[2]]] = "InTree" /\ epoch[act'[2]] < MaxEpoch /\ UNCHANGED core)
-       => Cardinality({m \in Path(ref[act'[2]]) : ~host[m]}) > hostFree + Cardinality(HostEvictable)]_vars
+       => \/ Cardinality({m \in Path(ref[act'[2]]) : ~host[m]}) > hostFree + Cardinality(HostEvictable)
+          \/ ~PromiseFits(devFree, dev, Locked(lockRef, {m \in Path(ref[act'[2]]) : ~host[m]}, 1))]_vars
 
 \* A tool_end whose epoch is not the session's current one changes nothing.
 StaleEpochNoop ==

@@ -65,10 +65,20 @@ MUTANTS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
         frozenset(),
         "closed history: a closed record keeps its evicted path alive",
     ),
+    "WriteLockFree": (
+        frozenset({"WriteLockFree"}),
+        frozenset(),
+        "device room: tool_start's write locks take room sglang promised",
+    ),
+    "PinPricedByLoad": (
+        frozenset({"PinPricedByLoad"}),
+        frozenset(),
+        "device room: a restore's pin priced by the tokens to load alone",
+    ),
 }
 # Mutants whose defect lives on the lazy-free path (spec LazyFree): their campaign runs with it on
 # (the production default on HiRadixCache), where a tool_end finds the offloaded path resident.
-LAZY_MUTANTS = frozenset({"ResidentNoPin"})
+LAZY_MUTANTS = frozenset({"ResidentNoPin", "PinPricedByLoad"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,9 +29,13 @@ class PolicyActions(MachineCore):
         if not self.can_keep(rec):
             raise WrongState(f"keep needs a Running session; {session_id!r} is {rec.state}", state=rec.state)
         node = self._live_node(rec)
+        if node is not None:
+            # the pin takes the path's unlocked resident tokens out of what sglang may evict
+            # (spec Keep's PromiseFits): refused, nothing changed, where they are promised
+            rec.node, rec.tree_gen = node, self.tree_gen
+            self._check_pin_room(rec)
         if node is None or not self.backend.keep(rec, node):
             raise WrongState(f"session {session_id!r} has no resident KV to keep", state=rec.state)
-        rec.node, rec.tree_gen = node, self.tree_gen
         self._kept(rec)
         return self.view(rec)
 

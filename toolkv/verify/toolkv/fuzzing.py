@@ -64,6 +64,7 @@ OPTIONAL = frozenset(
         "tool_end_promised",
         "park",
         "unpin",
+        "promise",
     }
 )
 
@@ -77,6 +78,13 @@ def _depth(st: dict[str, Any], n: str) -> int:
     while n != ROOT:
         n, k = st["parent"][n], k + 1
     return k
+
+
+# the spec's manager actions (and the manager's tick): each must keep sglang's promise of device room
+MANAGER_STEPS = frozenset(
+    {"ToolStart", "ToolEnd", "Keep", "LetGo", "Demote", "Prefetch", "Park", "Unpin", "Close", "TtlSweep",
+     "StartLoads", "HostRoom", "WriteAck", "LoadAck", "Tick"}
+)  # fmt: skip
 
 
 class FuzzFailure(AssertionError):
@@ -151,18 +159,34 @@ class ToolKVMachine(RuleBasedStateMachine):
         self.state = self.r.abstract()
         self.trace: list[dict[str, Any]] = []
         self._swarm: list[str] | None = None
+        # sglang's promise of device room (spec Promised, in tokens here): what it will allocate
+        # without asking again, which every manager step must leave free or evictable (PromiseKept)
+        self.promised = 0
+        if hasattr(self.r.mgr.backend, "headroom"):
+            self.r.mgr.backend.headroom = lambda: self.promised
         if self.trace_dir is not None:
             self.trace.append({"act": ["Init"], "fits": True, "state": self.state})
 
     # ---- executing one spec action --------------------------------------------------------------
+    def _room(self) -> int:
+        """Free + evictable device tokens, as sglang's prefill budget reads them."""
+        h = self.r.h
+        return int(h.allocator.available_size()) + int(h.tree.evictable_size())
+
     def _do(self, act: list[Any]) -> StepResult | None:
         pre = self.state
+        room = self._room()
         try:
             res = self.r.apply(act, pre)
         except Unrealizable:  # sglang's world refused the step (e.g. no memory for the turn)
             self.state = self.r.abstract()
             return None
         assert res.post is not None
+        if str(act[0]) in MANAGER_STEPS and room >= self.promised > self._room():
+            self._fail(
+                f"{act}: PromiseKept violated: sglang promised {self.promised} device tokens, the step left "
+                f"{self._room()} free + evictable (before it: {room})"
+            )
         self.state = res.post
         self.steps += 1
         key = str(act[0]) + (f"!{res.error}" if res.error else "")
@@ -276,7 +300,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         "insert": 6, "tool_start": 5, "tool_end": 5, "write_ack": 4, "load_ack": 4, "tick": 4, "close": 1,
         "lock": 2, "unlock": 2, "gpu_evict": 2, "host_evict": 2, "write_through": 2, "split": 2,
         "memory_pressure": 4, "tree_reset": 1, "keep": 2, "let_go": 1, "demote": 2, "prefetch": 2,
-        "tool_end_promised": 2, "admit": 3, "park": 2, "unpin": 1,
+        "tool_end_promised": 2, "admit": 3, "park": 2, "unpin": 1, "promise": 2,
     }  # fmt: skip
     _CHOICES: ClassVar[list[str]] = [a for a, w in WEIGHTS.items() for _ in range(w)]
 
@@ -372,6 +396,12 @@ class ToolKVMachine(RuleBasedStateMachine):
             return
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
 
+    def promise(self, data: st.DataObject) -> None:
+        """sglang admits a request and promises it device tokens it will allocate without asking
+        again (the rest of a chunked prefill): up to what is free or evictable now, as its
+        admission counts the room live; 0 is the promise kept (the chunk allocated)."""
+        self.promised = data.draw(st.integers(0, max(0, self._room())), label="promised")
+
     def tool_end_promised(self, data: st.DataObject) -> None:
         """tool_end while sglang has promised running requests every device token a restore could
         use (the rest of a chunked prefill, the decode budget: the backend's ``headroom``): the
@@ -389,7 +419,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         try:
             self._do(["ToolEnd", s, self.state["epoch"][s]])
         finally:
-            be.headroom = lambda: 0
+            be.headroom = lambda: self.promised
 
     def close(self, data: st.DataObject) -> None:
         self._do(["Close", data.draw(st.sampled_from(SESSIONS), label="session")])

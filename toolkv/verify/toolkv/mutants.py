@@ -25,7 +25,7 @@ from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
 from toolkv.core.result import SessionView
 from toolkv.core.session import SessionRecord
 from toolkv.core.session.machine import SessionMachine
-from toolkv.core.treeops import Tree, TreeNode
+from toolkv.core.treeops import Tree, TreeNode, path_to
 from toolkv.errors import DeviceMemoryFull
 
 # ---- manager defects --------------------------------------------------------------------------------
@@ -226,6 +226,24 @@ class ParkUnprotectedMachine(SessionMachine):
         self.backend.release_protection(rec)
 
 
+class WriteLockFreeMachine(SessionMachine):
+    """``WriteLockFree`` (the 0.5.23 crash): tool_start counts its writes as free of device room,
+    though each write locks the resident node it copies, and its path, until the ack; under a
+    promise (a chunked prefill's rest) the unchecked next chunk then finds nothing to evict."""
+
+    def _check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        return None
+
+
+class PinPricedByLoadMixin:
+    """``PinPricedByLoad``: the restore's room check prices the pin by the tokens to load alone,
+    as if the resident path it locks stayed evictable (with lazy free the whole path is usually
+    resident, so the pin takes room the check never saw)."""
+
+    def pin_cost(self, leaf: TreeNode) -> int:
+        return sum(len(m.key) for m in path_to(self.tree, leaf) if not self._on_device(m))  # type: ignore[attr-defined]
+
+
 # defect -> the session machine that seeds it (a manager runs it as its ``machine_class``)
 MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
     "HostLockLeak": HostLockLeakMachine,
@@ -243,6 +261,7 @@ MANAGER_MUTANTS: dict[str, type[SessionMachine]] = {
     "ParkUnprotected": ParkUnprotectedMachine,
     "ResidentNoPin": ResidentNoPinMachine,
     "ClosedKeepsRef": ClosedKeepsRefMachine,
+    "WriteLockFree": WriteLockFreeMachine,
 }
 
 
@@ -259,12 +278,14 @@ BACKEND_MUTANTS: dict[type, dict[str, type]] = {
         "EarlyRunnable": EarlyRunnableMixin,
         "KeepNoPin": KeepNoPinMixin,
         "RoomIgnored": RoomIgnoredMixin,
+        "PinPricedByLoad": PinPricedByLoadMixin,
     },
     UnifiedBackend: {
         "EvictProtected": EvictProtectedUnifiedMixin,
         "FreeBeforeAck": FreeBeforeAckUnifiedMixin,
         "EarlyRunnable": EarlyRunnableMixin,
         "KeepNoPin": KeepNoPinMixin,
+        "PinPricedByLoad": PinPricedByLoadMixin,
     },
 }
 

@@ -59,6 +59,7 @@ class Bounds:
     policy: bool = False
     lazy_free: bool = False  # spec LazyFree
     keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
+    promised: int = 0  # spec Promised
 
     @property
     def keep_for(self) -> int:
@@ -86,6 +87,7 @@ class Bounds:
             policy=bool(consts.get("Policy", False)),
             lazy_free=bool(consts.get("LazyFree", False)),
             keep_ttl=int(consts["KeepTTL"]) if "KeepTTL" in consts else None,
+            promised=int(consts.get("Promised", 0)),
         )
 
     def rules(self, *, bug: str = "none", fits: bool | None = None, slots: bool = True) -> Rules:
@@ -106,6 +108,7 @@ class Bounds:
             policy=self.policy,
             lazy_free=self.lazy_free,
             keep_ttl=self.keep_ttl,
+            promised=self.promised,
             bug=bug,
             fits=fits,
             slots=slots,

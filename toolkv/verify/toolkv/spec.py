@@ -60,6 +60,7 @@ class Rules:
     fits: bool | None = None  # HostFits/DevFits decided by the implementation (None: the spec's)
     slots: bool = True  # False: InsertFits, WriteFits, SplitFits are TRUE (token pools decide)
     keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
+    promised: int = 0  # spec Promised: device slots sglang promised and will allocate unchecked
 
     @property
     def keep_for(self) -> int:
@@ -95,6 +96,7 @@ class Rules:
             lazy_free=bool(c.get("LazyFree", False)),
             bug=str(c.get("BUG", "none")),
             keep_ttl=int(c["KeepTTL"]) if "KeepTTL" in c else None,
+            promised=int(c.get("Promised", 0)),
         )
 
 
@@ -168,6 +170,28 @@ def _locked(
     return {m: lr[m] + d * through(ps, m, ks) for m in lr}
 
 
+def room_of(st: Mapping[str, Any], df: int, d: Mapping[str, bool], lr: Mapping[str, int]) -> int:
+    """Spec ``RoomOf``: free slots plus unlocked device copies (what sglang may still take)."""
+    return df + sum(1 for m in in_tree(st) if d[m] and lr[m] == 0)
+
+
+def promise_fits(st: Mapping[str, Any], r: Rules, df: int, d: Mapping[str, bool], lr: Mapping[str, int]) -> bool:
+    """Spec ``PromiseFits``. Where token pools decide (``slots=False``: the fuzz campaign, trace
+    validation) it is TRUE here: the campaign checks sglang's promise on the real pools itself."""
+    return not r.slots or r.promised <= room_of(st, df, d, lr)
+
+
+def _restore_fits(st: Mapping[str, Any], r: Rules, n: str, c: Sequence[str]) -> bool:
+    """Spec ``RestoreFits``: the restore's loads and pin keep the promise (``PinPricedByLoad``:
+    only the slots to load count)."""
+    if not r.slots:
+        return True
+    if r.bug == "PinPricedByLoad":
+        return r.promised <= room_of(st, st["devFree"], st["dev"], st["lockRef"]) - len(c)
+    d2 = {m: (v or m in c) for m, v in st["dev"].items()}
+    return promise_fits(st, r, st["devFree"] - len(c), d2, _locked(st, r, st["lockRef"], [n], 1))
+
+
 def _in_flight(st: Mapping[str, Any], k: str) -> bool:
     if k in st.get("queued", ()):
         return True
@@ -223,6 +247,8 @@ def tool_start(st: State, r: Rules, sid: str) -> State | None:
         return None  # HostRoom first
     wk2 = {m: (m if m in w else st["writeKey"][m]) for m in st["writeKey"]}
     lr2 = _locked(st, r, st["lockRef"], w, 1)
+    if not promise_fits(st, r, st["devFree"], st["dev"], lr2) and r.bug != "WriteLockFree":
+        return s  # the writes' locks would take device room sglang promised: refused
     clean = all(wk2[m] == NO for m in pn)
     if r.bug == "FreeBeforeAck":
         f = free_set(st, [n], st["dev"], wk2, st["loadKey"], lr2, lim, no_ack=True)
@@ -296,7 +322,7 @@ def tool_end(st: State, r: Rules, sid: str, e: Any) -> State | None:
         s["tgt"] = [n]
         fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
         overrun = r.bug == "RingOverrun" and bool(c) and len(st.get("ring", ())) >= r.ring
-        if not fits or overrun:
+        if not fits or overrun or not _restore_fits(st, r, n, c):
             if r.bug == "HostLockLeak":
                 s["phase"][sid] = "Expired"
             return s
@@ -473,6 +499,7 @@ def _admit_parked(st: State, r: Rules, sid: str) -> State | None:
     s["phase"][sid] = "Runnable"
     c = [m for m in pn if not st["dev"][m]]
     fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
+    fits = fits and _restore_fits(st, r, n, c)  # sglang's admission counts the room live
     # with the ring the load is started by the request's own batch (a "sys" start, with the
     # queue), at sglang's cadence: enabled only while at most one of its own loads is in flight
     starts = fits and r.ring > 0 and bool(c)
@@ -548,6 +575,8 @@ def keep(st: State, r: Rules, sid: str) -> State | None:
     ok = r.policy and st["phase"][sid] == "Running" and n != NO and st["epoch"][sid] < r.max_epoch
     if not (ok and path_valid(st, n, len(r.nodes))):
         return None
+    if r.fits is False or not promise_fits(st, r, st["devFree"], st["dev"], _locked(st, r, st["lockRef"], [n], 1)):
+        return None  # (r.fits False: the implementation found the pin's room promised)
     s = copy.deepcopy(st)
     if r.bug != "KeepNoPin":
         s["lockRef"] = _locked(st, r, st["lockRef"], [n], 1)
@@ -587,7 +616,7 @@ def prefetch(st: State, r: Rules, sid: str) -> State | None:
     pn = path(st, n, lim)
     c = [m for m in pn if not st["dev"][m]]
     fits = r.fits if r.fits is not None else len(c) <= st["devFree"]
-    if not fits:
+    if not fits or not _restore_fits(st, r, n, c):
         return None
     s = copy.deepcopy(st)
     lk2 = {m: (n if m in c else v) for m, v in st["loadKey"].items()}
@@ -614,6 +643,8 @@ def lock(st: State, r: Rules, n: str) -> State | None:
     if not (r.env_locks and st["status"][n] == "InTree" and not st["extLock"][n]):
         return None
     if not path_valid(st, n, len(r.nodes)):
+        return None
+    if not promise_fits(st, r, st["devFree"], st["dev"], _locked(st, r, st["lockRef"], [n], 1)):
         return None
     s = copy.deepcopy(st)
     s["extLock"][n] = True
@@ -665,7 +696,7 @@ def write_through(st: State, r: Rules, n: str) -> State | None:
     ok = ok and st["loadKey"][n] == NO
     p = st["parent"][n]
     ok = ok and (p == ROOT or st["host"][p]) and (not r.slots or st["hostFree"] >= 1)
-    if not ok:
+    if not ok or not promise_fits(st, r, st["devFree"], st["dev"], _locked(st, r, st["lockRef"], [n], 1)):
         return None
     s = copy.deepcopy(st)
     s["host"][n] = True
@@ -682,6 +713,9 @@ def split(st: State, r: Rules, n: str, m: str) -> State | None:
     fits = (not st["dev"][n] or st["devFree"] >= 1) and (not st["host"][n] or st["hostFree"] >= 1)
     if r.slots and not fits:
         return None
+    if r.slots and st["dev"][n] and st["lockRef"][n] > 0:  # the slot abstraction's extra device slot
+        if r.promised > room_of(st, st["devFree"], st["dev"], st["lockRef"]) - 1:
+            return None
     s = copy.deepcopy(st)
     s["status"][m] = "InTree"
     s["parent"][m] = st["parent"][n]

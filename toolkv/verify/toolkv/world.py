@@ -707,6 +707,7 @@ def hi_write_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
 def hi_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     rec = r.mgr.sessions.get(a[0])
     tree = r.h.tree
+    headroom = r.mgr.backend.headroom  # type: ignore[attr-defined]  # the driver's promise, put back after
     if rec is not None and rec.node is not None and attached(tree, rec.node):
         c = [m for m in path_to(tree, rec.node) if m.value is None]
         if len(c) > pre["devFree"]:
@@ -717,7 +718,7 @@ def hi_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     try:
         r.mgr.tool_end(a[0], int(a[1]))
     finally:
-        r.mgr.backend.headroom = lambda: 0  # type: ignore[attr-defined]
+        r.mgr.backend.headroom = headroom  # type: ignore[attr-defined]
 
 
 def _start_queued(r: Replayer, name: str) -> None:
