@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 
 from toolkv import __version__
-from toolkv.tools.argtypes import DEVICE, OneLineParser, cuda_missing
+from toolkv.argtypes import OneLineParser, cuda_missing
 
 # name -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -197,16 +197,7 @@ def _check_fuzz(args: argparse.Namespace) -> str | None:
     unknown = [n for n in args.only if n not in known]
     if unknown:
         return f"unknown mutant(s) {unknown}; known: {', '.join(known)}"
-    if not DEVICE.fullmatch(args.device):
-        return f"--device {args.device!r}: expected cpu or cuda[:N]"
-    missing = cuda_missing(args.device)
-    if missing is not None:
-        return missing
-    for name in ("examples", "steps"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:  # None: the Hypothesis profile decides
-            return f"--{name} must be >= 1"
-    return None
+    return cuda_missing(args.device)  # --device's form, --examples and --steps: their argparse types
 
 
 # command -> a check of its parsed arguments, run before the command (None: fine, else the error)

@@ -14,14 +14,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from toolkv.argtypes import nonneg_int, positive_int, probability, seed, writable_file
 from toolkv.errors import InputError
-from toolkv.tools.argtypes import nonneg_int, positive_int, probability, writable_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=positive_int, default=8, help="concurrent agent sessions (default 8)")
     p.add_argument("--turns", type=positive_int, default=4, help="generation turns per session (default 4)")
-    p.add_argument("--page-size", type=int, default=1, choices=(1, 16))
+    p.add_argument("--page-size", type=positive_int, default=1, choices=(1, 16))
     p.add_argument("--device-tokens", type=positive_int, default=4096, help="GPU KV pool size in tokens")
     p.add_argument(
         "--abandon", type=probability, default=0.1, help="probability a client never calls tool_end"
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ttl", type=positive_int, default=60, help="TTL of a protection, in scheduler iterations"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument(
         "--json", action="store_true", help="print the full report as JSON on stdout instead of text"
     )

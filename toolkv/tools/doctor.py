@@ -19,29 +19,15 @@ import sys
 import textwrap
 from typing import Any
 
+from toolkv.argtypes import ints, positive_float
+
 DEFAULT_TIMEOUT_S = 10.0
 
 
-def timeout_s(text: str) -> float:
-    """``--timeout``: a finite number of seconds > 0 (argparse type: a bad one is a usage error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
-    return value
-
-
-def limit(text: str) -> int:
-    """``--limit``: an integer from 0 to 1000 (the server's cap on the sessions it lists)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"{value} is not within 0-1000")
-    return value
+# ``--timeout``/``--wait``/``--every``: a finite number of seconds > 0; ``--limit``: the server's cap
+# on the sessions it lists (argparse types: a bad one is a usage error, exit 2)
+timeout_s = positive_float
+limit = ints(0, 1000)
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
