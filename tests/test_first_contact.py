@@ -95,3 +95,34 @@ def test_a_repeated_tool_end_is_409_on_the_wire_and_wrong_state_in_the_client() 
         kv = ToolKVClient("http://testserver", transport=http._transport)
         with pytest.raises(WrongState):
             kv.tool_end("a", epoch)
+
+
+def test_the_demo_keeps_the_libraries_warnings_out_unless_asked() -> None:
+    """sglang's and torch's import-time warnings (AWQ, GGUF, no CUDA runtime) are about a GPU the
+    demo does not use; ``--verbose`` shows them."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("TOOLKV_DEBUG", "MASTER_PORT", "MASTER_ADDR"):  # the port is this process's gloo group's
+        env.pop(k, None)
+    argv = [
+        sys.executable,
+        "-m",
+        "toolkv.tools.cli",
+        "demo",
+        "--sessions",
+        "1",
+        "--turns",
+        "1",
+        "--timeline",
+        "0",
+    ]
+    quiet = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert all(line.startswith("toolkv demo: ") for line in quiet.stderr.splitlines()), quiet.stderr
+    loud = subprocess.run(
+        [*argv, "--verbose"], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert loud.returncode == 0 and "Warning" in loud.stderr, loud.stderr[-2000:]

@@ -403,7 +403,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=MODES, default="explicit")
     ap.add_argument("--config", default=None, help="label of the server configuration (default: the mode)")
     ap.add_argument("--sessions", type=positive_int, default=d.initial_sessions, help="sessions at the start")
-    ap.add_argument("--arrival-rate", type=positive_float, default=None, help="sessions/s after the ramp")
+    ap.add_argument("--arrival-rate", type=nonneg_float, default=None, help="sessions/s after the ramp")
     ap.add_argument("--turns", type=positive_int, default=d.turns_median, help="median turns per session")
     ap.add_argument("--first-tokens", type=positive_int, default=d.first_tokens)
     ap.add_argument("--growth", type=positive_int, default=d.growth_per_turn, help="tokens added per turn")

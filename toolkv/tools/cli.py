@@ -127,7 +127,8 @@ def commands_help() -> str:
         lines.extend(f"  {usage:<{width}}{text}" for usage, text in rows)
         lines.append("")
     lines.append(
-        "toolkv COMMAND --help lists a command's options; --json prints its result as JSON on stdout."
+        "toolkv COMMAND --help lists a command's options; --json prints its result as JSON on stdout;"
+        " --verbose keeps sglang's and torch's own warnings in the output."
     )
     return "\n".join(lines)
 
@@ -237,8 +238,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the libraries whose import-time warnings (sglang's "Only CUDA ... support AWQ", torch's "No CUDA
+# runtime is found") are about a GPU this command does not use: kept out of the output unless asked
+QUIET_LIBRARIES = ("sglang", "torch", "triton", "transformers")
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' warnings out of the command's output: ``warnings`` issued from their
+    modules, and their loggers below ERROR. ``--verbose`` (any command) or ``TOOLKV_DEBUG=1`` keeps
+    them: they are the first thing to read when a command misbehaves, not the first thing a user
+    who ran ``toolkv demo`` should see."""
+    import logging
+    import warnings
+
+    pattern = "|".join(QUIET_LIBRARIES)
+    warnings.filterwarnings("ignore", module=rf"({pattern})(\.|$)")
+    for name in (*QUIET_LIBRARIES, "torch.utils.cpp_extension"):
+        # a filter, not only a level: importing torch sets its loggers' levels again (torch._logging)
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)
+        logger.addFilter(_errors_only)
+
+
+def _errors_only(record: object) -> bool:
+    import logging
+
+    return int(getattr(record, "levelno", logging.ERROR)) >= logging.ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv:
+        argv.remove("--verbose")
+    elif os.environ.get("TOOLKV_DEBUG") != "1":
+        quiet_libraries()
     if argv[:2] == ["bench", "agent"]:  # the load generator keeps its own options (stdlib only)
         from toolkv.tools import agent_bench
 

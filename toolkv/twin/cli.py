@@ -48,6 +48,10 @@ VALIDATED = "stock,stock-large,offload,auto"
 # the l3 and fleet actions' configurations (toolkv.twin.fleet.FLEET_CONFIGS, which builds the twin to
 # import; tests/test_cli_bounds.py checks the two agree)
 FLEET_NAMES = ("stock", "stock-l3", "toolkv", "toolkv-l3")
+# the default run's load (what ``toolkv twin`` runs with no workload flag): its output says how it
+# differs from the README's headline
+DEFAULT_LOAD = {"sessions": Workload().initial_sessions, "duration": 45.0, "first_tokens": Workload().first_tokens,
+                "turns": Workload().turns_median, "arrival_rate": None}  # fmt: skip
 # host pools of the actions that take a list of them
 HOST_LISTS = {"sweep": [8.0, 16.0, 32.0, 64.0], "l3": [16.0, 32.0, 64.0, 128.0]}
 
@@ -94,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sessions", type=positive_int, default=None,
         help=f"sessions at the start (default {d.initial_sessions}; l3: 8; fleet: 6 per server)",
     )  # fmt: skip
-    p.add_argument("--arrival-rate", type=positive_float, default=None, help="sessions/s after the ramp")
+    p.add_argument("--arrival-rate", type=nonneg_float, default=None, help="sessions/s after the ramp")
     p.add_argument("--turns", type=positive_int, default=d.turns_median, help="median turns per session")
     p.add_argument("--first-tokens", type=positive_int, default=d.first_tokens)
     p.add_argument("--growth", type=positive_int, default=d.growth_per_turn)
@@ -212,11 +216,20 @@ def run_configs(
 
 
 def do_run(a: argparse.Namespace) -> int:
-    from toolkv.twin.report import markdown, write
+    from toolkv.twin.report import explain, load_line, markdown, write
 
     host = a.host_gb[0] if a.host_gb else None
-    results = run_configs(a, workload(a), configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
-    text = markdown(results)
+    w = workload(a)
+    results = run_configs(a, w, configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
+    default_load = all(getattr(a, k) == v for k, v in DEFAULT_LOAD.items())
+    device = a.device_tokens if a.device_tokens is not None else REGIMES[a.regime]
+    text = "\n\n".join([
+        load_line(w, window=(w.ramp_s + a.warmup, w.duration_s), device_tokens=device,
+                  regime=None if a.device_tokens else a.regime,
+                  profile=a.profile or "the built-in H200 profile (docs/twin.md)"),
+        markdown(results),
+        explain(results, headline=default_load),
+    ])  # fmt: skip
     cmp_rows: list[dict[str, Any]] = []
     if a.compare:
         from toolkv.twin.validate import compare, load_gpu, table
