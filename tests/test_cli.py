@@ -33,15 +33,15 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["demo", "--sessions", "-1"], "argument --sessions: -1 is less than 1"),
-        (["demo", "--turns", "0"], "argument --turns: 0 is less than 1"),
-        (["demo", "--abandon", "1.5"], "argument --abandon: 1.5 is not within [0, 1]"),
+        (["demo", "--sessions", "-1"], "argument --sessions: '-1': expected an integer >= 1"),
+        (["demo", "--turns", "0"], "argument --turns: '0': expected an integer >= 1"),
+        (["demo", "--abandon", "1.5"], "argument --abandon: '1.5': expected a finite number from 0 to 1"),
         (["demo", "--plot", "/nonexistent-dir/occupancy.png"], "no directory '/nonexistent-dir'"),
         (["demo", "--plot", "occupancy.txt"], "expected a file ending in .png or .svg or .pdf"),
         (["fuzz", "--mutants", "--only", "NoSuchMutant"], "unknown mutant(s) ['NoSuchMutant']"),
-        (["fuzz", "--device", "tpu"], "--device 'tpu': expected cpu or cuda[:N]"),
-        (["fuzz", "--examples", "0"], "--examples must be >= 1"),
-        (["bench", "overhead", "--sizes", "10,-3"], "expected positive integers"),
+        (["fuzz", "--device", "tpu"], "argument --device: 'tpu': expected cpu or cuda[:N]"),
+        (["fuzz", "--examples", "0"], "argument --examples: '0': expected an integer >= 1"),
+        (["bench", "overhead", "--sizes", "10,-3"], "expected a comma list, each an integer >= 1"),
     ],
 )
 def test_bad_arguments_are_usage_errors(

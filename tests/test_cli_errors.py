@@ -51,8 +51,8 @@ def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str], prog: str)
     [
         (["--device", "bogus"], "argument --device: 'bogus': expected cpu or cuda[:N]"),
         (["--device", "cuda:x"], "expected cpu or cuda[:N]"),
-        (["--tokens", "abc"], "argument --tokens: 'abc': expected comma-separated integers"),
-        (["--tokens", "512,0"], "expected positive integers"),
+        (["--tokens", "abc"], "argument --tokens: 'abc': expected a comma list, each an integer >= 1"),
+        (["--tokens", "512,0"], "expected a comma list, each an integer >= 1"),
         (["--shape", "1,2"], "argument --shape: '1,2': expected 3 comma-separated positive integers"),
         (["--shape", "32,8,x"], "(layers,kv_heads,head_dim)"),
         (["--shape", "32,0,128"], "expected 3 comma-separated positive integers"),

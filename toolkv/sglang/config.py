@@ -8,12 +8,12 @@ scheduler rank), so all of them see the same configuration without any plumbing.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from toolkv.argtypes import N, Numeric, floats, ints
 from toolkv.errors import StartupRefused
 
 if TYPE_CHECKING:  # imported lazily: the plugin entry point must load without toolkv's dependencies,
@@ -39,36 +39,30 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
-def _float(
-    env: Mapping[str, str], name: str, default: float, *, lo: float, positive: bool = False, why: str = ""
-) -> float:
-    """``positive``: 0 is refused too. ``why`` says what a refused value would do, so that the
+def _number(env: Mapping[str, str], name: str, default: N, bound: Numeric[N], *, why: str = "") -> N:
+    """``name`` within ``bound`` (unset or empty: ``default``). The refusal states the bound the
+    check applies, both made from ``bound``; ``why`` says what a refused value would do, so that the
     operator reading the refusal learns why the bound is there, not only where it is."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
     try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number") from None
-    if not math.isfinite(v) or v < lo:
-        raise ValueError(f"{name}={raw!r}: expected a finite number >= {lo:g}{why}")
-    if positive and v <= 0:
-        raise ValueError(f"{name}={raw!r}: expected a number > 0{why}")
-    return v
+        return bound.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r}: {e}{why}") from None
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None, *, lo: int, why: str = "") -> int | None:
+def _float(env: Mapping[str, str], name: str, default: float, bound: Numeric[float], why: str = "") -> float:
+    return _number(env, name, default, bound, why=why)
+
+
+def _int(
+    env: Mapping[str, str], name: str, default: int | None, bound: Numeric[int], why: str = ""
+) -> int | None:
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected an integer") from None
-    if v < lo:
-        raise ValueError(f"{name}={raw!r}: expected an integer >= {lo}{why}")
-    return v
+    return _number(env, name, 0, bound, why=why)
 
 
 # RFC 9110's ``token``: the characters an HTTP header name may have
@@ -142,6 +136,8 @@ def _header(env: Mapping[str, str], name: str) -> str:
 # TOOLKV_REPLY_TIMEOUT_S's floor: the HTTP side waits this long for the scheduler, which reads toolkv's
 # requests between forward passes; below a second a long prefill chunk alone outlasts the wait.
 MIN_REPLY_TIMEOUT_S = 1.0
+# a duration that must be > 0 (TTLs: 0 would release at the next sweep)
+POSITIVE_S = floats(0, lo_open=True)
 
 # ``TOOLKV_*`` names that are not server settings: the test suite's and the tools' own knobs. A
 # server launched from a developer's shell may carry them; they are neither read here nor refused.
@@ -182,23 +178,24 @@ def _unknown_message(found: list[tuple[str, str | None]]) -> str:
     return "; ".join(parts) + ". Known: see docs/operations.md, 'Enable'"
 
 
-# ToolKVConfig's fields that are ``PolicyConfig``'s, with how each is read: (kind, lower bound). The
-# bounds here are the parser's; PolicyConfig checks the rest (quantiles strictly inside 0..1, the
-# reserve at most 1, the prior's median within the durations it models) and its refusal is
-# reported under the variable's name.
-POLICY_KNOBS: dict[str, tuple[Literal["float", "int"], float]] = {
-    "prior_median_s": ("float", 0.0),
-    "prior_sigma": ("float", 0.0),
-    "prior_weight": ("float", 0.0),
-    "keep_max_s": ("float", 0.0),
-    "keep_quantile": ("float", 0.0),
-    "device_reserve": ("float", 0.0),
-    "min_offload_tokens": ("int", 0),
-    "prefetch_quantile": ("float", 0.0),
-    "prefetch_margin_s": ("float", 0.0),
-    "max_tools": ("int", 1),
-    "l3_store_margin_s": ("float", 0.0),
-    "l3_write_tokens_per_s": ("float", 1.0),
+# ToolKVConfig's fields that are ``PolicyConfig``'s, with the bound each is read within: exactly
+# PolicyConfig's own checks (tests/test_cli_bounds.py walks each end), so that a refusal is the
+# parser's, stated with the variable's name and the bound, never PolicyConfig's field names.
+# prior_median_s: toolkv.core.policy.MIN_DURATION_S .. MAX_DURATION_S (that module is not imported
+# here: the plugin entry point loads this one before toolkv's dependencies are known to be there)
+POLICY_KNOBS: dict[str, Numeric[Any]] = {
+    "prior_median_s": floats(1e-3, 1e6),
+    "prior_sigma": floats(0, lo_open=True),
+    "prior_weight": floats(0, lo_open=True),
+    "keep_max_s": floats(0),
+    "keep_quantile": floats(0, 1, lo_open=True, hi_open=True),
+    "device_reserve": floats(0, 1),
+    "min_offload_tokens": ints(0),
+    "prefetch_quantile": floats(0, 1, lo_open=True, hi_open=True),
+    "prefetch_margin_s": floats(0),
+    "max_tools": ints(1),
+    "l3_store_margin_s": floats(0),
+    "l3_write_tokens_per_s": floats(1),
 }
 
 
@@ -208,10 +205,8 @@ def _policy_knobs(env: Mapping[str, str]) -> dict[str, Any]:
     from toolkv.core.policy import PolicyConfig
 
     out: dict[str, Any] = {}
-    for name, (kind, lo) in POLICY_KNOBS.items():
-        var = f"TOOLKV_{name.upper()}"
-        default = getattr(ToolKVConfig, name)
-        out[name] = _int(env, var, default, lo=int(lo)) if kind == "int" else _float(env, var, default, lo=lo)
+    for name, bound in POLICY_KNOBS.items():
+        out[name] = _number(env, f"TOOLKV_{name.upper()}", getattr(ToolKVConfig, name), bound)
     try:
         PolicyConfig(**out)
     except ValueError as exc:
@@ -329,8 +324,8 @@ class ToolKVConfig:
         fallback = (e.get("TOOLKV_FALLBACK") or "pin").strip().lower()
         if fallback not in ("pin", "shadow"):
             raise ValueError(f"TOOLKV_FALLBACK={fallback!r}: expected 'pin' or 'shadow'")
-        sweep = _int(e, "TOOLKV_SWEEP_EVERY", cls.sweep_every, lo=1)
-        closed = _int(e, "TOOLKV_CLOSED_HISTORY", cls.closed_history, lo=0)
+        sweep = _int(e, "TOOLKV_SWEEP_EVERY", cls.sweep_every, ints(1))
+        closed = _int(e, "TOOLKV_CLOSED_HISTORY", cls.closed_history, ints(0))
         assert sweep is not None and closed is not None
         policy = (e.get("TOOLKV_POLICY") or "offload").strip().lower()
         if policy not in ("offload", "auto"):
@@ -341,15 +336,14 @@ class ToolKVConfig:
                 e,
                 "TOOLKV_TTL_S",
                 cls.ttl_s,
-                lo=0.0,
-                positive=True,
+                POSITIVE_S,
                 why=" (0 would release every protection at the next sweep, before any tool_end)",
             ),
             host_budget_tokens=_int(
                 e,
                 "TOOLKV_HOST_BUDGET_TOKENS",
                 None,
-                lo=1,
+                ints(1),
                 why=" (0 would refuse every tool_start with 507; unset it for no budget)",
             ),
             fallback="shadow" if fallback == "shadow" else "pin",
@@ -360,7 +354,7 @@ class ToolKVConfig:
                 e,
                 "TOOLKV_REPLY_TIMEOUT_S",
                 cls.reply_timeout_s,
-                lo=MIN_REPLY_TIMEOUT_S,
+                floats(MIN_REPLY_TIMEOUT_S),
                 why=" (seconds; the scheduler answers between forward passes, and one iteration with a long "
                 "prefill chunk takes longer than a shorter wait, so every toolkv call would answer 504)",
             ),
@@ -369,13 +363,14 @@ class ToolKVConfig:
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
             adaptive=_bool(e, "TOOLKV_ADAPTIVE", True),
             lazy_free=_bool(e, "TOOLKV_LAZY_FREE", True),
-            restore_tokens_per_s=_float(e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, lo=1.0),
+            restore_tokens_per_s=_float(
+                e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, floats(1)
+            ),
             keep_ttl_s=_float(
                 e,
                 "TOOLKV_KEEP_TTL_S",
                 cls.keep_ttl_s,
-                lo=0.0,
-                positive=True,
+                POSITIVE_S,
                 why=" (0 would drop every GPU pin, kept or restored early, at the next sweep, before its "
                 "tool_end: TOOLKV_POLICY=auto and kv_hints retain would keep nothing)",
             ),
@@ -383,14 +378,15 @@ class ToolKVConfig:
                 e,
                 "TOOLKV_HANDOVER_TTL_S",
                 cls.handover_ttl_s,
-                lo=0.0,
-                positive=True,
+                POSITIVE_S,
                 why=" (0 would unpin a restored session at the next sweep, before sglang admits its next "
                 "request, so the KV just brought back could be evicted unused)",
             ),
-            idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, lo=1.0),
+            idle_ttl_s=_float(e, "TOOLKV_IDLE_TTL_S", cls.idle_ttl_s, floats(1)),
             l3=_bool(e, "TOOLKV_L3", True),
-            l3_read_tokens_per_s=_float(e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, lo=1.0),
+            l3_read_tokens_per_s=_float(
+                e, "TOOLKV_L3_READ_TOKENS_PER_S", cls.l3_read_tokens_per_s, floats(1)
+            ),
             l3_read_at_arrival=_bool(e, "TOOLKV_L3_READ_AT_ARRIVAL", True),
             session_header=_header(e, "TOOLKV_SESSION_HEADER"),
             **_policy_knobs(e),

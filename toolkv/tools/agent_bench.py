@@ -47,7 +47,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from toolkv.tools.argtypes import OneLineParser
+from toolkv.argtypes import (
+    OneLineParser,
+    http_url,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    seed,
+)
 from toolkv.workload.metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
 from toolkv.workload.plan import SHAPES, Plan, SessionPlan, Workload, make_plan
 
@@ -391,28 +399,30 @@ def twins(server: AgentServer, k: int, w: Workload, wait_s: float = 60.0) -> lis
 def parser() -> argparse.ArgumentParser:
     d = Workload()
     ap = OneLineParser(prog="toolkv bench agent", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--url", type=http_url, default="http://127.0.0.1:30000")
     ap.add_argument("--mode", choices=MODES, default="explicit")
     ap.add_argument("--config", default=None, help="label of the server configuration (default: the mode)")
-    ap.add_argument("--sessions", type=int, default=d.initial_sessions, help="sessions at the start")
-    ap.add_argument("--arrival-rate", type=float, default=None, help="sessions/s after the ramp")
-    ap.add_argument("--turns", type=int, default=d.turns_median, help="median turns per session")
-    ap.add_argument("--first-tokens", type=int, default=d.first_tokens)
-    ap.add_argument("--growth", type=int, default=d.growth_per_turn, help="tokens added per turn")
-    ap.add_argument("--output", type=int, default=d.output_tokens, help="answer tokens per turn")
-    ap.add_argument("--max-context", type=int, default=d.max_context)
+    ap.add_argument("--sessions", type=positive_int, default=d.initial_sessions, help="sessions at the start")
+    ap.add_argument("--arrival-rate", type=nonneg_float, default=None, help="sessions/s after the ramp")
+    ap.add_argument("--turns", type=positive_int, default=d.turns_median, help="median turns per session")
+    ap.add_argument("--first-tokens", type=positive_int, default=d.first_tokens)
+    ap.add_argument("--growth", type=positive_int, default=d.growth_per_turn, help="tokens added per turn")
+    ap.add_argument("--output", type=positive_int, default=d.output_tokens, help="answer tokens per turn")
+    ap.add_argument("--max-context", type=positive_int, default=d.max_context)
     ap.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
-    ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals and turns")
     ap.add_argument(
-        "--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window"
+        "--duration", type=positive_float, default=d.duration_s, help="seconds of arrivals and turns"
     )
-    ap.add_argument("--twins", type=int, default=0, help="token-identity pairs to run after the load")
+    ap.add_argument(
+        "--warmup", type=nonneg_float, default=10.0, help="seconds after the ramp left out of the window"
+    )
+    ap.add_argument("--twins", type=nonneg_int, default=0, help="token-identity pairs to run after the load")
     ap.add_argument("--probe", action="store_true", help="resume vs prefill and decode under restore")
     ap.add_argument("--flush", action="store_true", help="POST /flush_cache before the load")
     ap.add_argument(
-        "--drain", type=float, default=300.0, help="seconds to wait for turns still running at the end"
+        "--drain", type=nonneg_float, default=300.0, help="seconds to wait for turns still running at the end"
     )
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--seed", type=seed, default=d.seed)
     ap.add_argument(
         "--send-tool", action="store_true", help="name each tool in tool_start (for TOOLKV_POLICY=auto)"
     )

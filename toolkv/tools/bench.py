@@ -22,8 +22,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from toolkv.argtypes import cuda_missing, device, int_list, int_tuple, positive_int, writable_file
 from toolkv.errors import InputError
-from toolkv.tools.argtypes import cuda_missing, device, int_list, int_tuple, positive_int, writable_file
 
 RESULTS = "results/bench"  # git-ignored
 

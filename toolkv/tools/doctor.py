@@ -7,7 +7,7 @@ time left on their TTL. It changes nothing on the server.
 
 Exit status: 0 when toolkv answers; 1 when it does not (not installed or not enabled there, the
 server unreachable, a wrong API key, the scheduler not answering), with the reason in one line;
-2 for a usage error. The read is sent once (no retries): a doctor that waits minutes on a server
+2 for a usage error (a URL that is not ``http(s)://HOST[:PORT]`` among them). The read is sent once (no retries): a doctor that waits minutes on a server
 that does not answer is no help, and the answer "no answer within --timeout" is itself a finding.
 """
 
@@ -19,34 +19,20 @@ import sys
 import textwrap
 from typing import Any
 
+from toolkv.argtypes import http_url, ints, positive_float
+
 DEFAULT_TIMEOUT_S = 10.0
 
 
-def timeout_s(text: str) -> float:
-    """``--timeout``: a finite number of seconds > 0 (argparse type: a bad one is a usage error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
-    return value
-
-
-def limit(text: str) -> int:
-    """``--limit``: an integer from 0 to 1000 (the server's cap on the sessions it lists)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"{value} is not within 0-1000")
-    return value
+# ``--timeout``/``--wait``/``--every``: a finite number of seconds > 0; ``--limit``: the server's cap
+# on the sessions it lists (argparse types: a bad one is a usage error, exit 2)
+timeout_s = positive_float
+limit = ints(0, 1000)
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments every operator command shares (doctor, drain)."""
-    p.add_argument("url", help="the sglang server, e.g. http://127.0.0.1:30000")
+    p.add_argument("url", type=http_url, help="the sglang server, e.g. http://127.0.0.1:30000")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument(
         "--timeout",

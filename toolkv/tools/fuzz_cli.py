@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from toolkv.argtypes import device, positive_int, seed
 from toolkv.verify.campaign import campaign
 
 # implementation switch (or environment defect) -> the caveat it seeds
@@ -85,15 +86,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile", default=None, help="Hypothesis settings profile: dev (default), ci, long, gpu"
     )
-    p.add_argument("--examples", type=int, default=None, help="override the profile's examples")
-    p.add_argument("--steps", type=int, default=None, help="override the profile's steps per example")
+    p.add_argument("--examples", type=positive_int, default=None, help="override the profile's examples")
+    p.add_argument(
+        "--steps", type=positive_int, default=None, help="override the profile's steps per example"
+    )
     p.add_argument("--mutants", action="store_true", help="run the kill table over every caveat switch")
     p.add_argument("--only", action="append", default=[], help="with --mutants: only these mutants")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--page-size", type=int, default=1, choices=(1, 16))
+    p.add_argument("--device", default="cpu", type=device, help="cpu (default) or cuda")
+    p.add_argument("--page-size", type=positive_int, default=1, choices=(1, 16))
     p.add_argument("--trace-dir", type=Path, help="write one JSONL trace per example here")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--every", type=int, default=25, help="progress line every N examples")
+    p.add_argument("--seed", type=seed, default=None)
+    p.add_argument("--every", type=positive_int, default=25, help="progress line every N examples")
     p.add_argument("--out", type=Path, help="write the summary as JSON to this file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--no-shrink", action="store_true", help="stop at the first failure (kill detection only)")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkv.argtypes import http_url, positive_int, seed
 from toolkv.errors import InputError
 
 ALLOWED_5XX = frozenset({503, 504})  # device memory full / toolkv unavailable; scheduler timeout
@@ -126,13 +127,15 @@ def fuzz(
 
 # ---- against a running server -----------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="the sglang server, e.g. http://127.0.0.1:30000")
+    p.add_argument("url", type=http_url, help="the sglang server, e.g. http://127.0.0.1:30000")
     p.add_argument("--api-key", default=None, help="the server's --api-key")
     p.add_argument(
         "--session", action="append", default=[], help="a session id the server tracks (repeatable)"
     )
-    p.add_argument("--examples", type=int, default=100, help="examples per route and mode (default 100)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--examples", type=positive_int, default=100, help="examples per route and mode (default 100)"
+    )
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
 
 

@@ -26,17 +26,19 @@ PKG = Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, set[str]] = {
     "toolkv": set(),
     "toolkv.errors": set(),
+    "toolkv.argtypes": set(),  # bounded values of the command lines and the TOOLKV_* settings
     "toolkv.workload": set(),
     "toolkv.core": {"toolkv", "toolkv.errors"},
     "toolkv.client": {"toolkv", "toolkv.errors"},
     "toolkv.testing": {"toolkv"},
-    "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.core"},
-    "toolkv.verify": {"toolkv", "toolkv.errors", "toolkv.core", "toolkv.testing"},
+    "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.argtypes", "toolkv.core"},
+    "toolkv.verify": {"toolkv", "toolkv.errors", "toolkv.argtypes", "toolkv.core", "toolkv.testing"},
     # the twin drives the real caches (testing) and toolkv's scheduler side (sglang) under the
     # agent workload; only the command line (tools) imports it
     "toolkv.twin": {
         "toolkv",
         "toolkv.errors",
+        "toolkv.argtypes",
         "toolkv.core",
         "toolkv.sglang",
         "toolkv.testing",

@@ -56,6 +56,9 @@ class DemoConfig:
     host_ratio: float = 3.0
     seed: int = 0
     max_ticks: int = 5000
+    # False: the same sessions on the same cache with toolkv not attached (sglang's HiRadixCache
+    # alone), what ``toolkv demo`` prints beside its own run
+    toolkv: bool = True
 
     def min_device_tokens(self) -> int:
         """The smallest GPU pool the workload can finish in: a session's longest prompt (the shared
@@ -74,6 +77,9 @@ class Agent:
     epoch: int = 0
     tool_until: int = 0
     snapshot: torch.Tensor | None = None
+    # the agent's own draws (turn sizes, tool durations, abandoning): the same sessions whatever
+    # the server does, so a run without toolkv runs the same load
+    rng: random.Random = field(default_factory=random.Random)
 
 
 @dataclass
@@ -104,6 +110,8 @@ class DemoReport:
     parked_restores: int = 0  # tool_end answered Parked: the next request's admission loads it
     prefix_bytes_checked: int = 0  # KV bytes of every reused prefix, compared by the forward
     refused_offloads: int = 0
+    resumed_prompt_tokens: int = 0  # prompt tokens of the turns after a tool call
+    resumed_cached_tokens: int = 0  # of those, what sglang found in its cache (GPU or host)
     ticks: int = 0
     leaks: dict[str, Any] = field(default_factory=dict)
     timeline: list[str] = field(default_factory=list)
@@ -149,8 +157,8 @@ class Simulation:
         self.server.on_admitted = self._admitted
         self.server.on_finished = self._finished
         tk_cfg = ToolKVConfig(enable=True, ttl_s=float(cfg.ttl_ticks), lazy_free=False, sweep_every=1)
-        self.tk = self.server.attach(tk_cfg, now=lambda: self.now)
-        self.mgr = self.tk.manager
+        self.tk: Any = self.server.attach(tk_cfg, now=lambda: self.now) if cfg.toolkv else None
+        self.mgr: Any = self.tk.manager if self.tk is not None else None
         self.sched = self.server.sched
         self.forward = self.server.forward
         self.report = DemoReport(config=asdict(cfg))
@@ -159,7 +167,13 @@ class Simulation:
         self._rid = 0
         prefix = [self.rng.randrange(1, 50_000) for _ in range(cfg.shared_prefix)]
         self.agents = [
-            Agent(sid=f"s{i:02d}", tokens=list(prefix), turns_left=cfg.turns) for i in range(cfg.sessions)
+            Agent(
+                sid=f"s{i:02d}",
+                tokens=list(prefix),
+                turns_left=cfg.turns,
+                rng=random.Random(f"{cfg.seed}/{i}"),
+            )
+            for i in range(cfg.sessions)
         ]
         self.report.sessions = cfg.sessions
 
@@ -174,6 +188,8 @@ class Simulation:
         return self.h.device_kv(idx)
 
     def _state(self, sid: str) -> str:
+        if self.mgr is None:
+            return "Closed"
         rec = self.mgr.sessions.get(sid)
         return "Closed" if rec is None else rec.state
 
@@ -189,6 +205,12 @@ class Simulation:
 
     def _record_sample(self) -> None:
         h, m = self.h, self.mgr
+        if m is None:
+            self.report.samples.append(
+                Sample(self.now, int(h.cfg.device_tokens - h.allocator.available_size()),
+                       int(h.host_pool.size - h.host_pool.available_size()), 0, 0, 0)
+            )  # fmt: skip
+            return
         dev_used = h.cfg.device_tokens - h.allocator.available_size()
         host_used = h.host_pool.size - h.host_pool.available_size()
         protected = sum(r.offload_tokens for r in m.sessions.values() if r.protected is not None)
@@ -207,7 +229,10 @@ class Simulation:
         self.report.peak_device_freed_during_tools = max(self.report.peak_device_freed_during_tools, freed)
 
     def _call(self, op: str, **body: Any) -> tuple[int, dict[str, Any]]:
-        """A control call as the scheduler side handles it (what ``POST /session/<op>`` reaches)."""
+        """A control call as the scheduler side handles it (what ``POST /session/<op>`` reaches);
+        without toolkv nothing answers (404, as a server without toolkv's routes)."""
+        if self.tk is None:
+            return 404, {"error": "not_found"}
         status, out = self.tk.handle(op, body)
         return int(status), dict(out)
 
@@ -219,7 +244,7 @@ class Simulation:
         from toolkv.sglang.plugin import before_handle_generate_request
 
         lo, hi = self.cfg.turn_tokens
-        new = [self.rng.randrange(1, 50_000) for _ in range(self.rng.randint(lo, hi))]
+        new = [a.rng.randrange(1, 50_000) for _ in range(a.rng.randint(lo, hi))]
         req = self.server.request(a.sid, a.tokens + new[:-OUTPUT_TOKENS], new[-OUTPUT_TOKENS:])
         self._running[req.rid] = a
         before_handle_generate_request(
@@ -239,6 +264,9 @@ class Simulation:
     def _finished(self, req: Any) -> None:
         """The turn's request finished; its KV is in the tree and toolkv recorded the turn."""
         a = self._running.pop(req.rid)
+        if a.turns_left < self.cfg.turns:  # a turn after a tool call
+            self.report.resumed_prompt_tokens += len(req.origin_input_ids)
+            self.report.resumed_cached_tokens += min(int(req.cached_tokens), len(req.origin_input_ids))
         a.tokens = [*req.origin_input_ids, *req.output_ids]
         a.turns_left -= 1
         self.report.turns += 1
@@ -252,8 +280,13 @@ class Simulation:
 
     def _start_tool(self, a: Agent) -> None:
         snap = self._path_kv(a.sid) if self._state(a.sid) == "Running" else None
+        a.tool_until = self.now + a.rng.randint(*self.cfg.tool_ticks)
+        abandon = a.rng.random() < self.cfg.abandon_prob
+        if self.tk is None:  # no toolkv: the tool runs, the KV stays where sglang keeps it
+            a.phase = "abandoned" if abandon else "tool"
+            a.snapshot = None
+            return
         status, r = self._call("tool_start", session_id=a.sid)
-        a.tool_until = self.now + self.rng.randint(*self.cfg.tool_ticks)
         if status != 200:
             self.report.refused_offloads += 1
             self._log(f"{a.sid} tool_start refused: {r.get('error')}")
@@ -264,7 +297,6 @@ class Simulation:
         a.snapshot = snap
         self.report.tool_calls += 1
         self.report.tokens_offloaded += int(r["tokens"])
-        abandon = self.rng.random() < self.cfg.abandon_prob
         a.phase = "abandoned" if abandon else "tool"
         self._log(
             f"{a.sid} tool_start epoch={a.epoch} {r['tokens']} tokens -> {r['state']}"
@@ -349,7 +381,8 @@ class Simulation:
         for a in order:
             if a.phase not in ("done", "running"):
                 self._act(a)
-        self.tk.tick()  # the AFTER hook on process_input_requests
+        if self.tk is not None:
+            self.tk.tick()  # the AFTER hook on process_input_requests
         batch = self.server.iterate()  # get_next_batch_to_run, the forward, the results
         self._record_sample()
         self.now += int(self.clock.iteration_s(batch, float(self.now)))
@@ -361,8 +394,9 @@ class Simulation:
             if progress is not None:
                 progress(sum(1 for a in self.agents if a.phase == "done"))
         self.report.ticks = self.now
-        self.report.device_tokens_freed = int(self.mgr.counters["freed_tokens"])
-        self.report.counters = dict(self.mgr.counters)
+        if self.mgr is not None:
+            self.report.device_tokens_freed = int(self.mgr.counters["freed_tokens"])
+            self.report.counters = dict(self.mgr.counters)
         self.report.restore_mismatches += self.forward.byte_mismatches
         self.report.prefix_bytes_checked = self.forward.bytes_checked
         self.report.leaks = self._leaks(initial)
@@ -370,7 +404,7 @@ class Simulation:
 
     def _leaks(self, initial: Any) -> dict[str, Any]:
         """Close everything, let every copy finish, evict all: every counter must be back."""
-        for sid in list(self.mgr.sessions):
+        for sid in list(self.mgr.sessions if self.mgr is not None else ()):
             self._call("close", session_id=sid)
         unfinished = sum(1 for a in self.agents if a.phase != "done")
         for r in list(self.sched.waiting_queue):  # requests of sessions cut off by the limit

@@ -3,14 +3,14 @@ tree whose command line has no ``twin``: see docs/twin.md, validation)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from toolkv.argtypes import OneLineParser
 from toolkv.twin.cli import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m toolkv.twin", description=(sys.modules[__name__].__doc__ or "")
     )
     add_arguments(ap)

@@ -26,6 +26,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from toolkv.argtypes import (
+    choice_list,
+    int_list,
+    nonneg_float,
+    positive_float,
+    positive_float_list,
+    positive_int,
+    seed,
+    share,
+    writable_file,
+)
 from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
 from toolkv.twin.profile import profile_file
 from toolkv.workload.plan import SHAPES, Workload
@@ -34,6 +45,15 @@ ACTIONS = ("run", "sweep", "speed", "l3", "fleet", "map")
 # l3 and fleet run the long-tool shape of issue 27 (toolkv.twin.fleet.long_workload); their defaults
 L3_DEFAULTS = {"l3": {"sessions": 8, "duration": 900.0}, "fleet": {"sessions": 6, "duration": 900.0}}
 VALIDATED = "stock,stock-large,offload,auto"
+# the l3 and fleet actions' configurations (toolkv.twin.fleet.FLEET_CONFIGS, which builds the twin to
+# import; tests/test_cli_bounds.py checks the two agree)
+FLEET_NAMES = ("stock", "stock-l3", "toolkv", "toolkv-l3")
+# the default run's load (what ``toolkv twin`` runs with no workload flag): its output says how it
+# differs from the README's headline
+DEFAULT_LOAD = {"sessions": Workload().initial_sessions, "duration": 45.0, "first_tokens": Workload().first_tokens,
+                "turns": Workload().turns_median, "arrival_rate": None}  # fmt: skip
+# host pools of the actions that take a list of them
+HOST_LISTS = {"sweep": [8.0, 16.0, 32.0, 64.0], "l3": [16.0, 32.0, 64.0, 128.0]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,16 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run (default), sweep, speed, l3, fleet or map",
     )
     p.add_argument(
-        "--configs", default=None,
+        "--configs", default=None, type=choice_list((*CONFIGS, *FLEET_NAMES), every="all"),
         help=f"comma list of {', '.join(CONFIGS)} (or all; default {VALIDATED}); l3/fleet: of stock, stock-l3, "
         "toolkv, toolkv-l3",
     )  # fmt: skip
     p.add_argument("--regime", choices=sorted(REGIMES), default="constrained", help="device pool size")
-    p.add_argument("--device-tokens", type=int, default=None, help="device pool tokens (overrides --regime)")
+    p.add_argument(
+        "--device-tokens", type=positive_int, default=None, help="device pool tokens (overrides --regime)"
+    )
     p.add_argument(
         "--host-gb",
         default=None,
-        help="HiCache host pool GB for the 16 GB configurations (sweep: a comma list)",
+        type=positive_float_list,
+        help="HiCache host pool GB for the 16 GB configurations (sweep, l3: a comma list)",
     )
     p.add_argument(
         "--profile",
@@ -72,44 +95,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the agents' mode)",
     )  # fmt: skip
     p.add_argument(
-        "--sessions", type=int, default=None,
+        "--sessions", type=positive_int, default=None,
         help=f"sessions at the start (default {d.initial_sessions}; l3: 8; fleet: 6 per server)",
     )  # fmt: skip
-    p.add_argument("--arrival-rate", type=float, default=None, help="sessions/s after the ramp")
-    p.add_argument("--turns", type=int, default=d.turns_median, help="median turns per session")
-    p.add_argument("--first-tokens", type=int, default=d.first_tokens)
-    p.add_argument("--growth", type=int, default=d.growth_per_turn)
-    p.add_argument("--output", type=int, default=d.output_tokens)
+    p.add_argument("--arrival-rate", type=nonneg_float, default=None, help="sessions/s after the ramp")
+    p.add_argument("--turns", type=positive_int, default=d.turns_median, help="median turns per session")
+    p.add_argument("--first-tokens", type=positive_int, default=d.first_tokens)
+    p.add_argument("--growth", type=positive_int, default=d.growth_per_turn)
+    p.add_argument("--output", type=positive_int, default=d.output_tokens)
     p.add_argument(
-        "--max-context", type=int, default=d.max_context,
+        "--max-context", type=positive_int, default=d.max_context,
         help="a session ends before its prompt + answer would exceed this (toolkv bench agent's)",
     )  # fmt: skip
     p.add_argument(
-        "--ttl", type=float, default=None, help="TOOLKV_TTL_S of the toolkv configurations (default theirs)"
+        "--ttl",
+        type=positive_float,
+        default=None,
+        help="TOOLKV_TTL_S of the toolkv configurations (default theirs)",
     )
     p.add_argument("--tool-shape", choices=sorted(SHAPES), default=d.tool_shape)
-    p.add_argument("--tool-shapes", default="traces,long", help="sweep: comma list of tool shapes")
     p.add_argument(
-        "--duration", type=float, default=None,
+        "--tool-shapes",
+        default="traces,long",
+        type=choice_list(sorted(SHAPES)),
+        help="sweep: comma list of tool shapes",
+    )
+    p.add_argument(
+        "--duration", type=positive_float, default=None,
         help="seconds of arrivals and turns (default the suite's 45; l3 and fleet: 900)",
     )  # fmt: skip
-    p.add_argument("--warmup", type=float, default=10.0, help="seconds after the ramp left out of the window")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--plot", default=None, help="sweep: write the PNG here")
+    p.add_argument(
+        "--warmup", type=nonneg_float, default=10.0, help="seconds after the ramp left out of the window"
+    )
+    p.add_argument("--seed", type=seed, default=d.seed)
+    p.add_argument(
+        "--plot", default=None, type=writable_file(".png", ".svg", ".pdf"), help="sweep: write the PNG here"
+    )
     p.add_argument(
         "--out",
         default=None,
         help="run: a folder for one JSON per configuration + report.md; sweep: a JSON file",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    p.add_argument("--servers", default="8,16,32,64", help="fleet: comma list of server counts")
-    p.add_argument("--drain-share", type=float, default=0.25, help="fleet: share of the servers drained")
-    p.add_argument("--drain-at", type=float, default=300.0, help="fleet: when they are drained (s)")
     p.add_argument(
-        "--l3-read-gbps", type=float, default=5.0, help="l3/fleet: a server's L3 read GB/s (a parameter)"
+        "--servers", default="8,16,32,64", type=int_list, help="fleet: comma list of server counts"
     )
-    p.add_argument("--l3-write-gbps", type=float, default=5.0, help="l3/fleet: a server's L3 write GB/s")
-    p.add_argument("--l3-capacity-gb", type=float, default=4000.0, help="l3/fleet: the shared L3 store's GB")
+    p.add_argument("--drain-share", type=share, default=0.25, help="fleet: share of the servers drained")
+    p.add_argument("--drain-at", type=nonneg_float, default=300.0, help="fleet: when they are drained (s)")
+    p.add_argument(
+        "--l3-read-gbps",
+        type=positive_float,
+        default=5.0,
+        help="l3/fleet: a server's L3 read GB/s (a parameter)",
+    )
+    p.add_argument(
+        "--l3-write-gbps", type=positive_float, default=5.0, help="l3/fleet: a server's L3 write GB/s"
+    )
+    p.add_argument(
+        "--l3-capacity-gb", type=positive_float, default=4000.0, help="l3/fleet: the shared L3 store's GB"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     from toolkv.twin.regime_map import add_map_arguments
 
@@ -149,7 +193,7 @@ def _profile(a: argparse.Namespace) -> Any:
 def _opts(a: argparse.Namespace) -> Any:
     from toolkv.twin.run import Options
 
-    return Options(device_tokens=a.device_tokens or REGIMES[a.regime])
+    return Options(device_tokens=a.device_tokens if a.device_tokens is not None else REGIMES[a.regime])
 
 
 def run_configs(
@@ -172,11 +216,20 @@ def run_configs(
 
 
 def do_run(a: argparse.Namespace) -> int:
-    from toolkv.twin.report import markdown, write
+    from toolkv.twin.report import explain, load_line, markdown, write
 
-    host = float(a.host_gb) if a.host_gb else None
-    results = run_configs(a, workload(a), configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
-    text = markdown(results)
+    host = a.host_gb[0] if a.host_gb else None
+    w = workload(a)
+    results = run_configs(a, w, configs(a, host), opt=a.opt, progress=not (a.quiet or a.json))
+    default_load = all(getattr(a, k) == v for k, v in DEFAULT_LOAD.items())
+    device = a.device_tokens if a.device_tokens is not None else REGIMES[a.regime]
+    text = "\n\n".join([
+        load_line(w, window=(w.ramp_s + a.warmup, w.duration_s), device_tokens=device,
+                  regime=None if a.device_tokens else a.regime,
+                  profile=a.profile or "the built-in H200 profile (docs/twin.md)"),
+        markdown(results),
+        explain(results, headline=default_load),
+    ])  # fmt: skip
     cmp_rows: list[dict[str, Any]] = []
     if a.compare:
         from toolkv.twin.validate import compare, load_gpu, table
@@ -197,12 +250,8 @@ def do_run(a: argparse.Namespace) -> int:
 def do_sweep(a: argparse.Namespace) -> int:
     from toolkv.twin.sweep import plot, sweep
 
-    hosts = [float(x) for x in (a.host_gb or "8,16,32,64").split(",")]
+    hosts = a.host_gb or HOST_LISTS["sweep"]
     shapes = [s.strip() for s in a.tool_shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        print(f"toolkv twin: error: unknown tool shape(s) {bad}", file=sys.stderr)
-        return 2
     rows = sweep(a, hosts, shapes)
     data = {"hosts_gb": hosts, "tool_shapes": shapes, "regime": a.regime, "rows": rows}
     if a.out:
@@ -225,7 +274,7 @@ def do_speed(a: argparse.Namespace) -> int:
     from toolkv.twin.sessions import Sessions
 
     out = []
-    for c in configs(a, float(a.host_gb) if a.host_gb else None):
+    for c in configs(a, a.host_gb[0] if a.host_gb else None):
         sessions = Sessions.lazy(workload(a))
         t0 = time.process_time()
         o = simulate(sessions, c, _profile(a), _opts(a), progress=not (a.quiet or a.json))
@@ -254,7 +303,7 @@ def do_l3(a: argparse.Namespace) -> int:
     """One server with an L3 store, host pool sweep (:mod:`toolkv.twin.l3report`)."""
     from toolkv.twin.l3report import l3_sweep, l3_table
 
-    hosts = [float(x) for x in (a.host_gb or "16,32,64,128").split(",")]
+    hosts = a.host_gb or HOST_LISTS["l3"]
     rows = l3_sweep(a, hosts)
     return _l3_out(
         a, {"kind": "l3", "hosts_gb": hosts, "args": _args(a), "rows": rows}, l3_table(rows), "host_gb"
@@ -265,7 +314,7 @@ def do_fleet(a: argparse.Namespace) -> int:
     """N servers sharing one L3, a share of them drained (:mod:`toolkv.twin.l3report`)."""
     from toolkv.twin.l3report import fleet_sweep, fleet_table
 
-    ns = [int(x) for x in a.servers.split(",")]
+    ns = list(a.servers)
     rows = fleet_sweep(a, ns)
     return _l3_out(
         a, {"kind": "fleet", "servers": ns, "args": _args(a), "rows": rows}, fleet_table(rows), "servers"
@@ -302,32 +351,25 @@ def run(a: argparse.Namespace) -> int:
     if a.duration is None:
         a.duration = extra.get("duration", 45.0)
     try:
+        if a.host_gb and len(a.host_gb) > 1 and a.action not in HOST_LISTS:
+            raise ValueError(f"--host-gb: one value for twin {a.action} (a comma list is for sweep and l3)")
         if a.action in L3_DEFAULTS:
-            from toolkv.twin.fleet import fleet_config
-
-            for n in (a.configs or "").split(","):
-                if n.strip():
-                    fleet_config(n.strip())
-            if a.action == "fleet":
-                if a.host_gb:
-                    float(a.host_gb)
-                if any(int(x) < 1 for x in a.servers.split(",")) or not 0 <= a.drain_share < 1:
-                    raise ValueError("--servers must be positive and --drain-share in [0, 1)")
-            for v in (a.l3_read_gbps, a.l3_write_gbps, a.l3_capacity_gb):
-                if v <= 0:
-                    raise ValueError("L3 bandwidths and capacity must be positive")
-            if a.profile and not Path(a.profile).is_file():
-                raise ValueError(f"no such profile file: {a.profile}")
-        elif a.configs is None:
-            a.configs = VALIDATED
-        for n in [] if a.action in L3_DEFAULTS or a.configs == "all" else a.configs.split(","):
-            get(n.strip())
-        if a.host_gb and a.action not in ("sweep", "l3"):
-            float(a.host_gb)
-        if a.profile and not Path(a.profile).is_file():
-            raise ValueError(f"no such profile file: {a.profile}")
+            bad = [n for n in (a.configs or "").split(",") if n.strip() and n.strip() not in FLEET_NAMES]
+            if bad or a.configs == "all":
+                raise ValueError(
+                    f"--configs: twin {a.action} runs {', '.join(FLEET_NAMES)}; not {bad or 'all'}"
+                )
+        else:
+            if a.configs is None:
+                a.configs = VALIDATED
+            bad = [n for n in a.configs.split(",") if n.strip() in FLEET_NAMES and n.strip() not in CONFIGS]
+            if bad:
+                raise ValueError(
+                    f"--configs: {bad} are twin l3/fleet configurations; twin {a.action} runs "
+                    f"{', '.join(CONFIGS)}"
+                )
         if a.compare and not Path(a.compare).exists():
-            raise ValueError(f"no such results folder or file: {a.compare}")
+            raise ValueError(f"--compare: no such results folder or file: {a.compare}")
         workload(a)
     except ValueError as e:
         print(f"toolkv twin: error: {e}", file=sys.stderr)

@@ -75,7 +75,7 @@ def fleet_sweep(a: argparse.Namespace, ns: list[int]) -> list[dict[str, Any]]:
         window = (w.ramp_s + a.warmup, w.duration_s)
         k = max(1, round(a.drain_share * n)) if a.drain_share > 0 else 0
         drain = [(a.drain_at, i) for i in range(k)]
-        host = float(a.host_gb) if a.host_gb else 32.0
+        host = a.host_gb[0] if a.host_gb else 32.0
         for name in _names(a, FLEET_CONFIGS):
             r = simulate_fleet(w, fleet_config(name, host), _profile(a), options(a), n=n, l3=l3_config(a),
                                drain=drain, window=window, tick_s=0.25)  # fmt: skip

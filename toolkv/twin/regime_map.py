@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolkv.argtypes import choice_list, int_list, nonneg_int_list, positive_int
+
 SESSIONS = (24, 48, 96, 192)
 HOSTS_GB = (8.0, 16.0, 32.0, 64.0)
 SHAPES = ("traces", "long", "named")
@@ -404,12 +406,13 @@ def plot(recs: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+def _ints(s: str | list[int]) -> list[int]:
+    """An axis: parsed by its flag's type already (a list), or a comma list given in code."""
+    return list(s) if isinstance(s, list) else [int(x) for x in s.split(",") if x.strip()]
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
+def _floats(s: str | list[float]) -> list[float]:
+    return list(s) if isinstance(s, list) else [float(x) for x in s.split(",") if x.strip()]
 
 
 def main(a: argparse.Namespace) -> int:
@@ -492,11 +495,21 @@ def _cells_of(misses: Iterable[str]) -> set[str]:
 
 def add_map_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--map-sessions", default=",".join(map(str, SESSIONS)), help="map: comma list of session counts"
+        "--map-sessions", default=",".join(map(str, SESSIONS)), type=int_list,
+        help="map: comma list of session counts",
+    )  # fmt: skip
+    p.add_argument(
+        "--map-shapes",
+        default=",".join(SHAPES),
+        type=choice_list(SHAPES),
+        help="map: comma list of tool shapes",
     )
-    p.add_argument("--map-shapes", default=",".join(SHAPES), help="map: comma list of tool shapes")
-    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="map: comma list of seeds")
-    p.add_argument("--jobs", type=int, default=None, help="map: worker processes (default: every core)")
+    p.add_argument(
+        "--seeds", default=",".join(map(str, SEEDS)), type=nonneg_int_list, help="map: comma list of seeds"
+    )
+    p.add_argument(
+        "--jobs", type=positive_int, default=None, help="map: worker processes (default: every core)"
+    )
     p.add_argument(
         "--known",
         default=None,

@@ -130,3 +130,87 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for r in results:
         (out / f"{r['config']}.json").write_text(json.dumps(r, indent=1, default=str))
+
+
+# What the README's headline ran (scripts/gpu_value_repeat.sh, LOAD=value), as a twin command: the
+# default run is a smaller, quicker load and says so.
+HEADLINE = (
+    "toolkv twin --configs stock,offload,auto --sessions 48 --arrival-rate 0 --turns 6 --first-tokens 3000 "
+    "--growth 900 --output 32 --max-context 16384 --warmup 0 --duration 75"
+)
+
+COLUMNS = (
+    ("turns/s", "turns finished per second inside the window (closed load: a session sends its next turn "
+     "when its tool returns)"),
+    ("vs stock", "that, over the stock row's"),
+    ("resumed turns", "turns after a tool call that started inside the window: the latency columns count these"),
+    ("resumed tokens from cache", "their prompt tokens sglang found in its cache (GPU or host) instead of computing"),
+    ("TTFT p50/p90/p99 s", "their time to first token, queueing included; p90 vs stock over the stock row's"),
+    ("tool_start / tool_end ok/refused", "toolkv's calls answered 200 / refused (507: the host pool or budget "
+     "is full; the session's KV then stays where sglang keeps it)"),
+    ("device pool used", "the GPU KV pool's mean occupancy"),
+    ("checks", "every generate answered, no 5xx beyond the documented refusals, nothing protected or locked "
+     "and every counter back at the end, the scheduler alive"),
+    ("reuse / opt reuse / of opt", "the twin's reuse of all resumed prompts; the best any retention could do "
+     "(--opt); the share of that bound reached"),
+    ("copied h2d / d2h tokens", "KV copied host to GPU (restores, load-backs) and GPU to host (write-backs)"),
+)  # fmt: skip
+
+
+def load_line(
+    w: Any, *, window: tuple[float, float], device_tokens: int, regime: str | None, profile: str
+) -> str:
+    """The load a run ran, in one paragraph: the workload ``w``, the measured window, the server."""
+    rate = f"{w.rate:.3f} sessions/s after the ramp" if w.rate else "no later arrivals"
+    pool = f"device pool {device_tokens:,} tokens" + (f" (--regime {regime})" if regime else "")
+    return (
+        f"load: {w.initial_sessions} sessions at the start (ramp {w.ramp_s:g} s), {rate}; median {w.turns_median} "
+        f"turns per session; first prompt {w.first_tokens:,} tokens, +{w.growth_per_turn:,} per turn "
+        f"({w.output_tokens} of them the answer); tools: {w.tool_shape}; {w.duration_s:g} s of arrivals and "
+        f"turns, measured from {window[0]:g} s to {window[1]:g} s (the ramp and --warmup left out); {pool}; "
+        f"GPU time: {profile}."
+    )
+
+
+def explain(results: list[dict[str, Any]], *, headline: bool) -> str:
+    """What the tables' columns mean, how the run relates to the README's headline (``headline``:
+    say so, for a run of the default load), and, for each toolkv row slower than stock at p99, the
+    turn that p99 is: with under a hundred resumed turns, p99 is the slowest one of them."""
+    width = max(len(k) for k, _ in COLUMNS)
+    lines = ["columns:"] + [f"  {k:<{width}}  {v}" for k, v in COLUMNS]
+    if headline:
+        lines += [
+            "",
+            "This is the twin's quick default load, not the README's headline: that one is 48 sessions starting "
+            "together with shorter prompts, measured on an H200 (docs/benchmarks.md). The same load on the twin "
+            "(its numbers beside the H200's: docs/twin.md, 'The default run and the README's headline'):",
+            f"  {HEADLINE}",
+        ]
+    stock = next((r for r in results if r["config"] == "stock"), None)
+    if stock is None:
+        return "\n".join(lines)
+    for r in results:
+        s = r["summary"]
+        if r["mode"] == "stock" or s["resumed_ttft_p99_s"] <= stock["summary"]["resumed_ttft_p99_s"]:
+            continue
+        lo, hi = s["window_s"]
+        resumed = [t for t in r["turns"] if t["turn"] > 0 and t["status"] == 200 and lo <= t["start_s"] <= hi]
+        if not resumed:
+            continue
+        worst = max(resumed, key=lambda t: t["ttft_s"])
+        why = (
+            "its tool_start was refused, so nothing of it was kept and it recomputed its whole prompt, as under "
+            "stock"
+            if worst["cached_tokens"] == 0
+            and worst["restore_call_s"] != worst["restore_call_s"]  # NaN: no tool_end
+            else f"{worst['cached_tokens']:,} of its {worst['prompt_tokens']:,} prompt tokens came from the cache"
+        )
+        lines += [
+            "",
+            f"{r['config']}'s TTFT p99 ({s['resumed_ttft_p99_s']:.2f} s, stock {stock['summary']['resumed_ttft_p99_s']:.2f} s) "
+            f"is over {len(resumed)} resumed turns"
+            + (", so it is their slowest one" if len(resumed) < 100 else "")
+            + f": session {worst['session']} turn {worst['turn']}, sent at {worst['start_s']:.1f} s into a queue "
+            f"of the other sessions' turns, first token after {worst['ttft_s']:.2f} s; {why}.",
+        ]
+    return "\n".join(lines)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from toolkv.argtypes import positive_float, positive_int
 from toolkv.verify.tla import tlc as tla
 
 KINDS = ("safe", "live", "mutant", "witness")
@@ -192,11 +193,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave out configs whose name matches (fnmatch pattern; repeatable; `make test` leaves out "
         "the configs another run of the same make test covers, docs/testing.md)",
     )
-    parser.add_argument("--workers", type=int, default=1, help="TLC worker threads (default 1)")
+    parser.add_argument("--workers", type=positive_int, default=1, help="TLC worker threads (default 1)")
     parser.add_argument(
-        "--jobs", type=int, default=1, help="TLC runs at a time, one JVM each (default 1; CI uses its cores)"
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="TLC runs at a time, one JVM each (default 1; CI uses its cores)",
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per TLC run (default 600)")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="seconds per TLC run (default 600)"
+    )
     parser.add_argument("--spec-dir", type=Path, default=None, help="directory holding configs.toml")
     parser.add_argument("--list", action="store_true", help="list the configs and exit")
 

