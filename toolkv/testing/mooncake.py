@@ -124,7 +124,7 @@ class MooncakeStore:
     def _spawn(self, args: list[str], name: str) -> tuple[subprocess.Popen[bytes], Path]:
         log = self.workdir / f"{name}.log"
         out = log.open("wb")
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir)
         self._procs.append(proc)
         return proc, log
 
@@ -210,3 +210,26 @@ def running(**kw: Any) -> Iterator[MooncakeStore]:
         yield store
     finally:
         store.stop()
+
+
+def main() -> None:
+    """``python -m toolkv.testing.mooncake``: start the master and one storage node on loopback,
+    print the flags each sglang server takes to use them, and keep them up until interrupted."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--segment-mb", type=int, default=1024, help="the storage node's memory (MiB)")
+    ap.add_argument("--soft-pin-ttl-ms", type=int, default=30 * 60 * 1000)
+    args = ap.parse_args()
+    with running(segment_bytes=args.segment_mb << 20, soft_pin_ttl_ms=args.soft_pin_ttl_ms,
+                 lease_ttl_ms=10_000) as store:  # fmt: skip
+        print("--hicache-storage-backend mooncake --hicache-mem-layout page_first "
+              f"--hicache-storage-backend-extra-config '{store.extra_config_json()}'", flush=True)  # fmt: skip
+        print(f"logs: {store.workdir}", flush=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})  # then the context stops both processes
+
+
+if __name__ == "__main__":
+    main()
