@@ -30,7 +30,9 @@ from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.mooncake import MooncakeStore, MooncakeUnavailable, running
 from toolkv.testing.storage_harness import MooncakeCacheHarness
 
-CFG = HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4, layout="page_first")  # sglang: MHA on Mooncake needs page_first
+CFG = HarnessConfig(
+    device_tokens=256, host_ratio=2.0, page_size=4, layout="page_first"
+)  # sglang: MHA on Mooncake needs page_first
 A = list(range(1, 97))  # 96 tokens: 24 pages of 4
 B = list(range(1001, 1097))  # another session, no shared prefix
 BUDGET = 150  # host tokens toolkv may protect: one session fits, two do not
@@ -71,7 +73,7 @@ def test_a_session_stored_on_a_drained_server_is_adopted_and_read_on_another(moo
     # ---- server A: the session's turn, tool_start, stored to Mooncake when the host is full ----------
     with MooncakeCacheHarness(CFG, mooncake) as a:
         initial_a = a.accounting()
-        m, be = manager(a)
+        m, _be = manager(a)
         kv = turn(a, m, "a", A)
         epoch = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
         step(a, m, 0.0, writes=True)
@@ -89,7 +91,7 @@ def test_a_session_stored_on_a_drained_server_is_adopted_and_read_on_another(moo
     with MooncakeCacheHarness(CFG, mooncake) as b:
         initial_b = b.accounting()
         refused = fill_tier(b, 4 * SEGMENT // (256 << 10))
-        m, be = manager(b)
+        m, _be = manager(b)
         assert b.storage_hit_tokens(A) == len(A), (
             f"the soft-pinned copy survived the master's eviction ({refused} puts refused)"
         )

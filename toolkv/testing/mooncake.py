@@ -51,7 +51,9 @@ def binary(name: str) -> Path:
     try:
         import mooncake
     except ImportError as e:
-        raise MooncakeUnavailable(f"the mooncake package is not installed ({e}): requirements/mooncake.txt") from e
+        raise MooncakeUnavailable(
+            f"the mooncake package is not installed ({e}): requirements/mooncake.txt"
+        ) from e
     path = Path(mooncake.__file__).parent / name
     if not path.exists():
         found = shutil.which(name)
@@ -171,7 +173,9 @@ class MooncakeStore:
         deadline = time.monotonic() + _START_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise MooncakeUnavailable(f"mooncake_client exited with {proc.returncode}\n" + log.read_text()[-2000:])
+                raise MooncakeUnavailable(
+                    f"mooncake_client exited with {proc.returncode}\n" + log.read_text()[-2000:]
+                )
             text = log.read_text(errors="replace")
             if "mount" in text.lower() or "Successfully" in text:
                 return
