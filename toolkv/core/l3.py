@@ -27,6 +27,7 @@ in the same order on every rank.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Callable
 from enum import StrEnum
 
@@ -40,7 +41,7 @@ from toolkv.core.session.core import MachineCore, log
 from toolkv.core.session.phases import Phase
 from toolkv.core.session.record import SessionRecord
 from toolkv.core.treeops import Tree
-from toolkv.errors import DeviceMemoryFull, WrongState
+from toolkv.errors import DeviceMemoryFull, StaleEpoch, UnknownSession, WrongState
 
 
 class L3(StrEnum):
@@ -120,6 +121,10 @@ class L3Tier(MachineCore):
         # tool; "host_room": a full host's victim) and of every read-ahead ("l3_readahead"): the
         # scheduler writes a decision line for each, as for on_demote
         self.on_store: Callable[[str, str], None] = lambda session_id, why: None
+        # Mooncake's soft pin outlives the TTL (spec/storage/SharedTier.tla, mutant PinTtlShort):
+        # it may lapse only once toolkv no longer relies on the copy
+        if hasattr(backend, "pin_ttl_ms"):
+            backend.pin_ttl_ms = int(2000 * max(config.ttl_s, 1.0))
 
     def _storage(self) -> StorageTier:
         storage = self.caps.storage
@@ -372,6 +377,46 @@ class L3Tier(MachineCore):
         self._early.discard(rec.session_id)
         fire_l3(rec, "tool_end_from_host", L3.NONE)
         return True
+
+    # ---- ToolEnd on a server that does not know the session (SharedTier.tla) ----------------------
+    def _adopt(self, session_id: str, epoch: int, unknown: UnknownSession) -> SessionRecord:
+        """SharedTier.tla's ``ToolEnd`` on a server with ``owner = NoServer``: the session was
+        stored whole by a server that is gone (drained), so no record of it is here. The shared
+        tier's manifest names its epoch and tokens: a tool_end of that epoch adopts it, a record
+        at that epoch in ``Running`` (ToolKV.tla's ``Insert`` of the session's turn, its KV
+        in the tier), and the next request's arrival reads the tier (sglang's prefetch), as
+        StorageTier.tla's ``ToolEndAtArrival`` leaves a session stored on this server. Any other
+        epoch is ``StaleEpoch`` (the fence holds across servers; mutant ``NoEpochFence``); no
+        manifest (never stored whole, or its pin lapsed and the master evicted it) is the
+        ``UnknownSession`` it was. Nothing is held: the pin lapses at its deadline."""
+        storage = self.caps.storage
+        shared = getattr(storage, "shared_tier", None) if self.config.l3 else None
+        tier = shared() if shared is not None else None
+        manifest = tier.find_manifest(session_id) if tier is not None else None
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise unknown
+        if manifest is None or manifest.session_id != session_id:
+            raise unknown
+        if epoch != manifest.epoch:
+            self.counters["stale_epoch"] += 1
+            raise StaleEpoch(
+                f"epoch {epoch} is stale for session {session_id!r} (current {manifest.epoch}, from the shared tier)",
+                current_epoch=manifest.epoch,
+            )
+        self._insert_adopted(session_id, manifest.tokens, manifest.extra_key)
+        rec = self.sessions[session_id]
+        rec.epoch = manifest.epoch
+        rec.tokens = array("q", manifest.tokens)  # this server's tree holds none of it yet
+        rec.restore = "l3_at_arrival"
+        tier.drop_manifest(session_id)
+        self.counters["turns"] -= 1  # not a turn of this server's: the adoption of one
+        self.counters["tool_end"] += 1
+        self.counters["tool_end_adopted"] += 1
+        log.info("session %s adopted from the shared tier at epoch %d", session_id, rec.epoch)
+        return rec
+
+    def _insert_adopted(self, session_id: str, tokens: array[int], extra_key: str | None) -> None:
+        raise NotImplementedError  # SessionMachine.insert (spec Insert)
 
     # ---- StoreAck, PrefetchAck (the tick) -------------------------------------------------------------
     def process_storage_acks(self) -> int:

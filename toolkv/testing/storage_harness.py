@@ -196,3 +196,42 @@ class StorageCacheHarness(CacheHarness):
 
 
 _REAL_MAKE_SERVER_ARGS = _harness.make_server_args
+
+
+class MooncakeCacheHarness(StorageCacheHarness):
+    """:class:`StorageCacheHarness` with sglang's ``mooncake`` backend (``MooncakeStore``) instead of
+    ``file``: the server flags ``--hicache-storage-backend mooncake`` and
+    ``--hicache-storage-backend-extra-config`` naming a running master (``store``, a
+    :class:`~toolkv.testing.mooncake.MooncakeStore`). sglang's client registers the host pool with
+    the transfer engine and reads and writes over loopback TCP; the objects live on the store's
+    storage node, so they outlive this server."""
+
+    def __init__(
+        self,
+        cfg: HarnessConfig | None,
+        store: Any,
+        *,
+        prefetch_policy: str = "wait_complete",
+        prefetch_threshold: int = 1,
+        seed: int = 0,
+    ) -> None:
+        self.store = store
+        super().__init__(
+            cfg,
+            store.workdir / "unused",
+            prefetch_policy=prefetch_policy,
+            prefetch_threshold=prefetch_threshold,
+            seed=seed,
+        )
+
+    def _server_args(self, cfg: HarnessConfig) -> Any:
+        args = super()._server_args(cfg)
+        args.hicache_storage_backend = "mooncake"
+        args.hicache_storage_backend_extra_config = self.store.extra_config_json(
+            prefetch_threshold=self.prefetch_threshold
+        )
+        return args
+
+    def stored_keys(self) -> list[str]:
+        """Not listable through sglang's client: use :meth:`storage_hit_tokens` instead."""
+        raise NotImplementedError("Mooncake's client has no listing; query by key")

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from toolkv.core.backends.base import Agreement, ProtectionLedger
+from toolkv.core.backends.mooncake_tier import Manifest, MooncakeTier, is_mooncake
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode, path_to, walk
 
@@ -53,6 +56,9 @@ class HiCacheStorage:
     agree: Agreement
     _ledger: ProtectionLedger
     _l3: dict[str, StorageCopy]  # sessions' copies in the L3 storage tier, by session id
+    #: the soft pin's deadline on Mooncake (spec/storage/SharedTier.tla); the manager sets it past
+    #: its TTL (L3Tier); Mooncake's own default is 30 minutes
+    pin_ttl_ms: int = 30 * 60 * 1000
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
         raise NotImplementedError  # the host tier's (HiRadixBackend)
@@ -82,6 +88,13 @@ class HiCacheStorage:
 
     def _storage(self) -> Any:
         return self.tree.cache_controller.storage_backend
+
+    def shared_tier(self) -> MooncakeTier | None:
+        """Mooncake's soft pin and the session manifests, when the storage backend is Mooncake
+        (``spec/storage/SharedTier.tla``); None for a backend whose eviction toolkv sees (``file``)."""
+        if not self.storage_enabled() or not is_mooncake(self._storage()):
+            return None
+        return MooncakeTier(self._storage(), self.pin_ttl_ms)
 
     def _stored_pages(self, keys: Sequence[str]) -> int:
         """Leading pages of ``keys`` the backend holds (its ``batch_exists``: the prefix sglang's own
@@ -141,12 +154,28 @@ class HiCacheStorage:
         assert rec.protected is not None
         if any(self._storing(m) for m in path_to(self.tree, rec.protected)):  # lockstep on every rank
             return None
-        if not self.agree.all_true(self._store_whole(copy)):
+        if not self.agree.all_true(self._store_whole(copy) and self._pin_in_tier(rec, copy)):
             del self._l3[rec.session_id]
             return False
         copy.whole = True
         self._release_protection(rec)
         return True
+
+    def _pin_in_tier(self, rec: SessionRecord, copy: StorageCopy) -> bool:
+        """SharedTier.tla's ``StoreAck`` on Mooncake, before the host protection goes: every page
+        upserted from the host copy with Mooncake's soft pin, and the session's manifest beside
+        them (what a server that never saw the session adopts it by). The master honours nothing
+        else (mutant ``NoSoftPin`` trusts it with toolkv's record). True on ``file``."""
+        tier = self.shared_tier()
+        if tier is None:
+            return True
+        assert rec.protected is not None
+        path = path_to(self.tree, rec.protected)
+        host = torch.cat([m.host_value for m in path])
+        if not tier.pin_pages(copy.keys, host[: copy.tokens]):
+            return False
+        manifest = Manifest(rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key)
+        return tier.put_manifest(manifest)
 
     def _store_whole(self, copy: StorageCopy) -> bool:
         """Every page of the copy is in storage (the check ``TrustShortAck`` leaves out)."""

@@ -16,7 +16,7 @@ from toolkv.core.session.core import MachineCore, log
 from toolkv.core.session.phases import OFFLOADED, Phase
 from toolkv.core.session.record import SessionRecord
 from toolkv.core.timers import Timers
-from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, WrongState
+from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, UnknownSession, WrongState
 
 
 class CopyActions(MachineCore):
@@ -126,7 +126,10 @@ class CopyActions(MachineCore):
         """Spec ``ToolEnd``: the tool call of ``epoch`` is over; bring the KV back for the next turn
         (restore from host or L3, hand a kept or early-restored path over, or nothing to do for a
         released one). A stale epoch changes nothing (``StaleEpoch``)."""
-        rec = self._get(session_id)
+        try:
+            rec = self._get(session_id)
+        except UnknownSession as unknown:  # stored by a server that is gone: SharedTier.tla
+            return self.view(self._adopt(session_id, epoch, unknown))
         self._check_epoch(rec, epoch, count=True)
         if rec.state == Phase.KEPT:  # the pin stays until the next request holds the path
             self._settle(rec, "tool_end")

@@ -79,6 +79,11 @@ class MachineCore:
             raise UnknownSession(f"unknown session {session_id!r}", session_id=session_id)
         return rec
 
+    def _adopt(self, session_id: str, epoch: int, unknown: UnknownSession) -> SessionRecord:
+        """A tool_end for a session this server does not know: adopted from a shared tier that
+        holds it (``L3Tier``); without one it stays ``unknown``."""
+        raise unknown
+
     def view(self, rec: SessionRecord) -> SessionView:
         """What a call answers about the session (``kv_meta``'s per-session object)."""
         placement = SessionView.closed_placement() if rec.state == "Closed" else self.backend.describe(rec)

@@ -87,6 +87,10 @@ class SessionMachine(CopyActions, PolicyActions, HandoverActions, L3Tier):
         self._touch(rec)
         self.counters["turns"] += 1
 
+    def _insert_adopted(self, session_id: str, tokens: array[int], extra_key: str | None) -> None:
+        """The adopted session's record (``L3Tier._adopt``): spec ``Insert`` of its turn."""
+        self.insert(session_id, tokens, extra_key)
+
     # ---- StartLoads -----------------------------------------------------------------------------------
     def start_loads(self) -> bool:
         """Spec ``StartLoads``: queued host→GPU copies start when sglang's load ring is idle."""

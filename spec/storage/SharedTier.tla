@@ -1,0 +1,229 @@
+----------------------------- MODULE SharedTier -----------------------------
+(***************************************************************************)
+(* The L3 tier shared by a fleet when it is Mooncake: what differs from    *)
+(* the file backend of StorageTier.tla, and the session that moves between *)
+(* servers.                                                                *)
+(*                                                                         *)
+(* StorageTier.tla's L3Evict may take a page only of a copy that toolkv    *)
+(* does not protect: HiCacheFile has no evictor toolkv cannot see (toolkv  *)
+(* refuses a file backend with one).  Mooncake's master evicts on its own  *)
+(* (above its high watermark, approximate LRU) and knows nothing of        *)
+(* toolkv's record: it skips only objects that are hard-pinned, leased (a  *)
+(* lease is seconds long, from an exists or a read), not yet complete, or  *)
+(* soft-pinned while their soft-pin deadline is ahead (with the master's   *)
+(* allow_evict_soft_pinned_objects off).  So the protection toolkv holds   *)
+(* over a stored copy must be Mooncake's soft pin, taken when the copy is  *)
+(* acknowledged whole (an upsert of every page with soft_pin_action        *)
+(* ENABLE: sglang's own puts carry none) and with a deadline past the      *)
+(* session's TTL: the pin lapses only once toolkv no longer relies on it.  *)
+(*                                                                         *)
+(* The fleet: servers run toolkv each, one shared tier.  A server that is  *)
+(* drained takes its toolkv records with it; the session is then known to  *)
+(* no server (owner = NoServer), and what survives is the tier: its pages  *)
+(* and its manifest (one small object: the session's epoch and token      *)
+(* count, written and pinned with the pages at the StoreAck).  A tool_end  *)
+(* that reaches a server that does not know the session adopts it when the *)
+(* manifest is there and names the epoch the call carries; a stale epoch  *)
+(* is refused as on the server that stored it.  The adopted session is     *)
+(* read at arrival (StorageTier.tla's ToolEndAtArrival): sglang's prefetch *)
+(* of the next request reads the tier on the adopting server.              *)
+(*                                                                         *)
+(* Unit: one page; the GPU and host tiers are left to StorageTier.tla (a   *)
+(* Running session's KV is on its server's GPU; a Storing one's host copy  *)
+(* is protected by its server until the ack).  No clock: a pin lapses, the *)
+(* TTL fires and servers are drained at any time their guards allow.       *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets
+
+CONSTANTS
+    Sessions,  \* agent sessions (model values)
+    Servers,   \* servers of the fleet (model values)
+    NoServer,  \* owner of a session no server knows (a model value not in Servers)
+    P,         \* pages per session
+    MaxEpoch,  \* bound on tool calls per session
+    BUG        \* "none" or the name of one seeded defect
+
+Bugs == {"none", "NoSoftPin", "PinTtlShort", "NoEpochFence"}
+
+ASSUME /\ P \in Nat \ {0} /\ MaxEpoch \in Nat /\ BUG \in Bugs /\ NoServer \notin Servers
+
+Pg == 1..P
+
+Phases == {"Running",   \* the session's request runs on its owner (KV on its GPU)
+           "Storing",   \* tool_start, the policy stores it: the pages are being put to the tier
+           "Stored",    \* StoreAck whole: the copy and the manifest are in the tier, pinned
+           "Arriving",  \* tool_end accepted; the next request's arrival read has not run yet
+           "Closed"}    \* closed, expired, or lost with its server
+
+VARIABLES
+    phase,     \* [Sessions -> Phases]
+    owner,     \* [Sessions -> Servers \cup {NoServer}]: the server whose toolkv knows the session
+    epoch,     \* [Sessions -> 0..MaxEpoch]: the session's epoch (one per tool call)
+    l3,        \* [Sessions -> SUBSET Pg]: the session's pages in the tier
+    manifest,  \* [Sessions -> BOOLEAN]: the session's manifest object is in the tier
+    spin,      \* [Sessions -> BOOLEAN]: Mooncake's soft pin on the copy (deadline ahead)
+    l3prot,    \* [Sessions -> BOOLEAN]: toolkv relies on the copy in the tier
+    alive,     \* [Servers -> BOOLEAN]: the server has not been drained
+    adopted,   \* [Sessions -> BOOLEAN]: history: a server other than the storing one took it
+    stale      \* [Sessions -> BOOLEAN]: history: a tool_end with a stale epoch was accepted
+
+vars == <<phase, owner, epoch, l3, manifest, spin, l3prot, alive, adopted, stale>>
+
+Init ==
+    /\ phase = [s \in Sessions |-> "Running"]
+    /\ owner \in [Sessions -> Servers]
+    /\ epoch = [s \in Sessions |-> 0]
+    /\ l3 = [s \in Sessions |-> {}]
+    /\ manifest = [s \in Sessions |-> FALSE]
+    /\ spin = [s \in Sessions |-> FALSE]
+    /\ l3prot = [s \in Sessions |-> FALSE]
+    /\ alive = [v \in Servers |-> TRUE]
+    /\ adopted = [s \in Sessions |-> FALSE]
+    /\ stale = [s \in Sessions |-> FALSE]
+
+Known(s) == owner[s] # NoServer
+
+-----------------------------------------------------------------------------
+(* toolkv on the session's server *)
+
+\* tool_start, then Store: the session's pages are put to the tier (sglang's backup thread; its
+\* puts carry no soft pin).  The epoch of the new call.
+Store(s) ==
+    /\ phase[s] = "Running" /\ Known(s) /\ epoch[s] < MaxEpoch
+    /\ phase' = [phase EXCEPT ![s] = "Storing"]
+    /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
+    /\ UNCHANGED <<owner, l3, manifest, spin, l3prot, alive, adopted, stale>>
+
+\* The backup thread puts one more page (PutStart .. PutEnd: readable once complete).
+StorePage(s, p) ==
+    /\ phase[s] = "Storing" /\ p \notin l3[s]
+    /\ l3' = [l3 EXCEPT ![s] = @ \cup {p}]
+    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale>>
+
+\* The StoreAck: every page exists (batch_is_exist), then one upsert of every page and of the
+\* manifest with soft_pin_action ENABLE (a page the master evicted meanwhile is put again by the
+\* upsert).  NoSoftPin trusts the master with toolkv's record alone, as sglang's puts do.  Short
+\* (a page missing at the check): the session stays on its protected host copy (Running here:
+\* its next turn needs nothing from the tier).
+StoreAck(s) ==
+    /\ phase[s] = "Storing" /\ Known(s)
+    /\ IF l3[s] = Pg
+       THEN /\ phase' = [phase EXCEPT ![s] = "Stored"]
+            /\ manifest' = [manifest EXCEPT ![s] = TRUE]
+            /\ spin' = [spin EXCEPT ![s] = BUG # "NoSoftPin"]
+            /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
+       ELSE /\ phase' = [phase EXCEPT ![s] = "Running"]
+            /\ UNCHANGED <<manifest, spin, l3prot>>
+    /\ UNCHANGED <<owner, epoch, l3, alive, adopted, stale>>
+
+\* A tool_end with epoch e reaches server v.  On the server that knows the session: accepted for
+\* its epoch (the read at arrival follows).  On a server that does not know it: adopted when the
+\* manifest is in the tier and names e (NoEpochFence adopts whatever epoch the call carries).
+\* Anything else is refused and changes nothing (unknown_session, stale epoch).
+ToolEnd(s, v, e) ==
+    /\ alive[v] /\ phase[s] = "Stored"
+    /\ \/ owner[s] = v /\ e = epoch[s]
+       \/ owner[s] = NoServer /\ manifest[s] /\ (e = epoch[s] \/ BUG = "NoEpochFence")
+    /\ phase' = [phase EXCEPT ![s] = "Arriving"]
+    /\ adopted' = [adopted EXCEPT ![s] = @ \/ owner[s] # v]
+    /\ owner' = [owner EXCEPT ![s] = v]
+    /\ stale' = [stale EXCEPT ![s] = @ \/ e # epoch[s]]
+    /\ UNCHANGED <<epoch, l3, manifest, spin, l3prot, alive>>
+
+\* The next request arrives on the session's server: sglang's prefetch reads what the tier holds
+\* (a lease covers each read) and toolkv's reliance on the copy ends; the pin lapses at its
+\* deadline.  The manifest is removed: the session is known again.
+ArrivalRead(s) ==
+    /\ phase[s] = "Arriving"
+    /\ phase' = [phase EXCEPT ![s] = "Running"]
+    /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
+    /\ manifest' = [manifest EXCEPT ![s] = FALSE]
+    /\ UNCHANGED <<owner, epoch, l3, spin, alive, adopted, stale>>
+
+\* The TTL or close, on the server that knows the session; for a session no server knows, its
+\* TTL passing (its pin's deadline is later still).
+Release(s) ==
+    /\ (Known(s) => alive[owner[s]]) /\ phase[s] # "Closed"
+    /\ phase' = [phase EXCEPT ![s] = "Closed"]
+    /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
+    /\ UNCHANGED <<owner, epoch, l3, manifest, spin, alive, adopted, stale>>
+
+-----------------------------------------------------------------------------
+(* The fleet and the tier *)
+
+\* A server is drained (or killed): its toolkv records go with it.  Its Stored sessions are known
+\* to no server; their copies stay in the tier, pinned.  A session mid-store or running there is
+\* lost (its write was never acknowledged: no manifest, its pages unpinned).  One server stays.
+Drain(v) ==
+    /\ alive[v] /\ \E w \in Servers \ {v} : alive[w]
+    /\ alive' = [alive EXCEPT ![v] = FALSE]
+    /\ owner' = [s \in Sessions |-> IF owner[s] = v THEN NoServer ELSE owner[s]]
+    /\ phase' = [s \in Sessions |->
+                    IF owner[s] = v /\ phase[s] \in {"Running", "Storing", "Arriving"}
+                    THEN "Closed" ELSE phase[s]]
+    /\ l3prot' = [s \in Sessions |->
+                    IF owner[s] = v /\ phase[s] # "Stored" THEN FALSE ELSE l3prot[s]]
+    /\ UNCHANGED <<epoch, l3, manifest, spin, adopted, stale>>
+
+\* The soft pin's deadline passes.  toolkv sets it past the session's TTL, so it passes only once
+\* toolkv no longer relies on the copy (PinTtlShort: a deadline shorter than the TTL).
+PinLapse(s) ==
+    /\ spin[s] /\ (~l3prot[s] \/ BUG = "PinTtlShort")
+    /\ spin' = [spin EXCEPT ![s] = FALSE]
+    /\ UNCHANGED <<phase, owner, epoch, l3, manifest, l3prot, alive, adopted, stale>>
+
+\* Mooncake's master evicts a complete object that is not soft-pinned (its lease, seconds long,
+\* is taken to have expired: any time).  toolkv's own record does not stop it.
+MasterEvictPage(s, p) ==
+    /\ p \in l3[s] /\ ~spin[s]
+    /\ l3' = [l3 EXCEPT ![s] = @ \ {p}]
+    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale>>
+
+MasterEvictManifest(s) ==
+    /\ manifest[s] /\ ~spin[s]
+    /\ manifest' = [manifest EXCEPT ![s] = FALSE]
+    /\ UNCHANGED <<phase, owner, epoch, l3, spin, l3prot, alive, adopted, stale>>
+
+Next ==
+    \/ \E s \in Sessions :
+        \/ Store(s) \/ StoreAck(s) \/ ArrivalRead(s) \/ Release(s) \/ PinLapse(s)
+        \/ MasterEvictManifest(s)
+        \/ \E p \in Pg : StorePage(s, p) \/ MasterEvictPage(s, p)
+        \/ \E v \in Servers, e \in 0..MaxEpoch : ToolEnd(s, v, e)
+    \/ \E v \in Servers : Drain(v)
+
+Spec == Init /\ [][Next]_vars
+
+-----------------------------------------------------------------------------
+(* Invariants *)
+
+TypeOK ==
+    /\ phase \in [Sessions -> Phases]
+    /\ owner \in [Sessions -> Servers \cup {NoServer}]
+    /\ epoch \in [Sessions -> 0..MaxEpoch]
+    /\ l3 \in [Sessions -> SUBSET Pg]
+    /\ alive \in [Servers -> BOOLEAN]
+
+\* A session no server knows is a Stored one whose server was drained (or a closed one).
+UnknownOnlyStored == \A s \in Sessions : ~Known(s) => phase[s] \in {"Stored", "Closed"}
+
+\* Every copy toolkv relies on in the tier holds Mooncake's soft pin: the master honours nothing
+\* else.
+ReliedOnIsPinned == \A s \in Sessions : l3prot[s] => spin[s]
+
+\* A Stored session, known or not, and one whose tool_end was accepted have their whole copy and
+\* their manifest in the tier: the arrival read finds every page, on whichever server.
+StoredWhole ==
+    \A s \in Sessions : phase[s] \in {"Stored", "Arriving"} => l3[s] = Pg /\ manifest[s]
+
+\* The epoch fence survives the move: no tool_end with a stale epoch is ever accepted.
+FenceHeld == \A s \in Sessions : ~stale[s]
+
+\* The session has one owner among the live servers, or none.
+OwnerAlive == \A s \in Sessions : Known(s) /\ phase[s] # "Closed" => alive[owner[s]]
+
+(* Witnesses: refuted by TLC (the scenario is reachable) *)
+
+\* A session stored on one server, that server drained, adopted and read at arrival on another.
+NeverAdopted == \A s \in Sessions : ~(adopted[s] /\ phase[s] = "Running")
+=============================================================================
