@@ -17,12 +17,13 @@ from typing import Any
 
 STEP_JSON = {
     "e2e": "e2e.json",
+    "e2e_eager": "e2e_eager.json",
     "zero_change": "zero_change.json",
     "load": "load.json",
     "fuzz": "fuzz_gpu.json",
 }
 EXPECTED = {
-    "0516": ("e2e", "zero_change", "load", "server_log"),
+    "0516": ("e2e", "zero_change", "load", "server_log"),  # runs before asked.txt; later runs list e2e_eager there
     "0523": ("e2e", "zero_change", "load", "server_log"),
 }
 
@@ -38,7 +39,7 @@ def facts(step: str, data: Any) -> dict[str, Any]:
     """The numbers worth quoting from one step's JSON."""
     if data is None:
         return {}
-    if step == "e2e":
+    if step in ("e2e", "e2e_eager"):
         checks = data.get("checks", {})
         return {"checks_passed": sum(map(bool, checks.values())), "checks": len(checks),
                 "healthy_after_s": round(float(data.get("healthy_after_s", 0)), 1)}  # fmt: skip
@@ -63,7 +64,7 @@ def facts(step: str, data: Any) -> dict[str, Any]:
 def passed(step: str, rc: int, data: Any) -> bool:
     if rc != 0:
         return False
-    if step in ("e2e", "zero_change", "load"):
+    if step in ("e2e", "e2e_eager", "zero_change", "load"):
         return bool(data and data.get("passed"))
     if step == "fuzz":
         return bool(data) and facts(step, data)["violations"] == 0 and facts(step, data)["steps"] > 0
@@ -101,11 +102,15 @@ def main() -> int:
         for name in expected:
             steps.setdefault(name, {"passed": False, "rc": None, "seconds": 0, "note": "did not run"})
         res["releases"][rdir.name] = steps
+        core = rdir / "tree_core.txt"  # the radix tree core the release's server ran (0.5.23)
+        if core.exists():
+            res.setdefault("tree_core", {})[rdir.name] = core.read_text().strip()
         rows += [(rdir.name, n, s) for n, s in steps.items()]
     # a failed xgrammar launch is recorded, and shows as zero_change "did not run"
     res["passed"] = bool(rows) and all(s["passed"] for _, name, s in rows if name != "server_xgrammar")
     (out / "acceptance.json").write_text(json.dumps(res, indent=2, default=str))
-    print(f"commit {res['commit']}  gpu {res['gpu']}")
+    cores = "".join(f"  tree core {rel} {c}" for rel, c in sorted(res.get("tree_core", {}).items()))
+    print(f"commit {res['commit']}  gpu {res['gpu']}{cores}")
     print(f"{'release':8} {'check':14} {'result':6} {'s':>5}  facts")
     for rel, name, s in rows:
         extra = {k: v for k, v in s.items() if k not in ("passed", "rc", "seconds", "rejudged")}

@@ -10,8 +10,11 @@
 #   is needed), UnifiedRadixCache with the Python tree core; both --mem-fraction-static 0.3
 #   --max-total-tokens 120000 --enable-hierarchical-cache --hicache-size 16, dummy weights.
 # against which run, each under a time cap:
-#   e2e          scripts/gpu_e2e.py: device tokens freed during the tool, next turn token-identical to a
-#                never-offloaded twin, prefix reused, stale epoch refused, restore on request, nothing leaked
+#   e2e          scripts/gpu_e2e.py on the plugin's defaults: during the tool the GPU copy is left unlocked and
+#                evictable (lazy free, 0.5.16) or freed (0.5.23, whose backend frees at the ack), next turn
+#                token-identical to a never-offloaded twin, prefix reused, stale epoch refused, restore on
+#                request, nothing leaked
+#   e2e_eager    (0.5.16) the same on a second server with TOOLKV_LAZY_FREE=0: the GPU copy is freed
 #   zero_change  scripts/gpu_zero_change.py: chat answers finish_reason "tool_calls" (forced by
 #                tool_choice "required"), toolkv offloads on it, the next chat turn restores and reuses
 #   load         toolkv bench agent: 48 sessions starting together (tool calls and restores in bunches),
@@ -21,8 +24,10 @@
 # and first, once (0.5.16): fuzz  the stateful campaign on CUDA pools (toolkv fuzz --device cuda), steps and violations.
 # $OUT/acceptance.json: the commit, pass/fail per check, the numbers; $OUT/summary.txt the same as a table;
 # $OUT/runs.tar.gz every JSON and log (per release: steps.tsv, e2e/zero_change/load JSON, server.log).
-# Knobs: RELEASES, CHECKS_0516 / CHECKS_0523 (default e2e,zero_change,load), LOAD_S (90), FUZZ_EXAMPLES (100),
-# FUZZ_S (90), PORT (30000), DEADLINE_S (560: no step runs past it), SKIP_INSTALL=1.
+# Knobs: RELEASES, CHECKS_0516 (default e2e,zero_change,load,e2e_eager) / CHECKS_0523 (e2e,zero_change,load),
+# LOAD_S (90), FUZZ_EXAMPLES (100), FUZZ_S (200: 100 examples took more than 90 s), PORT (30000),
+# DEADLINE_S (560: no step runs past it), SKIP_INSTALL=1. Each release records the tree core its server ran
+# (tree_core.txt: python on 0.5.23 here, the GPU machine's torch cannot load the wheel's Rust core).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/gpu_lib.sh
@@ -80,7 +85,7 @@ if [[ ",$RELEASES," == *",0516,"* ]]; then
   use_release 0516
   export PYTHONPATH=$ROOT:$STAGED_TEST_DEPS:$STAGED_DEPS:$PYTHONPATH OMP_NUM_THREADS=4
   # --no-shrink: a failure is reported at once with its steps (shrinking CUDA steps outlasts any cap)
-  step fuzz "${FUZZ_S:-90}" "$PY" -m toolkv.tools.cli fuzz --device cuda --examples "${FUZZ_EXAMPLES:-100}" --steps 60 \
+  step fuzz "${FUZZ_S:-200}" "$PY" -m toolkv.tools.cli fuzz --device cuda --examples "${FUZZ_EXAMPLES:-100}" --steps 60 \
     --seed 11 --every 10 --no-shrink --out "$R/fuzz_gpu.json"
 fi
 
@@ -88,7 +93,8 @@ IFS=, read -ra LIST <<< "$RELEASES"
 for REL in "${LIST[@]}"; do
   R=$WORK/$REL; mkdir -p "$R"; : > "$R/steps.tsv"
   use_release "$REL" || continue
-  case $REL in 0516) MODEL=llama-3.1-8b BACKEND=hiradix ;; 0523) MODEL=granite-8b BACKEND=unified ;; esac
+  case $REL in 0516) MODEL=llama-3.1-8b BACKEND=hiradix LAZY=1 ;; 0523) MODEL=granite-8b BACKEND=unified LAZY= ;; esac
+  echo "${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-default}" > "$R/tree_core.txt"
   export PYTHONPATH=$ROOT:$EP:$STAGED_DEPS:$PYTHONPATH
   export TOOLKV_ENABLE=1 TOOLKV_ZERO_CHANGE=1 TOOLKV_RESTORE_ON_REQUEST=1 TOOLKV_TTL_S=120
   GRAMMAR=xgrammar
@@ -102,9 +108,11 @@ for REL in "${LIST[@]}"; do
     cp "$R/server.log" "$R/server_xgrammar_failed.log"
     serve --grammar-backend none || { printf 'server\t1\t0\n' >> "$R/steps.tsv"; stop_group "$SERVER"; continue; }
   fi
-  CHECKS=CHECKS_$REL; CHECKS=",${!CHECKS:-e2e,zero_change,load},"
+  DEF_CHECKS=e2e,zero_change,load; [ "$REL" = 0516 ] && DEF_CHECKS=$DEF_CHECKS,e2e_eager
+  CHECKS=CHECKS_$REL; CHECKS=",${!CHECKS:-$DEF_CHECKS},"
   echo "${CHECKS:1:-1},server_log" > "$R/asked.txt"   # what the summary expects of this release
-  [[ $CHECKS == *,e2e,* ]] && step e2e 150 "$PY" "$ROOT/scripts/gpu_e2e.py" --url "$URL" --pid "$SERVER" --out "$R/e2e.json" --backend "$BACKEND"
+  [[ $CHECKS == *,e2e,* ]] && step e2e 150 "$PY" "$ROOT/scripts/gpu_e2e.py" --url "$URL" --pid "$SERVER" --out "$R/e2e.json" \
+    --backend "$BACKEND" ${LAZY:+--lazy-free "$LAZY"}
   if [ "$GRAMMAR" = xgrammar ] && [[ $CHECKS == *,zero_change,* ]]; then
     step zero_change 120 "$PY" "$ROOT/scripts/gpu_zero_change.py" --url "$URL" --out "$R/zero_change.json"
   fi
@@ -113,6 +121,18 @@ for REL in "${LIST[@]}"; do
     --duration "$LOAD_S" --warmup 0 --drain 20 --twins 2 --flush --out "$R/load.json"
   stop_group "$SERVER"; SERVER=
   BAD=$(grep -c -E "Traceback|AssertionError|out of memory|Out of memory" "$R/server.log")
+  if [[ $CHECKS == *,e2e_eager,* ]]; then  # the GPU copy freed at the ack (TOOLKV_LAZY_FREE=0)
+    mv "$R/server.log" "$R/server_default.log"
+    if TOOLKV_LAZY_FREE=0 serve --grammar-backend none; then
+      step e2e_eager 150 "$PY" "$ROOT/scripts/gpu_e2e.py" --url "$URL" --pid "$SERVER" --out "$R/e2e_eager.json" \
+        --backend "$BACKEND" --lazy-free 0
+    else
+      printf 'e2e_eager\t1\t0\n' >> "$R/steps.tsv"
+    fi
+    stop_group "$SERVER"; SERVER=
+    BAD=$(( BAD + $(grep -c -E "Traceback|AssertionError|out of memory|Out of memory" "$R/server.log") ))
+    mv "$R/server.log" "$R/server_eager.log"
+  fi
   printf 'server_log\t%s\t0\n' "$(( BAD > 0 ))" >> "$R/steps.tsv"
   log "$REL server log: $BAD error lines"
 done

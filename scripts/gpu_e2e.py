@@ -1,6 +1,7 @@
 """toolkv end-to-end checks against a live sglang server (run by scripts/gpu_e2e.sh on the GPU box).
 
-Per session: turn 1 -> tool_start -> wait Offloaded (device tokens freed) -> tool_end -> wait until
+Per session: turn 1 -> tool_start -> wait Offloaded (the GPU copy freed; with lazy free, the server's
+default where the backend can, left on the GPU unlocked and evictable for sglang's own eviction) -> tool_end -> wait until
 the load is done (Handover: the restored KV stays pinned until the next request holds it) -> turn 2. The same two turns were first run as a "twin" that is never offloaded; the
 offloaded session's turn 2 must produce the same tokens (temperature 0) and report its prefix as
 cached. One session skips tool_end: its next request must restore it (restore on request). At the
@@ -112,6 +113,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     # the backend make_backend picks for the server's tree: hiradix on sglang 0.5.16, unified on 0.5.23
     ap.add_argument("--backend", default="hiradix", choices=["hiradix", "unified"])
+    # the server's TOOLKV_LAZY_FREE, when the run sets it (checked against what the server reports)
+    ap.add_argument("--lazy-free", dest="lazy_free", choices=["0", "1"], default=None)
     a = ap.parse_args()
     url = a.url
     res: dict[str, Any] = {"healthy_after_s": wait_healthy(url, a.pid), "checks": {}, "sessions": []}
@@ -120,6 +123,11 @@ def main() -> int:
     server = c.server_meta()
     res["server_meta_start"] = server.raw
     checks[f"backend is {a.backend}"] = server.backend == a.backend
+    lazy = bool(server.raw.get("lazy_free", False))
+    res["lazy_free"] = lazy
+    if a.lazy_free is not None:  # the run asked for one: the server must run it
+        checks[f"lazy free is {'on' if a.lazy_free == '1' else 'off'}"] = lazy == (a.lazy_free == "1")
+    copy_check = "gpu copy left evictable" if lazy else "freed ok"
 
     # 1. twins: never offloaded
     twins = []
@@ -139,14 +147,24 @@ def main() -> int:
         rec: dict[str, Any] = {"session": sid}
         out1, _ = generate(url, p, sid)
         rec["turn1 equals twin"] = out1 == twins[i][0]
-        free_before = c.server_meta().raw["device_free_tokens"]
+        before = c.server_meta().raw
         started = c.tool_start(sid)
         rec["tool_start"] = started.__dict__
         off, rec["offload_s"] = wait_state(c, sid, "Offloaded")
-        free_during = c.server_meta().raw["device_free_tokens"]
+        during = c.server_meta().raw
         rec["device_tokens_during_tool"] = off.device_tokens
-        rec["device_freed"] = free_during - free_before
-        rec["freed ok"] = off.device_tokens == 0 and free_during - free_before >= started.tokens - 64
+        rec["device_freed"] = during["device_free_tokens"] - before["device_free_tokens"]
+        rec["device_evictable_gained"] = during["device_evictable_tokens"] - before["device_evictable_tokens"]
+        if lazy:
+            # the copy stays on the GPU, unlocked: sglang's eviction may take it whenever it needs the
+            # room (the session's tokens moved from locked, while turn 1 ran, to evictable)
+            rec[copy_check] = (
+                off.device_tokens >= started.tokens - 64
+                and during["device_locked_tokens"] <= before["device_locked_tokens"]
+                and during["device_evictable_tokens"] >= started.tokens - 64
+            )
+        else:
+            rec[copy_check] = off.device_tokens == 0 and rec["device_freed"] >= started.tokens - 64
         implicit = i == SESSIONS - 1  # last session: no tool_end, the next request restores it
         if not implicit:
             ended = c.tool_end(sid, started.epoch)
@@ -163,7 +181,7 @@ def main() -> int:
         rec["prefix reused"] = cached2 >= len(p) + len(out1) - 64
         rec["state_after_turn2"] = c.kv_meta(sid).state
         res["sessions"].append(rec)
-        for k in ("turn1 equals twin", "freed ok", "turn2 equals twin", "prefix reused"):
+        for k in ("turn1 equals twin", copy_check, "turn2 equals twin", "prefix reused"):
             checks[f"{sid}: {k}"] = bool(rec[k])
 
     # 3. errors on the live server

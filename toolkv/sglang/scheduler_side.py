@@ -506,6 +506,9 @@ class SchedulerToolKV:
             kv_hints=kv_hints_supported(),
             skipped=dict(self.skipped),
             draining=self.draining,
+            # whether a finished offload leaves its GPU copy to sglang's eviction (the plugin's
+            # default where the backend can) or frees it at the ack
+            lazy_free=bool(self.config.lazy_free and m.caps.lazy_free is not None),
         )
         out["held_sessions"] = self._held_sessions(out.get("states"))
         b: Any = m.backend
