@@ -329,6 +329,12 @@ def make_backend(
     from toolkv.core.backends.unified import UnifiedBackend, is_unified_tree
 
     if is_unified_tree(tree):  # checked first: it also has cache_controller and load_back
+        from toolkv.core.treeops import handle_tree
+
+        if handle_tree(tree):  # sglang 0.5.23's default Rust tree core: node handles only
+            from toolkv.core.backends.unified_rust import RustUnifiedBackend
+
+            return RustUnifiedBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
         # raises Unsupported (with the fix) for a tree it cannot drive
         return UnifiedBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):

@@ -234,10 +234,11 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
     sched._request_dispatcher += TypeBasedDispatcher([(ToolKVReqInput, tk.ipc_handler)])
     sizes = pool_sizes(tree)
     log.info(
-        "toolkv enabled on scheduler tp_rank=%d tp_size=%d: backend=%s metrics=%s %s%s",
+        "toolkv enabled on scheduler tp_rank=%d tp_size=%d: backend=%s%s metrics=%s %s%s",
         rank,
         size,
         tk.manager.backend.name,
+        tree_core_note(tree, cfg.lazy_free),
         "on" if tk.decisions.metrics is not None else "off",
         _config_line(cfg),
         ""
@@ -248,6 +249,22 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
     for warning in (host_pool_warning(sizes), budget_warning(sizes, cfg.host_budget_tokens)):
         if warning is not None and rank == 0:
             log.warning(warning)
+
+
+def tree_core_note(tree: Any, lazy_free: bool) -> str:
+    """`` tree_core=rust|python`` for a UnifiedRadixCache (sglang 0.5.23 picks its tree core with
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default ``rust``; toolkv runs on either), with what
+    the Rust core cannot do that was asked for; empty for other trees."""
+    core = getattr(tree, "tree_core", None)
+    if core is None:
+        return ""
+    from toolkv.core.treeops import handle_tree
+
+    if not handle_tree(tree):
+        return " tree_core=python"
+    return " tree_core=rust" + (
+        "" if lazy_free else " (TOOLKV_LAZY_FREE=0 not honoured: the Rust core leaves GPU copies to sglang)"
+    )
 
 
 def make_metrics(server_args: Any, sched: Any) -> Any:

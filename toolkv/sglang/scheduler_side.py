@@ -113,6 +113,8 @@ def check_tree(tree: Any) -> None:
     check names the setting), not its LMCache/FlexKV subclasses."""
     from toolkv.core.backends.unified import check_tree as check_unified_tree
     from toolkv.core.backends.unified import is_unified_tree
+    from toolkv.core.backends.unified_rust import check_rust_tree
+    from toolkv.core.treeops import handle_tree
 
     if is_unified_tree(tree):  # 0.5.21+: hiradix_cache.py no longer exists there
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -125,7 +127,7 @@ def check_tree(tree: Any) -> None:
             )
         if getattr(tree, "disable", False):
             raise Unsupported("the radix cache is disabled (--disable-radix-cache)")
-        check_unified_tree(tree)
+        (check_rust_tree if handle_tree(tree) else check_unified_tree)(tree)
         if getattr(tree.tree_core, "is_eagle", False):
             raise Unsupported("EAGLE speculative decoding stores bigram keys; toolkv walks plain keys")
         return

@@ -53,13 +53,6 @@ SUPPORTED: dict[str, Release] = {
     "0.5.23": Release(
         verified="UnifiedRadixCache backend; Scheduler, UnifiedRadixCache.checkpoint/reset and HTTP hook targets",
         tree="unified",
-        env=(
-            (
-                "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",
-                "python",
-                "the default Rust tree core exposes no tree nodes, and toolkv reads node facts",
-            ),
-        ),
         flags=(
             (
                 "enable_hierarchical_cache",

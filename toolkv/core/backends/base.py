@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
-from toolkv.core.treeops import Tree, TreeNode, attached, path_to
+from toolkv.core.treeops import Tree, TreeNode, attached, is_root, node_key, path_to, same_node
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
 
 
@@ -41,10 +41,11 @@ class OwnLoads:
     _loads: dict[int, tuple[TreeNode, TreeNode]]
 
     def _chain(self, leaf: TreeNode, boundary: TreeNode) -> list[TreeNode]:
-        out, node = [], leaf
-        while node is not None and node is not boundary and node is not self.tree.root_node:
+        out = []
+        for node in reversed(path_to(self.tree, leaf)):  # the path as it is now: a split inside counts
+            if same_node(node, boundary):
+                break
             out.append(node)
-            node = node.parent
         return out
 
     def loading_chains(self) -> list[tuple[TreeNode, list[TreeNode]]]:
@@ -105,24 +106,24 @@ class ProtectionLedger:
     never fewer tokens than are held, at most a split's worth more."""
 
     def __init__(self) -> None:
-        self._nodes: dict[int, list[Any]] = {}  # id(node) -> [node, tokens, sessions protecting it]
-        self._held: dict[str, list[int]] = {}  # session id -> ids of the nodes it protects
+        self._nodes: dict[Any, list[Any]] = {}  # node_key(node) -> [node, tokens, sessions protecting it]
+        self._held: dict[str, list[Any]] = {}  # session id -> node_key of the nodes it protects
         self.tokens = 0
 
     def extra(self, path: Sequence[TreeNode]) -> int:
         """Tokens protecting ``path`` would add: those of its nodes no session protects yet."""
-        return sum(len(m.key) for m in path if id(m) not in self._nodes)
+        return sum(len(m.key) for m in path if node_key(m) not in self._nodes)
 
     def take(self, session_id: str, path: Sequence[TreeNode]) -> None:
         assert session_id not in self._held, f"session {session_id!r} protects a path already"
         for m in path:
-            entry = self._nodes.get(id(m))
+            entry = self._nodes.get(node_key(m))
             if entry is None:
-                self._nodes[id(m)] = [m, len(m.key), 1]
+                self._nodes[node_key(m)] = [m, len(m.key), 1]
                 self.tokens += len(m.key)
             else:
                 entry[2] += 1
-        self._held[session_id] = [id(m) for m in path]
+        self._held[session_id] = [node_key(m) for m in path]
 
     def give(self, session_id: str) -> None:
         """Return what ``take`` counted for the session (a no-op if it holds nothing)."""
@@ -316,7 +317,7 @@ def give_up_suffix(tree: Tree, rec: SessionRecord, boundary: TreeNode, need: int
     such a suffix): the session runs on its device prefix (up to ``boundary``), so that, as the
     spec requires of a Runnable session, its recorded path is all on device; its next request
     recomputes the suffix. The caller releases the protection."""
-    keep = sum(len(m.key) for m in path_to(tree, boundary)) if boundary is not tree.root_node else 0
+    keep = sum(len(m.key) for m in path_to(tree, boundary)) if not is_root(tree, boundary) else 0
     rec.node = boundary if keep else None
     del rec.tokens[keep:]
     rec.restored_tokens, rec.recompute_tokens = 0, need

@@ -126,6 +126,12 @@ class UnifiedBackend(HostRestore, OwnLoads):
         schedule_stream: Any = None,
     ) -> None:
         check_tree(tree)
+        self._init_state(tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream)
+
+    def _init_state(
+        self, tree: Tree, *, agree: Agreement | None, host_budget_tokens: int | None, schedule_stream: Any
+    ) -> None:
+        """Everything but the tree check (the Rust core's backend checks its own)."""
         self.tree = tree
         self.agree = agree or LocalAgreement()
         self.host_budget_tokens = host_budget_tokens
@@ -284,6 +290,14 @@ class UnifiedBackend(HostRestore, OwnLoads):
         for m in order:  # children before their parents
             self._free_device_copy(m, tracker)
         record_freed(self.tree, recs, order)
+
+    def leave_gpu(self, recs: Sequence[SessionRecord]) -> None:
+        """Spec ``LazyFree`` on 0.5.23: the nodes ``free_gpu`` would free stay on the device,
+        unlocked and backed up, in sglang's LRU order. The unified cache's eviction demotes a
+        backed-up device leaf whatever its host lock (``_is_device_leaf`` reads ``lock_ref``
+        alone, unified_tree_core.py), so sglang takes the room when it needs it and the session's
+        protected host copy stays; a session whose copy survives comes back with nothing to load."""
+        del recs  # nothing to do: not freeing is the whole action
 
     def _free_candidate_ready(self, m: TreeNode) -> bool:
         """Spec ``FreeSet``'s per-node guard besides the tree shape: the write is acknowledged

@@ -109,7 +109,7 @@ class MachineCore:
         if not rec.tokens:
             return None
         found, matched = walk(self.tree, rec.tokens, rec.extra_key)
-        if matched == len(rec.tokens) and found is not self.tree.root_node:
+        if matched == len(rec.tokens) and matched > 0:
             return found
         return None
 
