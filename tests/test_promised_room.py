@@ -36,9 +36,12 @@ DEVICE = 512
 CHUNK = 64
 
 
-@pytest.fixture
-def server() -> Iterator[Server]:
+@pytest.fixture(params=["python", "rust"] if UNIFIED else ["radix"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """0.5.16's HiRadixCache, or 0.5.23's UnifiedRadixCache on each tree core (the Rust one is
+    sglang's default)."""
     kind = "unified" if UNIFIED else "hiradix"
+    extra = {"tree_core": request.param} if UNIFIED else {}
     with toolkv_cache_hooks("unified" if UNIFIED else "radix"):
         srv = make_server(
             kind,
@@ -48,6 +51,7 @@ def server() -> Iterator[Server]:
             write_policy="write_back",
             chunked_prefill_size=CHUNK,
             max_prefill_tokens=CHUNK,
+            **extra,
         )
         try:
             yield srv

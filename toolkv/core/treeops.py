@@ -111,9 +111,9 @@ def attached(tree: Tree, node: TreeNode | None) -> bool:
     """
     if node is None:
         return False
-    if isinstance(node, Handle):  # the id still names a node, with the span it was read with
-        path = _handle_path(tree, node.id)
-        return bool(path) and path[-1].start == node.start and path[-1].end == node.end
+    if isinstance(node, Handle):  # the id still names a node ending where it ended (a split
+        path = _handle_path(tree, node.id)  # above it moves its start, never its end)
+        return bool(path) and path[-1].end == node.end
     root = tree.root_node
     page = tree.page_size
     while node is not root:

@@ -385,6 +385,7 @@ class Server0523(Server):
         host_ratio: float,
         context_len: int,
         write_policy: str = "write_through",
+        tree_core: str = "python",
         **sizes: Any,
     ) -> None:
         from sglang.srt.runtime_context import get_parallel
@@ -400,6 +401,7 @@ class Server0523(Server):
                 max_reqs=64,
                 context_len=context_len,
                 write_policy=write_policy,
+                tree_core=tree_core,  # type: ignore[arg-type]  # checked by UnifiedHarnessConfig
             )
         )
         super().__init__(h, "unified", **sizes)
@@ -420,11 +422,12 @@ def make_server(
     host_ratio: float,
     context_len: int,
     write_policy: str = "write_through",
+    tree_core: str = "python",
     **sizes: Any,
 ) -> Server:
     """The server of ``kind`` (``unified`` needs sglang 0.5.21+, the others 0.5.16), with HiCache's
-    ``write_policy`` and the scheduler's ``sizes`` (``chunked_prefill_size``, ...)."""
+    ``write_policy``, 0.5.23's ``tree_core`` and the scheduler's ``sizes`` (``chunked_prefill_size``, ...)."""
     shape = dict(device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
     if kind == "unified":
-        return Server0523(**shape, write_policy=write_policy, **sizes)
+        return Server0523(**shape, write_policy=write_policy, tree_core=tree_core, **sizes)
     return Server0516(kind, **shape, write_policy=write_policy, **sizes)

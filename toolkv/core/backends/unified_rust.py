@@ -189,9 +189,11 @@ class RustUnifiedBackend(UnifiedBackend):
 
     # ---- ToolEnd -----------------------------------------------------------------------------------
     def _lock_boundary(self, boundary: TreeNode) -> Callable[[], None]:
-        if boundary is None:  # the root
+        if boundary is None:  # the root (a handle path has no root entry)
             return lambda: None
-        return super()._lock_boundary(boundary)
+        tree = self.tree
+        receipt = tree.inc_lock_ref(boundary.id).to_dec_params()
+        return lambda: tree.dec_lock_ref(boundary.id, receipt)
 
     def restore_pending(self, rec: SessionRecord) -> bool:
         assert rec.node is not None

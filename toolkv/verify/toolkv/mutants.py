@@ -21,6 +21,7 @@ from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.backends.hicache_storage import StorageCopy
 from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.backends.unified import UnifiedBackend
+from toolkv.core.backends.unified_rust import RustUnifiedBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
 from toolkv.core.result import SessionView
 from toolkv.core.session import SessionRecord
@@ -166,6 +167,14 @@ class RoomIgnoredMixin:
         return 0
 
 
+class HostRefLeakMixin:
+    """``HostRefLeak`` (the Rust core's backend): a protection's release drops the receipt without
+    returning the host lock, so the session's host copy can never be evicted again."""
+
+    def _drop_host_protection(self, rec: SessionRecord) -> None:
+        self._receipts(rec).host = None  # type: ignore[attr-defined]
+
+
 class EvictProtectedMixin:
     """Caveat 4 (``EvictProtected``): the backend records a protection it never takes, so host
     eviction may take the protected copy."""
@@ -278,6 +287,11 @@ BACKEND_MUTANTS: dict[type, dict[str, type]] = {
         "EarlyRunnable": EarlyRunnableMixin,
         "KeepNoPin": KeepNoPinMixin,
         "RoomIgnored": RoomIgnoredMixin,
+        "PinPricedByLoad": PinPricedByLoadMixin,
+    },
+    RustUnifiedBackend: {
+        "EvictProtected": EvictProtectedUnifiedMixin,
+        "HostRefLeak": HostRefLeakMixin,
         "PinPricedByLoad": PinPricedByLoadMixin,
     },
     UnifiedBackend: {
