@@ -74,11 +74,13 @@ def tokens_of(n: int, ps: int, start: int = 1000) -> list[int]:
 
 
 def test_make_backend_picks_unified_and_refuses_what_it_cannot_drive(h: UnifiedCacheHarness) -> None:
-    assert isinstance(make(h).backend, UnifiedBackend)
+    from toolkv.core.backends.unified_rust import RustUnifiedBackend
+
+    assert type(make(h).backend) is UnifiedBackend
     h.close()
-    rust = UnifiedHarnessConfig(tree_core="rust")
-    with UnifiedCacheHarness(rust) as r, pytest.raises(Unsupported, match="TREE_CORE_BACKEND=python"):
-        make(r)
+    rust = UnifiedHarnessConfig(tree_core="rust")  # sglang's default core: the handle backend
+    with UnifiedCacheHarness(rust) as r:
+        assert isinstance(make(r).backend, RustUnifiedBackend)
     plain = UnifiedHarnessConfig(hicache=False)
     with UnifiedCacheHarness(plain) as p, pytest.raises(Unsupported, match="--enable-hierarchical-cache"):
         make(p)
