@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         host_ratio=args.host_ratio,
         request_timeout_s=args.request_timeout,
     )
+
     def out(line: str) -> None:
         print(line, flush=True)
 

@@ -297,7 +297,9 @@ def _session_id(body: Mapping[str, Any]) -> str | None:
     if sid is None:
         return None
     if not isinstance(sid, str) or not 0 < len(sid) <= MAX_SESSION_ID:
-        raise BadRequest(f"session_id must be a string of 1 to {MAX_SESSION_ID} characters", field="session_id")
+        raise BadRequest(
+            f"session_id must be a string of 1 to {MAX_SESSION_ID} characters", field="session_id"
+        )
     return sid
 
 
@@ -401,7 +403,9 @@ def build_app(loop: SchedulerLoop, cfg: ServeConfig) -> FastAPI:
             # the plugin's zero-change hook: finish_reason "tool_calls" offloads the session
             await transport.send_nowait("auto_offload", {"session_id": sid, "tool": name})
         said = f"a tool call to {name}" if name else "text"
-        log.info("session %s: chat turn, %s; the stand-in model answered with %s", sid or "-", _reuse(r), said)
+        log.info(
+            "session %s: chat turn, %s; the stand-in model answered with %s", sid or "-", _reuse(r), said
+        )
         return JSONResponse(_chat_response(body, messages, name, r))
 
     return app
@@ -414,8 +418,14 @@ def _reuse(r: TurnResult) -> str:
 def _prompt(body: Mapping[str, Any]) -> list[int]:
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None:
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 < i < 100_000 for i in ids):
-            raise BadRequest("input_ids must be a non-empty list of token ids from 1 to 99999", field="input_ids")
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(i, int) and 0 < i < 100_000 for i in ids)
+        ):
+            raise BadRequest(
+                "input_ids must be a non-empty list of token ids from 1 to 99999", field="input_ids"
+            )
         return list(ids)
     if isinstance(text, str) and text:
         return model.tokenize_text(text)
@@ -428,7 +438,9 @@ def _max_new_tokens(body: Mapping[str, Any], cap: int) -> int:
         raise BadRequest("sampling_params must be an object", field="sampling_params")
     n = sp.get("max_new_tokens", model.OUTPUT_TOKENS)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
-        raise BadRequest(f"sampling_params.max_new_tokens must be an integer from 1 to {cap}", field="max_new_tokens")
+        raise BadRequest(
+            f"sampling_params.max_new_tokens must be an integer from 1 to {cap}", field="max_new_tokens"
+        )
     return n
 
 
@@ -436,7 +448,11 @@ def _chat_input(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dic
     if body.get("stream"):
         raise BadRequest("stream: the stand-in model does not stream; send stream false", field="stream")
     messages, tools = body.get("messages"), body.get("tools") or []
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+    ):
         raise BadRequest("messages must be a non-empty list of objects with a role", field="messages")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadRequest("tools must be a list of objects", field="tools")
@@ -513,13 +529,17 @@ def serve(cfg: ServeConfig, tk_config: ToolKVConfig, *, out: Callable[[str], Non
     try:
         loop.start()
         url = f"http://127.0.0.1:{port}"
-        out(f"toolkv serve: an sglang stand-in on CPU (no GPU; answers come from a deterministic stand-in model, {model.NAME})")
+        out(
+            f"toolkv serve: an sglang stand-in on CPU (no GPU; answers come from a deterministic stand-in model, {model.NAME})"
+        )
         out(f"  cache: {loop.describe}")
         out(f"  listening on {url}  (Ctrl-C stops it)")
         out(f"  try: python examples/agent_openai.py --base-url {url}")
         out(f"       toolkv doctor {url}")
         out(f"       curl -s {url}/metrics | grep -E 'toolkv:tokens_total|sglang:cached_tokens_total'")
-        config = uvicorn.Config(app=build_app(loop, cfg), log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app=build_app(loop, cfg), log_level="warning", access_log=False, lifespan="off"
+        )
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how it stops: uvicorn re-raises it
             uvicorn.Server(config).run(sockets=[sock])
     finally:
