@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
     )
 
-    def out(line: str) -> None:
-        print(line, flush=True)
-
+    notes: list[str] = []
     if "TOOLKV_LAZY_FREE" not in os.environ:
-        out("  (TOOLKV_LAZY_FREE=0 here unless set: each offload frees its device copy, so every tool call")
-        out("   shows an offload and a restore; a real server's default frees it only under memory pressure)")
-    return serve(cfg, tk_config, out=out)
+        notes = [
+            "  TOOLKV_LAZY_FREE=0 here unless set: each offload frees its device copy, so every tool call",
+            "  shows an offload and a restore (a real server's default frees it only under memory pressure)",
+        ]
+    return serve(cfg, tk_config, out=lambda line: print(line, flush=True), notes=notes)

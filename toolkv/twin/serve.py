@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -508,7 +508,13 @@ def _chat_response(
 
 
 # ---- running it -------------------------------------------------------------------------------------
-def serve(cfg: ServeConfig, tk_config: ToolKVConfig, *, out: Callable[[str], None] = print) -> int:
+def serve(
+    cfg: ServeConfig,
+    tk_config: ToolKVConfig,
+    *,
+    out: Callable[[str], None] = print,
+    notes: Sequence[str] = (),
+) -> int:
     """Bind 127.0.0.1:``cfg.port`` (0: a free port), build the scheduler, serve until Ctrl-C, then
     stop the scheduler thread and release the caches. The bind comes first, so a port in use is
     an ``OSError`` before anything is built."""
@@ -533,6 +539,8 @@ def serve(cfg: ServeConfig, tk_config: ToolKVConfig, *, out: Callable[[str], Non
             f"toolkv serve: an sglang stand-in on CPU (no GPU; answers come from a deterministic stand-in model, {model.NAME})"
         )
         out(f"  cache: {loop.describe}")
+        for line in notes:
+            out(line)
         out(f"  listening on {url}  (Ctrl-C stops it)")
         out(f"  try: python examples/agent_openai.py --base-url {url}")
         out(f"       toolkv doctor {url}")
