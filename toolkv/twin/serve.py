@@ -44,7 +44,8 @@ from fastapi.responses import JSONResponse, Response
 
 from toolkv.errors import BadRequest, SchedulerTimeout, ToolKVError
 from toolkv.sglang.config import ToolKVConfig
-from toolkv.sglang.http_api import ChannelTransport, ToolKVReqInput, install_routes
+from toolkv.sglang.http_api import ChannelTransport, install_routes
+from toolkv.sglang.ipc import ToolKVReqInput
 from toolkv.twin import stand_in_model as model
 
 log = logging.getLogger("toolkv.serve")
@@ -89,7 +90,7 @@ class _Turn:
     sid: str | None
     prompt: list[int]
     output: list[int]
-    done: Callable[[TurnResult], None]
+    done: Callable[[TurnResult], object]
 
 
 @dataclass
@@ -101,7 +102,7 @@ class _Control:
 @dataclass
 class _Call:
     fn: Callable[[], Any]
-    done: Callable[[Any], None]
+    done: Callable[[Any], object]
 
 
 class SchedulerLoop:
@@ -158,10 +159,10 @@ class SchedulerLoop:
 
         from toolkv.sglang.cache_hooks import toolkv_cache_hooks
         from toolkv.sglang.metrics import ToolKVMetrics
-        from toolkv.twin.server import make_server
+        from toolkv.twin.server import ServerKind, make_server
         from toolkv.twin.stack import unified
 
-        kind = "unified" if unified() else "hiradix"
+        kind: ServerKind = "unified" if unified() else "hiradix"
         server = make_server(
             kind, device_tokens=self.cfg.device_tokens, host_ratio=self.cfg.host_ratio,
             context_len=self.cfg.context_len + 8,
