@@ -8,7 +8,7 @@ STAMP := $(VENV)/.toolkv-installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test test-long model lint type lock clean venv-0523 test-0523 soak-long
+.PHONY: venv demo serve test test-long model lint type lock clean venv-0523 test-0523 soak-long
 
 venv: $(STAMP)
 
@@ -45,6 +45,11 @@ $(STAMP): requirements/lock-cpu.txt requirements/sglang.txt requirements/tla.txt
 # The main job on the embedded default: agent sessions over a real HiRadixCache on CPU.
 demo: $(STAMP)
 	$(VENV)/bin/toolkv demo
+
+# An sglang-compatible server on CPU (a stand-in model over the real caches and toolkv) on
+# 127.0.0.1:30000, for examples/agent_openai.py, toolkv.client and toolkv doctor; Ctrl-C stops it.
+serve: $(STAMP)
+	$(VENV)/bin/toolkv serve
 
 # Everything CI runs: the TLA+ model check (SANY + TLC over every config and mutant, with a progress
 # line per config), then every CPU test: harness, manager, plugin/HTTP/TP, lifecycle tables vs TLC,

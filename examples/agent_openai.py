@@ -23,7 +23,9 @@ Whatever toolkv answers, the agent goes on: toolkv only makes the next turn fast
 session when the agent is done (``kv.close_session``): a session whose last turn carried a hint but
 answered instead of calling a tool is otherwise held until toolkv's TTL.
 
-Run against a server (``TOOLKV_ENABLE=1``; add ``TOOLKV_ZERO_CHANGE=1`` for that mode)::
+Run against a server (``TOOLKV_ENABLE=1``; add ``TOOLKV_ZERO_CHANGE=1`` for that mode), or, without
+a GPU, against ``toolkv serve`` (a stand-in model over sglang's real caches; it answers like
+sglang 0.5.16, so ``kv_hints`` falls back to ``explicit`` there)::
 
     python examples/agent_openai.py --base-url http://127.0.0.1:30000 --model MODEL --mode kv_hints
 
@@ -42,7 +44,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from openai import OpenAI
+from openai import APIConnectionError, OpenAI
 
 from toolkv.client import ToolKVClient, kv_hints, kv_hints_outcome
 from toolkv.errors import ToolKVError
@@ -77,6 +79,7 @@ class AgentRun:
     tool_calls: int = 0
     outcomes: list[dict[str, Any]] = field(default_factory=list)  # kv_hints mode
     epochs: list[int] = field(default_factory=list)  # the epochs tool_end was called with
+    cached_tokens: list[int] = field(default_factory=list)  # per turn: prompt tokens the server reused
 
 
 def run_agent(
@@ -105,6 +108,8 @@ def run_agent(
             extra["return_meta_info"] = True  # meta_info (with toolkv's outcome) in each choice
         resp = llm.chat.completions.create(model=model, messages=messages, tools=TOOLS, extra_body=extra)  # type: ignore[arg-type]
         choice = resp.choices[0]
+        details = resp.usage.prompt_tokens_details if resp.usage is not None else None
+        run.cached_tokens.append(int(getattr(details, "cached_tokens", None) or 0))
         calls = choice.message.tool_calls or []
         outcome = kv_hints_outcome((choice.model_extra or {}).get("meta_info")) if hints else None
         if hints and outcome is None:
@@ -149,11 +154,44 @@ def main() -> None:
     p.add_argument("--question", default="What is the KV cache?")
     a = p.parse_args()
     llm = OpenAI(base_url=f"{a.base_url}/v1", api_key=a.api_key)
-    with ToolKVClient(a.base_url, api_key=None if a.api_key == "none" else a.api_key) as kv:
-        run = run_agent(llm, kv, model=a.model, mode=a.mode, question=a.question)
+    try:
+        with ToolKVClient(a.base_url, api_key=None if a.api_key == "none" else a.api_key) as kv:
+            before = toolkv_counters(kv)
+            run = run_agent(llm, kv, model=a.model, mode=a.mode, question=a.question)
+            after = toolkv_counters(kv)
+    except APIConnectionError:
+        raise SystemExit(
+            f"agent_openai.py: no server answers at {a.base_url}; start one (no GPU needed) with: toolkv serve"
+        ) from None
+    did = {k: after.get(k, 0) - before.get(k, 0) for k in TOOLKV_DID}
     print(
-        json.dumps({"answer": run.answer, "tool_calls": run.tool_calls, "outcomes": run.outcomes}, indent=2)
+        json.dumps(
+            {
+                "answer": run.answer,
+                "tool_calls": run.tool_calls,
+                "outcomes": run.outcomes,
+                # prompt tokens the server found in its cache, per turn (usage.prompt_tokens_details)
+                "tokens_reused": run.cached_tokens,
+                # what toolkv did on the server while this agent ran (its server-wide counters; other
+                # sessions running at the same time count too); empty if toolkv is not on there
+                "toolkv": did if after else {},
+            },
+            indent=2,
+        )
     )
+
+
+# toolkv's server-wide counters the example reports: tool calls seen, KV offloaded to host memory,
+# KV restored to the device
+TOOLKV_DID = ("tool_start", "tool_end", "offloaded_tokens", "restored_tokens")
+
+
+def toolkv_counters(kv: ToolKVClient) -> dict[str, int]:
+    """toolkv's lifetime counters on the server, or {} where toolkv does not answer."""
+    try:
+        return kv.server_meta().counters
+    except ToolKVError:
+        return {}
 
 
 if __name__ == "__main__":

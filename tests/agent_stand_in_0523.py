@@ -1,9 +1,9 @@
 """TEST DOUBLE of an sglang 0.5.23 server for the ``kv_hints`` tests and the agent example.
 
 Stands in for: the HTTP server's routes (``/generate``, ``/v1/chat/completions`` with its
-parsing and response building), the scheduler loop, and the model (deterministic answers: a tool
-call while the conversation has fewer than two tool results and offers tools, then a final
-answer). The copy engine is the harness's controlled one; uvloop, absent on this CPU box, is
+parsing and response building), the scheduler loop, and the model (the STAND-IN MODEL of
+:mod:`toolkv.twin.stand_in_model`, the one ``toolkv serve`` answers with: a tool call while the
+conversation has fewer than two tool results and offers tools, then a final answer). The copy engine is the harness's controlled one; uvloop, absent on this CPU box, is
 replaced by asyncio's own loop policy (:func:`uvloop_stand_in`).
 
 What stays real (sglang 0.5.23's own code): ``GenerateReqInput`` and its normalisation, which
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import sys
 import time
 import types
@@ -50,6 +49,7 @@ from toolkv.sglang.plugin import (
 )
 from toolkv.sglang.scheduler_side import SchedulerToolKV
 from toolkv.testing.unified_harness import UnifiedCacheHarness, UnifiedHarnessConfig, ensure_process_group
+from toolkv.twin import stand_in_model as model
 
 
 def uvloop_stand_in() -> None:
@@ -75,16 +75,6 @@ def hooked() -> Iterator[None]:
     ]
     with plugin_hooks(rows):
         yield
-
-
-def tokenize(messages: list[dict[str, Any]]) -> list[int]:
-    """A deterministic "tokenizer": one id per character of each message's JSON (ids 1..500), so
-    the next turn's prompt extends this one's and reuses its cached prefix."""
-    out: list[int] = []
-    for m in messages:
-        keep = {k: m.get(k) for k in ("role", "content", "tool_call_id", "name") if m.get(k) is not None}
-        out += [1 + ord(c) % 500 for c in json.dumps(keep, sort_keys=True)]
-    return out
 
 
 class StandIn0523:
@@ -269,16 +259,11 @@ class StandIn0523:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         messages = list(body["messages"])
-        tools = body.get("tools") or []
-        n_results = sum(1 for m in messages if m.get("role") == "tool")
-        choice = body.get("tool_choice")
-        name: str | None = None
-        if tools and choice != "none" and n_results < 2:  # the "model" calls a tool
-            forced = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-            name = forced or tools[0]["function"]["name"]
-        prompt = tokenize(messages)
-        seed = sum(prompt) % 9000
-        output = [1000 + (seed + 7 * k) % 9000 for k in range(8)]
+        # the STAND-IN MODEL's rule (toolkv.twin.stand_in_model, shared with `toolkv serve`): a tool
+        # call while the conversation offers tools and holds fewer than two results, then text
+        name = model.tool_to_call(messages, body.get("tools") or [], body.get("tool_choice"))
+        prompt = model.tokenize(messages)
+        output = model.output_ids(prompt)
         # what OpenAIServingChat._convert_to_internal_request builds (serving_chat.py:1366-1410):
         # session_id and extra_key are carried, kv_hints is not
         adapted = GenerateReqInput(
@@ -297,10 +282,10 @@ class StandIn0523:
         message: dict[str, Any] = {"role": "assistant", "content": None}
         if name is not None:
             call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function"}
-            call["function"] = {"name": name, "arguments": json.dumps({"q": f"step {n_results}"})}  # type: ignore[assignment]
+            call["function"] = {"name": name, "arguments": model.tool_arguments(messages)}  # type: ignore[assignment]
             message["tool_calls"] = [call]
         else:
-            message["content"] = "done"
+            message["content"] = model.answer_text(messages)
         out_choice: dict[str, Any] = {
             "index": 0,
             "message": message,

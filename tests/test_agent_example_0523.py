@@ -25,6 +25,9 @@ from fastapi.testclient import TestClient
 from openai import OpenAI
 
 from toolkv.client import ToolKVClient
+from toolkv.twin.stand_in_model import NAME
+
+ANSWER = f"[{NAME}] answer after 2 tool results"  # the stand-in model's text answer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_openai.py"
 
@@ -53,7 +56,7 @@ def test_kv_hints_mode_gets_outcomes_and_epochs_without_extra_calls(server: Stan
     llm, kv = clients(server)
     sent = server.tk.manager.counters.copy()
     run = ex.run_agent(llm, kv, model="m", mode="kv_hints", question="why?", session_id="agent-1")
-    assert run.answer == "done" and run.tool_calls == 2
+    assert run.answer == ANSWER and run.tool_calls == 2
     assert [o["outcome"] for o in run.outcomes] == ["accepted", "accepted"]
     assert [o["epoch"] for o in run.outcomes] == [1, 2] == run.epochs  # tool_end used the hint's epoch
     c = server.tk.manager.counters
@@ -66,7 +69,7 @@ def test_zero_change_mode_offloads_on_tool_calls(server: StandIn0523) -> None:
     ex = load_example()
     llm, kv = clients(server)
     run = ex.run_agent(llm, kv, model="m", mode="zero_change", question="why?", session_id="agent-2")
-    assert run.answer == "done" and run.tool_calls == 2 and run.outcomes == []
+    assert run.answer == ANSWER and run.tool_calls == 2 and run.outcomes == []
     c = server.tk.manager.counters
     assert c["tool_start"] == 2  # one per turn that ended in tool calls, nothing sent by the agent
     assert server.tk.manager.kv_meta("agent-2")["state"] == "Closed"
@@ -76,7 +79,7 @@ def test_explicit_mode_uses_the_http_calls(server: StandIn0523) -> None:
     ex = load_example()
     llm, kv = clients(server)
     run = ex.run_agent(llm, kv, model="m", mode="explicit", question="why?", session_id="agent-3")
-    assert run.answer == "done" and run.tool_calls == 2 and run.epochs == [1, 2]
+    assert run.answer == ANSWER and run.tool_calls == 2 and run.epochs == [1, 2]
     assert server.tk.manager.counters["tool_end"] == 2
 
 
@@ -93,4 +96,4 @@ def test_kv_hints_mode_falls_back_where_no_outcome_comes_back(server: StandIn052
 
     server.generate_obj = drop_hints  # type: ignore[method-assign]
     run = ex.run_agent(llm, kv, model="m", mode="kv_hints", question="why?", session_id="agent-4")
-    assert run.answer == "done" and run.outcomes == [] and run.epochs == [1, 2]
+    assert run.answer == ANSWER and run.outcomes == [] and run.epochs == [1, 2]

@@ -34,6 +34,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "make a server refuse new tool calls (503 draining) and, with --wait, wait until no session holds"
         " KV: before switching toolkv off or upgrading sglang; --off ends the drain",
     ),
+    "serve": (
+        "toolkv.tools.serve",
+        "an sglang-compatible server on CPU (a deterministic stand-in model over sglang's real caches and"
+        " toolkv): try the agent example, the client and doctor without a GPU",
+    ),
     "spec-check": ("toolkv.verify.spec_check", "run SANY and TLC over every spec config and mutant"),
     "demo": ("toolkv.tools.demo", "agent sessions with tool calls over a real HiRadixCache on CPU"),
     "fuzz": (
@@ -94,7 +99,10 @@ AUDIENCES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ),
     (
         "for agents (the client is a library, toolkv.client.ToolKVClient: the wheel's client extra)",
-        (("demo", "what toolkv does for sessions with tool calls (CPU, no server)"),),
+        (
+            ("demo", "what toolkv does for sessions with tool calls (CPU, no server)"),
+            ("serve [--port N]", "a server on CPU (stand-in model) to run your agent against"),
+        ),
     ),
     (
         "for developers of toolkv",

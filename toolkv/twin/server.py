@@ -28,18 +28,20 @@ from toolkv.twin.scheduler import Batch, TwinScheduler, make_scheduler
 ServerKind = Literal["hiradix", "pin", "shadow", "unified"]
 
 
-def attach_toolkv(tree: Any, config: Any, *, now: Callable[[], float], agree: Any = None) -> Any:
+def attach_toolkv(
+    tree: Any, config: Any, *, now: Callable[[], float], agree: Any = None, metrics: Any = None
+) -> Any:
     """toolkv's scheduler side on ``tree`` as the plugin's ``after_scheduler_init`` builds it
     (``SchedulerToolKV`` with ``config``, the tree's ``_toolkv``), its tick on an agreed clock
     that reads ``now`` every ``config.sweep_every`` ticks; one rank (``LocalAgreement``) unless
-    ``agree`` says otherwise."""
+    ``agree`` says otherwise; ``metrics`` (a ``ToolKVMetrics``) when something serves them."""
     from toolkv.core.backends.base import LocalAgreement
     from toolkv.sglang.scheduler_side import SchedulerToolKV
     from toolkv.sglang.tp import AgreedClock
 
     agree = agree if agree is not None else LocalAgreement()
     clock = AgreedClock(agree, every=config.sweep_every, source=now)
-    tk = SchedulerToolKV(tree, config=config, agree=agree, clock=clock)
+    tk = SchedulerToolKV(tree, config=config, agree=agree, clock=clock, metrics=metrics)
     tree._toolkv = tk
     return tk
 
@@ -180,10 +182,11 @@ class Server:
         self._rid = 0
         self._unprocessed: Batch | None = None  # admitted by admit(), its results not yet processed
 
-    def attach(self, config: Any, *, now: Callable[[], float]) -> Any:
+    def attach(self, config: Any, *, now: Callable[[], float], metrics: Any = None) -> Any:
         """toolkv's scheduler side, attached as the plugin attaches it: on the tree, on the
-        ``Scheduler`` object, bound to the scheduler's queues (``bind_scheduler``)."""
-        self.tk = attach_toolkv(self.h.tree, config, now=now)
+        ``Scheduler`` object, bound to the scheduler's queues (``bind_scheduler``); ``metrics``
+        (a ``ToolKVMetrics``) when the driver serves them (``toolkv serve``'s ``/metrics``)."""
+        self.tk = attach_toolkv(self.h.tree, config, now=now, metrics=metrics)
         self.scheduler._toolkv = self.tk
         self.tk.bind_scheduler(self.scheduler)
         return self.tk

@@ -1,0 +1,138 @@
+"""``toolkv serve`` end to end, as a new user runs it: the server in a process of its own on a free
+port, then ``examples/agent_openai.py``, ``toolkv doctor`` and a ``/metrics`` scrape against it,
+then Ctrl-C. Nothing is mocked on the path: the server is sglang's real HiRadixCache under the twin's
+scheduler model with toolkv attached as the plugin attaches it (the model is the named stand-in).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkv.tools.cli", "serve", "--port", "0"],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = None
+    deadline = time.monotonic() + 60
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        url = m.group(1) if m else None
+    if url is None:
+        proc.kill()
+        pytest.fail(f"toolkv serve did not start: {proc.communicate()[1][-2000:]}")
+    yield url, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def post(url: str, body: object) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not in /metrics")
+
+
+def test_the_agent_example_runs_against_it_and_shows_what_toolkv_did(
+    server: tuple[str, subprocess.Popen[str]],
+) -> None:
+    url, _ = server
+    out = subprocess.run(
+        [sys.executable, "examples/agent_openai.py", "--base-url", url],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run = json.loads(out.stdout)
+    assert run["answer"].startswith("[toolkv-stand-in]")
+    assert run["tool_calls"] == 2
+    # kv_hints falls back to explicit (the server answers as 0.5.16): tool_start/tool_end per call
+    did = run["toolkv"]
+    assert did["tool_start"] == did["tool_end"] == 2
+    assert did["offloaded_tokens"] > 0 and did["restored_tokens"] > 0
+    reused = run["tokens_reused"]
+    assert len(reused) == 3 and reused[1] > 0 and reused[2] > reused[1]
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert metric(text, "toolkv:tokens_total", kind="offloaded") >= did["offloaded_tokens"]
+    assert metric(text, "toolkv:tokens_total", kind="restored") >= did["restored_tokens"]
+    assert metric(text, "toolkv:events_total", event="tool_start") >= 2
+    assert metric(text, "sglang:cached_tokens_total") >= sum(reused)
+
+
+def test_doctor_and_the_typed_client_work_against_it(
+    server: tuple[str, subprocess.Popen[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from toolkv.client import ToolKVClient
+    from toolkv.errors import UnknownSession
+    from toolkv.tools.cli import main
+
+    url, _ = server
+    assert main(["doctor", url]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"toolkv is on at {url}") and "backend hiradix" in said
+
+    with ToolKVClient(url) as kv:
+        status, body = post(f"{url}/generate", {"text": "hello from a test", "session_id": "t1"})
+        assert status == 200 and body["meta_info"]["prompt_tokens"] == 17  # type: ignore[index]
+        with kv.tool_call("t1", tool="search") as tc:
+            assert tc.start is not None and kv.kv_meta("t1").state in ("Offloading", "Offloaded")
+        kv.close_session("t1")
+        with pytest.raises(UnknownSession):
+            kv.tool_start("never-seen")
+
+
+def test_nonsense_is_a_typed_4xx(server: tuple[str, subprocess.Popen[str]]) -> None:
+    url, _ = server
+    for route, body in [
+        ("/generate", {"text": 5}),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}),
+        ("/generate", {"input_ids": list(range(1, 9000))}),
+        ("/v1/chat/completions", {"messages": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "session_id": ""}),
+        ("/session/tool_end", {"session_id": "x", "epoch": -1}),
+    ]:
+        status, out = post(url + route, body)
+        assert status == 400 and out["error"] == "bad_request" and out["message"], (route, body, out)
+
+
+def test_ctrl_c_stops_it_cleanly(server: tuple[str, subprocess.Popen[str]]) -> None:
+    _, proc = server
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "stopped after" in stdout
