@@ -66,7 +66,14 @@ def _turn(r: Run, sid: str, tokens: list[int]) -> None:
     rec = r.mgr.sessions.get(sid)
     if rec is not None and rec.state in ("Handover", "Parked"):
         r.mgr.admitted(sid)
-    elif rec is not None and rec.state not in ("Running", "Runnable", "Released", "Expired", "Lost", "Closed"):
+    elif rec is not None and rec.state not in (
+        "Running",
+        "Runnable",
+        "Released",
+        "Expired",
+        "Lost",
+        "Closed",
+    ):
         r.seen.append(("turn", sid, "held", rec.state))
         return
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
@@ -138,13 +145,13 @@ def _drive(r: Run, seed: int, steps: int = 45) -> None:
             fresh += n
             _turn(r, sid, ctx[sid])
         elif op == "tool_start":
-            _observe(r, op, sid, lambda: r.mgr.tool_start(sid))
+            _observe(r, op, sid, lambda s=sid: r.mgr.tool_start(s))
             rec = r.mgr.sessions.get(sid)
             epoch[sid] = rec.epoch if rec is not None else 0
         elif op == "tool_end":
-            _observe(r, op, sid, lambda: r.mgr.tool_end(sid, epoch[sid]))
+            _observe(r, op, sid, lambda s=sid: r.mgr.tool_end(s, epoch[s]))
         elif op == "stale":
-            _observe(r, op, sid, lambda: r.mgr.tool_end(sid, epoch[sid] + 3))
+            _observe(r, op, sid, lambda s=sid: r.mgr.tool_end(s, epoch[s] + 3))
         elif op == "ack":  # the copy engine finishes; the scheduler's checks and toolkv's tick
             r.h.check_events()
             r.h.complete("write")

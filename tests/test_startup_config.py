@@ -151,8 +151,14 @@ def test_a_misspelt_switch_stops_sglang_launch_server() -> None:
         ({"TOOLKV_XYZZY": "1"}, "TOOLKV_XYZZY is not a toolkv variable. Known"),
         ({"TOOLKV_TTL_S": "0"}, "TOOLKV_TTL_S='0': expected a finite number > 0"),
         ({"TOOLKV_HOST_BUDGET_TOKENS": "0"}, "TOOLKV_HOST_BUDGET_TOKENS='0': expected an integer >= 1"),
-        ({"TOOLKV_HANDOVER_TTL_S": "0"}, "TOOLKV_HANDOVER_TTL_S='0': expected a finite number > 0 (0 would unpin"),
-        ({"TOOLKV_HANDOVER_TTL_S": "-1"}, "TOOLKV_HANDOVER_TTL_S='-1': expected a finite number > 0 (0 would"),
+        (
+            {"TOOLKV_HANDOVER_TTL_S": "0"},
+            "TOOLKV_HANDOVER_TTL_S='0': expected a finite number > 0 (0 would unpin",
+        ),
+        (
+            {"TOOLKV_HANDOVER_TTL_S": "-1"},
+            "TOOLKV_HANDOVER_TTL_S='-1': expected a finite number > 0 (0 would",
+        ),
         (
             {"TOOLKV_KEEP_TTL_S": "0"},
             "TOOLKV_KEEP_TTL_S='0': expected a finite number > 0 (0 would drop every GPU pin",

@@ -395,7 +395,7 @@ class L3Tier(MachineCore):
         manifest = tier.find_manifest(session_id) if tier is not None else None
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise unknown
-        if manifest is None or manifest.session_id != session_id:
+        if tier is None or manifest is None or manifest.session_id != session_id:
             raise unknown
         if epoch != manifest.epoch:
             self.counters["stale_epoch"] += 1

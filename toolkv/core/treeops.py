@@ -37,7 +37,7 @@ class Handle:
     ``key`` is the node's token span (``len(handle.key)`` is its token count, as for a node object);
     ``parent`` is the handle of the node above it on the path it was read with (None: the root)."""
 
-    __slots__ = ("id", "parent_id", "start", "end", "full_value_len", "num_children", "parent")
+    __slots__ = ("end", "full_value_len", "id", "num_children", "parent", "parent_id", "start")
 
     def __init__(self, info: Any, parent: Handle | None) -> None:
         self.id: int = int(info.node_id)

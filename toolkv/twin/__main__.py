@@ -10,9 +10,7 @@ from toolkv.twin.cli import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(
-        prog="python -m toolkv.twin", description=(sys.modules[__name__].__doc__ or "")
-    )
+    ap = OneLineParser(prog="python -m toolkv.twin", description=(sys.modules[__name__].__doc__ or ""))
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -430,7 +430,7 @@ def make_server(
 ) -> Server:
     """The server of ``kind`` (``unified`` needs sglang 0.5.21+, the others 0.5.16), with HiCache's
     ``write_policy``, 0.5.23's ``tree_core`` and the scheduler's ``sizes`` (``chunked_prefill_size``, ...)."""
-    shape = dict(device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
+    shape: dict[str, Any] = dict(device_tokens=device_tokens, host_ratio=host_ratio, context_len=context_len)
     if kind == "unified":
         return Server0523(**shape, write_policy=write_policy, tree_core=tree_core, **sizes)
     return Server0516(kind, **shape, write_policy=write_policy, **sizes)

@@ -260,7 +260,9 @@ def device_full(rec: SessionRecord, need: int, free: int, evictable: int, reserv
 
 
 def offload_lock_cost(
-    path: Sequence[TreeNode], locked_by_offload: Callable[[TreeNode], bool], evictable: Callable[[TreeNode], bool]
+    path: Sequence[TreeNode],
+    locked_by_offload: Callable[[TreeNode], bool],
+    evictable: Callable[[TreeNode], bool],
 ) -> int:
     """Tokens of ``path`` (root-down) an offload's locks take from what sglang may evict: a lock on
     a node is a path lock (``inc_lock_ref`` walks to the root), so every ``evictable`` node from
@@ -270,7 +272,9 @@ def offload_lock_cost(
     return sum(len(m.key) for m in path[: deepest + 1] if evictable(m))
 
 
-def offload_room_full(rec: SessionRecord, need: int, free: int, evictable: int, reserved: int) -> DeviceMemoryFull:
+def offload_room_full(
+    rec: SessionRecord, need: int, free: int, evictable: int, reserved: int
+) -> DeviceMemoryFull:
     """The 503 for a ``tool_start`` whose locks would take device room sglang has promised."""
     return DeviceMemoryFull(
         f"cannot offload now: copying session {rec.session_id!r} to host would lock {need} device tokens "

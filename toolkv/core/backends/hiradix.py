@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from toolkv.core.backends.base import (
-    offload_lock_cost,
     Agreement,
     HostRestore,
     LocalAgreement,
@@ -39,6 +38,7 @@ from toolkv.core.backends.base import (
     free_set,
     host_evictable_tokens,
     host_full,
+    offload_lock_cost,
     record_freed,
 )
 from toolkv.core.backends.hicache_storage import HiCacheStorage, StorageCopy, _ntok

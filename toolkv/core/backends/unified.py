@@ -126,7 +126,9 @@ class UnifiedBackend(HostRestore, OwnLoads):
         schedule_stream: Any = None,
     ) -> None:
         check_tree(tree)
-        self._init_state(tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream)
+        self._init_state(
+            tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream
+        )
 
     def _init_state(
         self, tree: Tree, *, agree: Agreement | None, host_budget_tokens: int | None, schedule_stream: Any

@@ -75,7 +75,9 @@ class RustUnifiedBackend(UnifiedBackend):
         schedule_stream: Any = None,
     ) -> None:
         check_rust_tree(tree)
-        self._init_state(tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream)
+        self._init_state(
+            tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream
+        )
 
     # ---- node facts, through the interface ---------------------------------------------------------
     def _on_device(self, m: TreeNode) -> bool:
@@ -160,7 +162,7 @@ class RustUnifiedBackend(UnifiedBackend):
     def _resident_lock_cost(self, path: Sequence[TreeNode]) -> int:
         """The lock cost of a path's device prefix (a lock on an evicted node is refused)."""
         resident = [m for m in path if self._on_device(m)]
-        top = []
+        top: list[TreeNode] = []
         for m in resident:  # the device prefix: contiguous from the root
             if top and top[-1].end != m.start:
                 break
@@ -201,7 +203,9 @@ class RustUnifiedBackend(UnifiedBackend):
 
     def keep(self, rec: SessionRecord, leaf: TreeNode) -> bool:
         assert rec.pinned is None, f"session {rec.session_id!r} holds a pin already"
-        resident = path_resident(self.tree, leaf, on_device=lambda m: self._on_device(m) and not self._node_loading(m))
+        resident = path_resident(
+            self.tree, leaf, on_device=lambda m: self._on_device(m) and not self._node_loading(m)
+        )
         if not self.agree.all_true(resident):
             return False
         self._receipts(rec).pin = self.tree.inc_lock_ref(leaf.id).to_dec_params()

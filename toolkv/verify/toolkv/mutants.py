@@ -250,7 +250,11 @@ class PinPricedByLoadMixin:
     resident, so the pin takes room the check never saw)."""
 
     def pin_cost(self, leaf: TreeNode) -> int:
-        return sum(len(m.key) for m in path_to(self.tree, leaf) if not self._on_device(m))  # type: ignore[attr-defined]
+        backend: Any = self
+        tokens = 0
+        for m in path_to(backend.tree, leaf):
+            tokens += 0 if backend._on_device(m) else len(m.key)
+        return tokens
 
 
 # defect -> the session machine that seeds it (a manager runs it as its ``machine_class``)

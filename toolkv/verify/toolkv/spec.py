@@ -175,7 +175,9 @@ def room_of(st: Mapping[str, Any], df: int, d: Mapping[str, bool], lr: Mapping[s
     return df + sum(1 for m in in_tree(st) if d[m] and lr[m] == 0)
 
 
-def promise_fits(st: Mapping[str, Any], r: Rules, df: int, d: Mapping[str, bool], lr: Mapping[str, int]) -> bool:
+def promise_fits(
+    st: Mapping[str, Any], r: Rules, df: int, d: Mapping[str, bool], lr: Mapping[str, int]
+) -> bool:
     """Spec ``PromiseFits``. Where token pools decide (``slots=False``: the fuzz campaign, trace
     validation) it is TRUE here: the campaign checks sglang's promise on the real pools itself."""
     return not r.slots or r.promised <= room_of(st, df, d, lr)
@@ -575,7 +577,9 @@ def keep(st: State, r: Rules, sid: str) -> State | None:
     ok = r.policy and st["phase"][sid] == "Running" and n != NO and st["epoch"][sid] < r.max_epoch
     if not (ok and path_valid(st, n, len(r.nodes))):
         return None
-    if r.fits is False or not promise_fits(st, r, st["devFree"], st["dev"], _locked(st, r, st["lockRef"], [n], 1)):
+    if r.fits is False or not promise_fits(
+        st, r, st["devFree"], st["dev"], _locked(st, r, st["lockRef"], [n], 1)
+    ):
         return None  # (r.fits False: the implementation found the pin's room promised)
     s = copy.deepcopy(st)
     if r.bug != "KeepNoPin":
@@ -713,9 +717,9 @@ def split(st: State, r: Rules, n: str, m: str) -> State | None:
     fits = (not st["dev"][n] or st["devFree"] >= 1) and (not st["host"][n] or st["hostFree"] >= 1)
     if r.slots and not fits:
         return None
-    if r.slots and st["dev"][n] and st["lockRef"][n] > 0:  # the slot abstraction's extra device slot
-        if r.promised > room_of(st, st["devFree"], st["dev"], st["lockRef"]) - 1:
-            return None
+    locked_split = r.slots and st["dev"][n] and st["lockRef"][n] > 0  # the slot abstraction's extra slot
+    if locked_split and r.promised > room_of(st, st["devFree"], st["dev"], st["lockRef"]) - 1:
+        return None
     s = copy.deepcopy(st)
     s["status"][m] = "InTree"
     s["parent"][m] = st["parent"][n]
