@@ -49,14 +49,20 @@ class Run:
     mgr: Any
     seen: list[tuple[Any, ...]] = field(default_factory=list)
     bytes_checked: int = 0
+    queued: int = 0  # device tokens the waiting requests need (load-adaptive protection reads it)
 
 
-def _open(core: str, write_policy: str, caveats: frozenset[str] = frozenset()) -> Run:
+def _open(
+    core: str, write_policy: str, caveats: frozenset[str] = frozenset(), policy: str = "offload"
+) -> Run:
     cfg = UnifiedHarnessConfig(tree_core=core, device_tokens=320, host_ratio=1.5, write_policy=write_policy)
     h = UnifiedCacheHarness(cfg)
-    mcfg = ToolKVConfig().manager_config()  # the plugin's defaults: lazy free, adaptive protection
+    # the plugin's defaults (lazy free, load-adaptive protection), with the server's call policy
+    mcfg = ToolKVConfig(policy=policy).manager_config()
     mgr = mutant_manager(h.tree, caveats=caveats, config=mcfg, agree=LocalAgreement())
-    return Run(h, mgr)
+    run = Run(h, mgr)
+    mgr.queued_demand = lambda: run.queued  # the requests waiting for admission (the scheduler's count)
+    return run
 
 
 def _turn(r: Run, sid: str, tokens: list[int]) -> None:
@@ -137,15 +143,25 @@ def _drive(r: Run, seed: int, steps: int = 45) -> None:
     now = 0.0
     for _ in range(steps):
         sid = rng.choice(SESSIONS)
-        op = rng.choice(["turn", "turn", "tool_start", "tool_start", "tool_end", "tool_end", "ack", "ack",
-                         "evict", "host_evict", "close", "stale"])  # fmt: skip
+        rec = r.mgr.sessions.get(sid)
+        state = rec.state if rec is not None else None
+        # an agent's next step by its session's state, or one of the environment's
+        if rng.random() < 0.4:
+            op = rng.choice(["ack", "ack", "ack", "evict", "host_evict", "queue", "admit", "close", "stale"])
+        elif state in (None, "Closed", "Expired", "Lost", "Runnable", "Handover", "Parked"):
+            op = "turn"
+        elif state == "Running":
+            op = rng.choice(["tool_start", "tool_start", "turn"])
+        else:  # the tool call is away: its end (a late duplicate now and then)
+            op = rng.choice(["tool_end", "tool_end", "tool_end", "stale"])
         if op == "turn":
             n = rng.choice([8, 16, 24])
             ctx[sid] = ctx[sid] + list(range(fresh, fresh + n))
             fresh += n
             _turn(r, sid, ctx[sid])
         elif op == "tool_start":
-            _observe(r, op, sid, lambda s=sid: r.mgr.tool_start(s))
+            tool = rng.choice(["run_code", "web_search", "wait_for_ci"])  # the auto policy decides by name
+            _observe(r, op, sid, lambda s=sid, t=tool: r.mgr.tool_start(s, tool=t))
             rec = r.mgr.sessions.get(sid)
             epoch[sid] = rec.epoch if rec is not None else 0
         elif op == "tool_end":
@@ -169,6 +185,11 @@ def _drive(r: Run, seed: int, steps: int = 45) -> None:
         elif op == "host_evict":
             r.h.tree.evict_host(rng.choice([16, 64, 480]))
             r.seen.append(("host_evict",))
+        elif op == "admit":  # the session's next request was admitted (the plugin's prefill hook)
+            r.seen.append(("admit", sid, r.mgr.admitted(sid)))
+        elif op == "queue":  # requests queue up (or leave): hand-overs give up their pins for them
+            r.queued = rng.choice([0, 0, 400])
+            r.seen.append(("queue", r.queued))
         elif op == "close":
             if sid in r.mgr.sessions:
                 r.mgr.close(sid)
@@ -207,14 +228,17 @@ SEEDS = range(8)
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_the_rust_core_gives_the_python_cores_observations(write_policy: str) -> None:
     checked = 0
+    totals: dict[str, int] = {}
     for seed in SEEDS:
         runs = {}
+        policy = "auto" if seed % 2 else "offload"
         for core in ("python", "rust"):
-            r = _open(core, write_policy)
+            r = _open(core, write_policy, policy=policy)
             try:
                 if core == "rust":
                     assert isinstance(r.mgr.backend, RustUnifiedBackend)
                 _drive(r, seed)
+                r.seen.append(("counters", tuple(sorted(r.mgr.counters.items()))))
                 _teardown_returns_everything(r)
             finally:
                 r.h.close()
@@ -226,7 +250,12 @@ def test_the_rust_core_gives_the_python_cores_observations(write_policy: str) ->
             f"!= rust {rs[first] if first is not None else None}"
         )
         checked += runs["rust"].bytes_checked
+        for k, v in runs["rust"].mgr.counters.items():
+            totals[k] = totals.get(k, 0) + v
     assert checked > 0, "no restore reached a session's next turn: the run checks nothing"
+    # the mechanisms the runs went through on the Rust core, each at least once
+    for mechanism in ("tool_start", "restored_tokens", "left_tokens", "handover", "admitted", "parked"):
+        assert totals.get(mechanism, 0) > 0, (mechanism, totals)
 
 
 @pytest.mark.parametrize(
