@@ -167,6 +167,8 @@ class SoakResult:
     left_open: int = 0  # sessions whose client never closed them (abandoned, or just stopped)
     tracked_at_end: int = 0  # records the manager still held before the final close sweep
     leaks: list[str] = field(default_factory=list)
+    # toolkv steps that took device room sglang had promised (spec PromiseKept): each a line
+    promise_broken: list[str] = field(default_factory=list)
     flat_problems: list[str] = field(default_factory=list)
     error_logs: list[str] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
@@ -222,7 +224,7 @@ def problems(r: SoakResult, *, min_calls: int, min_sessions: int) -> list[str]:
     """Everything a soak run must show, as failure lines that carry the numbers: the call and
     session counts, no leak, no upward trend, no byte that differs, no ERROR line, no session
     closed by a reset, and that every fault it mixes in actually happened."""
-    out = list(r.leaks) + list(r.flat_problems)
+    out = list(r.leaks) + list(r.flat_problems) + list(r.promise_broken)
     stack = r.config["stack"]
     if r.tool_calls < min_calls or r.sessions < min_sessions:
         out.append(
@@ -480,7 +482,10 @@ class Soak:
         # 1. process_input_requests: control requests, then the deferred flush, then toolkv's tick
         loop = asyncio.get_running_loop()
         while self.channel.inbox:
-            out = pickle.loads(pickle.dumps(tk.ipc_handler(self.channel.inbox.popleft())))
+            room = self._promise_room()
+            req = self.channel.inbox.popleft()
+            out = pickle.loads(pickle.dumps(tk.ipc_handler(req)))
+            self._check_promise(room, getattr(req, "op", "ipc"))
             loop.call_soon(self.channel.replies.resolve, out)
         if self.flush_waiters and sched.flush_wrapper._pending is None and not self._flush_pending:
             answer = sched.request_flush(timeout_s=30.0)
@@ -497,7 +502,9 @@ class Soak:
             for req in self.held:
                 self.stack.sched.add_request(req)
             self.held = []
+        room = self._promise_room()
         tk.tick()  # the AFTER hook of process_input_requests
+        self._check_promise(room, "tick")
         # 2. get_next_batch_to_run (sglang's ack checks first; toolkv's AFTER hook on
         # get_new_batch_prefill for each admitted request), the forward, the batch's results
         mism = self.stack.byte_mismatches
@@ -532,6 +539,24 @@ class Soak:
                 timer.set_result(None)
         if self.iteration % cfg.sample_every == 0:
             self._sample()
+
+    def _promise_room(self) -> int:
+        """Free + evictable device tokens less what sglang has promised (the rest of a chunked
+        prefill, the running decode): what a toolkv step must not drive below zero."""
+        from toolkv.sglang.scheduler_side import promised_tokens
+
+        tree = self.stack.h.tree
+        free = int(tree.token_to_kv_pool_allocator.available_size())
+        return free + int(tree.evictable_size()) - promised_tokens(self.sched)
+
+    def _check_promise(self, before: int, what: str) -> None:
+        """Spec ``PromiseKept`` on the soak's real pools: a toolkv step that found the promise kept
+        must leave it kept (the 0.5.23 crash: a burst of tool_starts locked it away)."""
+        after = self._promise_room()
+        if before >= 0 > after and len(self.result.promise_broken) < 20:
+            self.result.promise_broken.append(
+                f"iteration {self.iteration}: {what} took device room sglang had promised ({before} -> {after})"
+            )
 
     def _sample(self) -> None:
         dev, host = self.stack.occupancy()

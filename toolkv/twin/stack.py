@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Any
+from typing import Any, Literal
 
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.twin.configs import TwinConfig
@@ -62,6 +62,18 @@ def unified() -> bool:
     from toolkv.testing.unified_harness import has_unified_radix_cache
 
     return has_unified_radix_cache()
+
+
+def twin_tree_core() -> Literal["python", "rust"]:
+    """The 0.5.23 tree core the twin runs: sglang's own setting,
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` (``python`` when unset here, the core the twin's
+    recorded results were made on; ``rust`` is sglang's default)."""
+    import os
+
+    core = os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    if core not in ("python", "rust"):
+        raise ValueError(f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND must be python or rust, got {core!r}")
+    return "rust" if core == "rust" else "python"
 
 
 def build(
@@ -121,6 +133,7 @@ def _build(
             UnifiedHarnessConfig(
                 page_size=1, device_tokens=device_tokens, host_ratio=ratio, layers=1, heads=1, head_dim=1,
                 dtype=torch.float16, max_reqs=max_reqs, context_len=context_len, hicache=cfg.cache == "hiradix",
+                tree_core=twin_tree_core(),
             )
         )  # fmt: skip
     else:
