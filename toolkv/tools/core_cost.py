@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-from array import array
 from pathlib import Path
 from typing import Any
 
