@@ -181,7 +181,7 @@ def run(sessions: list[int], reps: int, ops_sessions: int = 64, progress: bool =
                             flush=True,
                         )
                     runs.setdefault((n, config, core), []).append(_run_twin_cell(core, config, n))
-    for (n, config, core), cells in runs.items():
+    for cells in runs.values():
         cell = dict(cells[0])
         cell["cpu_ms_per_iteration"] = statistics.median(c["cpu_ms_per_iteration"] for c in cells)
         cell["cpu_ms_per_iteration_runs"] = [c["cpu_ms_per_iteration"] for c in cells]
