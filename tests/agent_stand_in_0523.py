@@ -80,7 +80,7 @@ def hooked() -> Iterator[None]:
 class StandIn0523:
     """One scheduler rank and its HTTP routes. Use as a context manager inside :func:`hooked`."""
 
-    def __init__(self, *, device_tokens: int = 4096) -> None:
+    def __init__(self, *, device_tokens: int = 4096, tree_core: str = "python") -> None:
         from sglang.srt.disaggregation.utils import DisaggregationMode
         from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
         from sglang.srt.runtime_context import get_parallel
@@ -89,7 +89,7 @@ class StandIn0523:
 
         self._stack = contextlib.ExitStack()
         self.h = self._stack.enter_context(
-            UnifiedCacheHarness(UnifiedHarnessConfig(device_tokens=device_tokens))
+            UnifiedCacheHarness(UnifiedHarnessConfig(device_tokens=device_tokens, tree_core=tree_core))  # type: ignore[arg-type]
         )
         self._stack.enter_context(get_parallel().override(tp_rank=0, attn_tp_rank=0, dp_rank=None))
         self.sched = SimpleNamespace(  # the Scheduler attributes the init hook reads (as test_plugin_0523)

@@ -36,12 +36,20 @@ def load_example() -> ModuleType:
     return load_script(EXAMPLE)
 
 
+@pytest.fixture(params=["python", "rust"])
+def core(request: pytest.FixtureRequest) -> str:
+    """Each 0.5.23 tree core (the Rust one is sglang's default)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn0523]:
+def server(
+    request: pytest.FixtureRequest, core: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[StandIn0523]:
     for k in ("TOOLKV_POLICY", "TOOLKV_TTL_S"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TOOLKV_ZERO_CHANGE", "1" if getattr(request, "param", "") == "zero_change" else "0")
-    with hooked(), StandIn0523() as s:
+    with hooked(), StandIn0523(tree_core=core) as s:
         yield s
 
 

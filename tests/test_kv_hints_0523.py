@@ -51,11 +51,12 @@ SGLANG = Path(str(__import__("sglang").__file__)).parent
 PROMPT = list(range(1, 41))
 
 
-@pytest.fixture
-def s(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn0523]:
+@pytest.fixture(params=["python", "rust"])
+def s(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn0523]:
+    """The stand-in server on each 0.5.23 tree core (the Rust one is sglang's default)."""
     for k in ("TOOLKV_POLICY", "TOOLKV_ZERO_CHANGE", "TOOLKV_TTL_S"):
         monkeypatch.delenv(k, raising=False)
-    with hooked(), StandIn0523() as stand_in:
+    with hooked(), StandIn0523(tree_core=request.param) as stand_in:
         yield stand_in
 
 
@@ -450,3 +451,24 @@ def test_the_chat_route_drops_kv_hints_and_the_chat_hook_carries_it_from_the_par
     assert c.post("/v1/chat/completions", json=body).json() == {"types": None}
     r = c.post("/v1/chat/completions", json={**body, "kv_hints": {"protocol_version": 1}})
     assert r.status_code == 400 and "Malformed kv_hints" in r.json()["message"]
+
+
+def test_a_drain_refuses_new_tool_calls_and_lets_the_held_ones_finish(s: StandIn0523) -> None:
+    """``POST /session/drain`` on 0.5.23 (each tree core): a tool call in flight finishes (its
+    ``tool_end`` restores), a new one is refused with 503 ``draining`` and changes nothing, and the
+    drain reads ``drained`` once nothing is held."""
+    turn(s, "s1")
+    turn(s, "s2")
+    code, started = s.tk.handle("tool_start", {"session_id": "s1"})
+    assert code == 200 and started["epoch"] == 1
+    assert s.tk.handle("drain", {"drain": True})[1]["draining"] is True
+    code, refused = s.tk.handle("tool_start", {"session_id": "s2"})
+    assert (code, refused["error"]) == (503, "draining") and state(s, "s2") == "Running"
+    s.iterate(2)
+    code, ended = s.tk.handle("tool_end", {"session_id": "s1", "epoch": 1})
+    assert code == 200, ended
+    turn(s, "s1")  # the next turn is admitted: the hand-over ends, nothing is held
+    status = s.tk.handle("drain", {"drain": True})[1]
+    assert status["held_sessions"] == 0 and status["drained"] is True, status
+    assert s.tk.handle("drain", {"drain": False})[1]["draining"] is False
+    assert s.tk.handle("tool_start", {"session_id": "s2"})[0] == 200

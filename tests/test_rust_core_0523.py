@@ -53,9 +53,15 @@ class Run:
 
 
 def _open(
-    core: str, write_policy: str, caveats: frozenset[str] = frozenset(), policy: str = "offload"
+    core: str,
+    write_policy: str,
+    caveats: frozenset[str] = frozenset(),
+    policy: str = "offload",
+    host_ratio: float = 1.5,
 ) -> Run:
-    cfg = UnifiedHarnessConfig(tree_core=core, device_tokens=320, host_ratio=1.5, write_policy=write_policy)
+    cfg = UnifiedHarnessConfig(
+        tree_core=core, device_tokens=320, host_ratio=host_ratio, write_policy=write_policy
+    )
     h = UnifiedCacheHarness(cfg)
     # the plugin's defaults (lazy free, load-adaptive protection), with the server's call policy
     mcfg = ToolKVConfig(policy=policy).manager_config()
@@ -225,15 +231,20 @@ def _teardown_returns_everything(r: Run) -> None:
 SEEDS = range(8)
 
 
-@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_the_rust_core_gives_the_python_cores_observations(write_policy: str) -> None:
+@pytest.mark.parametrize(
+    ("write_policy", "host_ratio"),
+    [("write_through", 1.5), ("write_back", 1.5), ("write_through", 0.6)],
+    ids=["write_through", "write_back", "small_host"],
+)
+def test_the_rust_core_gives_the_python_cores_observations(write_policy: str, host_ratio: float) -> None:
+    """(A host pool smaller than the device pool makes the auto policy demote for host room.)"""
     checked = 0
     totals: dict[str, int] = {}
     for seed in SEEDS:
         runs = {}
         policy = "auto" if seed % 2 else "offload"
         for core in ("python", "rust"):
-            r = _open(core, write_policy, policy=policy)
+            r = _open(core, write_policy, policy=policy, host_ratio=host_ratio)
             try:
                 if core == "rust":
                     assert isinstance(r.mgr.backend, RustUnifiedBackend)
@@ -254,7 +265,10 @@ def test_the_rust_core_gives_the_python_cores_observations(write_policy: str) ->
             totals[k] = totals.get(k, 0) + v
     assert checked > 0, "no restore reached a session's next turn: the run checks nothing"
     # the mechanisms the runs went through on the Rust core, each at least once
-    for mechanism in ("tool_start", "restored_tokens", "left_tokens", "handover", "admitted", "parked"):
+    mechanisms = ["tool_start", "restored_tokens", "left_tokens", "handover", "admitted", "parked", "kept"]
+    if host_ratio < 1:
+        mechanisms.append("demoted")
+    for mechanism in mechanisms:
         assert totals.get(mechanism, 0) > 0, (mechanism, totals)
 
 
