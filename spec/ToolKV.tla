@@ -743,7 +743,7 @@ Split(n, m) ==
     /\ n \in InTree /\ status[m] = "Unborn"
     /\ SplitFits(n)
     \* the slot abstraction's extra device slot for the new prefix (a real split allocates none)
-    /\ (dev[n] /\ lockRef[n] > 0) => Promised <= DevRoom - 1
+    /\ (Promised > 0 /\ dev[n] /\ lockRef[n] > 0) => Promised <= DevRoom - 1
     /\ status' = [status EXCEPT ![m] = "InTree"]
     /\ parent' = [parent EXCEPT ![m] = parent[n], ![n] = m]
     /\ dev' = [dev EXCEPT ![m] = dev[n]]

@@ -28,4 +28,7 @@ def test_the_recorded_run_kept_the_simulation_the_same_on_both_cores() -> None:
     stock = {(c["sessions"], c["core"]): c for c in res["twin"] if c["config"] == "stock"}
     for n in {s for s, _ in stock}:
         py, rs = stock[(n, "python")], stock[(n, "rust")]
-        assert (py["closed_turns_per_s"], py["resumed_ttft_p90_s"]) == (rs["closed_turns_per_s"], rs["resumed_ttft_p90_s"])
+        assert (py["closed_turns_per_s"], py["resumed_ttft_p90_s"]) == (
+            rs["closed_turns_per_s"],
+            rs["resumed_ttft_p90_s"],
+        )

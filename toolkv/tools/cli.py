@@ -136,8 +136,8 @@ def commands_help() -> str:
         lines.append("")
     lines.append(
         "toolkv COMMAND --help lists a command's options; --json prints its result as JSON on stdout;"
-        " --verbose keeps sglang's and torch's own warnings in the output."
     )
+    lines.append("--verbose keeps sglang's and torch's own warnings in the output.")
     return "\n".join(lines)
 
 

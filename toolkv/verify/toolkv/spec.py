@@ -717,7 +717,7 @@ def split(st: State, r: Rules, n: str, m: str) -> State | None:
     fits = (not st["dev"][n] or st["devFree"] >= 1) and (not st["host"][n] or st["hostFree"] >= 1)
     if r.slots and not fits:
         return None
-    locked_split = r.slots and st["dev"][n] and st["lockRef"][n] > 0  # the slot abstraction's extra slot
+    locked_split = r.slots and r.promised > 0 and st["dev"][n] and st["lockRef"][n] > 0  # the extra slot
     if locked_split and r.promised > room_of(st, st["devFree"], st["dev"], st["lockRef"]) - 1:
         return None
     s = copy.deepcopy(st)

@@ -154,6 +154,9 @@ THostFits(W) == TFits
 \\* room was made exactly where the trace says the manager made it (HostRoom steps before a ToolStart)
 THostShort(W) == Trace[i + 1].act[1] = "HostRoom"
 TDevFits(C) == TFits
+\* sglang's promise of device room is checked on the real pools by the campaign; the trace records
+\* the implementation's decision (a pin or an offload refused for it is a step that did not fit)
+TPromiseFits(df, d, lr) == TFits
 TInsertFits == TRUE
 TWriteFits == TRUE
 TSplitFits(n) == TRUE
@@ -192,8 +195,10 @@ TraceNext == TNext \\/ Done
     SysLoads = FALSE
     Policy = {"TRUE" if header.get("policy") else "FALSE"}
     LazyFree = {"TRUE" if header.get("lazy_free") else "FALSE"}
+    Promised = 0
     BUG = "none"
     HostFits <- THostFits
+    PromiseFits <- TPromiseFits
     HostShort <- THostShort
     DevFits <- TDevFits
     InsertFits <- TInsertFits
