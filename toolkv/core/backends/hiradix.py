@@ -116,14 +116,34 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
             tree.evict_host(int(self.agree.max_time(float(need - host_free))))
             self.counters_host_room += 1
             assert int(pool.available_size()) >= need, "evict_host freed less than it was counted to"
+        write_back = self._write_back()
         for m in to_write:  # root-down: write_backup needs a backed-up parent
-            written = tree.write_backup(m)
+            written = tree.write_backup(m, write_back=write_back)
             assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
+        if write_back and to_write:
+            # sglang's own write_back step (hiradix_cache.py ``_evict_write_back`` -> ``flush_staged``):
+            # wait for the copies here, so no unlocked write is in flight when the tick's
+            # ``writing_check`` would release a lock it never took (see :meth:`_write_back`)
+            tree.writing_check(write_back=True)
         self._take_host_protection(rec, leaf)
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def _write_back(self) -> bool:
+        """Whether the server runs ``--hicache-write-policy write_back``: then toolkv's copies are
+        written unlocked and waited for at once, as sglang's own write_back eviction writes them.
+
+        A locked write (``write_backup(m)``, the write-through form) cannot be used there: under
+        write_back sglang's eviction drains every write in flight with
+        ``writing_check(write_back=True)``, which finishes each ack with ``release_lock=False``
+        (hiradix_cache.py ``_finish_write_through_ack``), so the lock of a toolkv copy still in
+        flight at that moment is never released and its path stays on the device for good (the
+        twin's 96-session named-tool load: 81 of 171 tool_start copies leaked their lock, the
+        device filled with locked paths and the run stopped admitting)."""
+        controller = getattr(self.tree, "cache_controller", None)
+        return getattr(controller, "write_policy", None) == "write_back"
 
     def pin_cost(self, leaf: TreeNode) -> int:
         """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate:
@@ -134,7 +154,11 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         """Device tokens a ``tool_start`` of ``leaf``'s path takes from what sglang may evict while
         its writes are in flight: ``write_backup`` locks each node it copies, and with it the path
         above (hiradix_cache.py ``write_backup`` -> ``inc_lock_ref``), until the ack; so the
-        resident unlocked nodes from the root to the deepest node without a host copy."""
+        resident unlocked nodes from the root to the deepest node without a host copy. Under
+        write_back nothing is locked (:meth:`_write_back`: the copy is written unlocked and waited
+        for within the tool_start), so the cost is 0."""
+        if self._write_back():
+            return 0
         return offload_lock_cost(path_to(self.tree, leaf), lambda m: m.host_value is None, self._evictable)
 
     @staticmethod
