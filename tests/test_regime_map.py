@@ -8,7 +8,11 @@ protection. ``offload`` and ``auto`` must stay within the never-worse bars of
 medians over seeds) in both, and reach the target (>= 1.5x throughput or <= 0.7x p90) on the
 value load, where the live KV is 3x the host. The same toolkv without load-adaptive protection
 (``offload-pinned``, TOOLKV_ADAPTIVE=0) runs in the larger cell too: the bars must catch it, or the
-slice could not see the regression it is here for. The whole map: ``make test-long``.
+slice could not see the regression it is here for. The write-policy axis: the 96-session
+named-tool cell (16 GB host) under ``write_back`` and ``write_through_selective``, over two seeds,
+where ``auto`` under write_back once filled the device with locked paths (a tool_start copy in
+flight when write_back's eviction drained the acks kept its lock for good). The whole map:
+``make test-long``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.twin.regime_map import cells, never_worse, read_journal, run_map, short_of_target, tasks
+from toolkv.twin.regime_map import cells, never_worse, read_journal, run_map, short_of_target, task_of, tasks
 
 pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
 
@@ -27,7 +31,17 @@ pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
 def recs() -> list[dict[str, object]]:
     todo = tasks([48], [16.0], ["traces"], [0, 1], ["stock", "offload", "auto"])
     todo += tasks([96], [16.0], ["traces"], [0, 1], ["stock", "offload", "auto", "offload-pinned"])
+    todo += tasks([96], [16.0], ["named"], [0, 1], ["stock", "offload", "auto"], POLICIES)
     return cells(run_map(todo, jobs=2, quiet=True))
+
+
+POLICIES = ("write_back", "write_through_selective")
+
+
+def test_every_write_policy_has_its_cells(recs: list[dict[str, object]]) -> None:
+    """The slice ran the named-tool cell under each other write policy (not write_through again)."""
+    got = {(r.get("write_policy"), r["config"]) for r in recs if r["tool_shape"] == "named"}
+    assert got == {(wp, c) for wp in POLICIES for c in ("stock", "offload", "auto")}
 
 
 def test_offload_and_auto_are_never_slower_than_stock(recs: list[dict[str, object]]) -> None:
@@ -83,13 +97,11 @@ def test_the_committed_map_is_whole_and_its_cells_match_its_runs() -> None:
     ``cells`` makes of those runs now, so the summary cannot drift from the runs it came from."""
     data = json.loads(MAP.read_text())
     ax = data["axes"]
-    want = {
-        (t.sessions, t.host_gb, t.shape, t.seed, t.config)
-        for t in tasks(ax["sessions"], ax["hosts_gb"], ax["tool_shapes"], ax["seeds"], ax["configs"])
-    }
-    have = {
-        (r["sessions"], float(r["host_gb"]), r["tool_shape"], r["seed"], r["config"]) for r in data["runs"]
-    }
+    want = set(
+        tasks(ax["sessions"], ax["hosts_gb"], ax["tool_shapes"], ax["seeds"], ax["configs"],
+              ax.get("write_policies", ["write_through"]))
+    )  # fmt: skip
+    have = {task_of(r) for r in data["runs"]}
     assert have == want
     assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
     assert data["never_worse_violations"] == never_worse(cells(data["runs"]))
