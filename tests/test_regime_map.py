@@ -137,3 +137,40 @@ def test_a_known_miss_does_not_fail_the_long_map_but_a_new_one_does(tmp_path: Pa
     assert main(p.parse_args([*argv, "--known", str(known)])) == 0
     known.write_text(json.dumps({"never_worse_violations": ["traces 48 sessions 8 GB offload: p90 ..."]}))
     assert main(p.parse_args([*argv, "--known", str(known)])) == 1
+
+
+WP_MAP = ROOT / "docs" / "results" / "twin" / "write_policy_map.json"
+WP_RUN = ROOT / "docs" / "results" / "twin" / "write_back_named96.json"
+
+
+def _block(doc: str, name: str) -> str:
+    import re
+
+    m = re.search(rf"<!-- BEGIN {name} -->\n(.*?)\n<!-- END {name} -->", doc, re.S)
+    assert m is not None, name
+    return m.group(1).strip()
+
+
+def test_the_write_policy_map_is_the_table_in_the_docs() -> None:
+    """docs/benchmarks.md's write-policy slice of the map is ``doc_table`` of its committed JSON, and
+    that JSON's cells and misses are what its runs give now."""
+    from toolkv.twin.regime_map import doc_table
+
+    data = json.loads(WP_MAP.read_text())
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert _block(doc, "twin-map-write-policy") == doc_table(data).strip(), (
+        "regenerate: python -m toolkv.twin.regime_map --doc-table docs/results/twin/write_policy_map.json"
+    )
+    assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
+    assert data["never_worse_violations"] == never_worse(cells(data["runs"]))
+    assert {task_of(r).write_policy for r in data["runs"]} == set(data["axes"]["write_policies"])
+
+
+def test_the_write_back_run_is_the_table_in_the_docs() -> None:
+    """docs/twin.md's 96-session named-tool table under each write policy is its committed JSON."""
+    from toolkv.twin.write_policy import doc_table
+
+    doc = (ROOT / "docs" / "twin.md").read_text()
+    assert _block(doc, "twin-write-back-named96") == doc_table(json.loads(WP_RUN.read_text())).strip(), (
+        "regenerate: python -m toolkv.twin.write_policy --doc-table docs/results/twin/write_back_named96.json"
+    )

@@ -79,6 +79,7 @@ class Outcome:
     host_tokens: int
     device_tokens: int
     wall_s: float
+    drain_s: float = 0.0  # scheduler time in blocking write drains (write_back: Twin._charge_drains)
 
 
 class Twin:
@@ -320,7 +321,7 @@ class Twin:
             self.cfg, self.agents, self.samples, end, self.iterations, self.prefills, self.decodes,
             self.sched.retractions, self.sched.prefill_tokens, self.sched.cached_tokens,
             dict(self.copies.tokens_moved), meta_end, leaks, self.crashed, self.stack.host_tokens,
-            self.opts.device_tokens, wall,
+            self.opts.device_tokens, wall, self.drain_s,
         )  # fmt: skip
 
     def leaks(self) -> dict[str, Any]:
