@@ -174,3 +174,12 @@ def test_the_write_back_run_is_the_table_in_the_docs() -> None:
     assert _block(doc, "twin-write-back-named96") == doc_table(json.loads(WP_RUN.read_text())).strip(), (
         "regenerate: python -m toolkv.twin.write_policy --doc-table docs/results/twin/write_back_named96.json"
     )
+
+
+def test_the_0523_write_back_run_is_the_table_in_the_docs() -> None:
+    """docs/twin.md's 0.5.23 table of the same load is its committed JSON."""
+    from toolkv.twin.write_policy import doc_table
+
+    data = json.loads((ROOT / "docs" / "results" / "twin" / "write_back_named96_0523.json").read_text())
+    doc = (ROOT / "docs" / "twin.md").read_text()
+    assert _block(doc, "twin-write-back-named96-0523") == doc_table(data).strip()
