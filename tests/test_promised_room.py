@@ -17,10 +17,7 @@ copy engine holding the writes in flight: a session's path sits resident and unb
 (``write_back``: no host copy until eviction), a long prompt is being prefilled in chunks, and the
 session's ``tool_start`` comes between two chunks. toolkv must refuse it (503
 ``device_memory_full``, nothing changed), and the chunked prefill must finish. Runs on both
-releases (0.5.16's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``). On 0.5.16 under write_back
-toolkv's copy takes no lock past the call (it is written unlocked and waited for, as sglang's own
-write_back eviction does: a locked copy there could keep its lock for good), so the same
-tool_start is accepted and the prefill still finishes.
+releases (0.5.16's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``).
 """
 
 from __future__ import annotations
@@ -63,12 +60,6 @@ def _room(srv: Server) -> int:
     return int(tree.token_to_kv_pool_allocator.available_size()) + int(tree.evictable_size())
 
 
-def _path(srv: Server, leaf: object) -> list[object]:
-    from toolkv.core.treeops import path_to
-
-    return list(path_to(srv.h.tree, leaf))
-
-
 def _run_turn(srv: Server, sid: str, prompt: list[int], out: int) -> None:
     req = srv.request(sid, prompt, list(range(7000, 7000 + out)))
     srv.sched.add_request(req)
@@ -90,16 +81,6 @@ def test_tool_start_between_chunks_keeps_the_chunked_prefill_alive(server: Serve
     assert srv.iterate() is not None and srv.sched.chunked_req is long_req
     before = _room(srv)
     status, body = tk.handle("tool_start", {"session_id": "a"})
-    if not UNIFIED:
-        # 0.5.16 under write_back: toolkv writes the copy unlocked and waits for it within the call
-        # (HiRadixBackend._write_back), so nothing is locked once it returns and there is nothing to
-        # refuse; the room sglang counted on is all still there
-        assert status == 200 and body["state"] in ("Offloading", "Offloaded"), body
-        assert _room(srv) >= before and srv.h.pending("write") == 0
-        assert all(m.lock_ref == 0 for m in _path(srv, tk.manager.sessions["a"].node))
-        while not long_req.finished():
-            assert srv.iterate() is not None
-        return
     # the write would lock a's 240 resident tokens while the rest of b's prompt needs them
     assert status == 503 and body["error"] == "device_memory_full", (status, body)
     assert "promised" in body["message"]

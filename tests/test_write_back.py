@@ -7,9 +7,10 @@ leaves unlocked (``write_backup(x, write_back=True)``) and then drains every wri
 ``writing_check(write_back=True)``, which finishes each ack with ``release_lock=False``. A locked
 write still in flight at that moment is acked without its lock released, and its path stays on the
 device for good. toolkv's tool_start used the locked form; on the twin's 96-session named-tool load
-81 of 171 tool_start copies leaked their lock and the server stopped admitting. toolkv now writes
-the copy unlocked and waits for it within the call under write_back (``HiRadixBackend._write_back``),
-the form sglang's own write_back eviction uses.
+81 of 171 tool_start copies leaked their lock and the server stopped admitting. toolkv now releases
+the locks of its writes that such a drain finished (the plugin's AROUND hook on
+``HiRadixCache.writing_check`` -> ``HiRadixBackend.around_writing_check``); the copy stays
+asynchronous, as under write_through.
 
 The first test pins sglang's behaviour the fix rests on (if a later 0.5.16 build releases the lock
 in its drain, it fails and says so); the second is the fix, and the third shows the second can fail.
@@ -87,10 +88,10 @@ def test_a_tool_start_under_write_back_leaves_no_lock(server: object) -> None:
     assert server.h.pending("write") == 0  # type: ignore[attr-defined]
 
 
-def test_the_locked_write_would_leak_its_lock(server: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same steps with toolkv's write-through form (``_write_back`` False): the lock stays."""
+def test_without_the_release_the_lock_leaks(server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same steps without the release (the hook passes the call through): the lock stays."""
     from toolkv.core.backends.hiradix import HiRadixBackend
 
-    monkeypatch.setattr(HiRadixBackend, "_write_back", lambda self: False)
+    monkeypatch.setattr(HiRadixBackend, "around_writing_check", lambda self, call, write_back: call())
     status, locks = _tool_start_leaves_no_lock(server)
     assert status == 200 and max(locks) > 0, locks

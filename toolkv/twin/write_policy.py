@@ -8,9 +8,10 @@ on the twin, with what toolkv decided and what sglang's write_back drains cost.
 The load is the GPU one of docs/benchmarks.md ("96 sessions, four named tools"), as ``toolkv twin
 --sessions 96 --arrival-rate 0 --turns 5 --first-tokens 3000 --growth 900 --output 32
 --max-context 16384 --warmup 0 --tool-shape named --duration 100 --device-tokens 120000
---host-gb 16 --write-policy P`` runs it. ``--unfixed`` adds toolkv's former tool_start write
-under write_back (the locked, write-through form: ``HiRadixBackend._write_back`` forced False) as
-rows ``offload-unfixed`` and ``auto-unfixed``, so the table shows what the fix changed. The rows
+--host-gb 16 --write-policy P`` runs it. ``--unfixed`` adds toolkv before the fix under
+write_back (its locked tool_start writes, without releasing the locks that write_back's drain keeps:
+``HiRadixBackend.around_writing_check`` passing the call through) as rows ``offload-unfixed`` and
+``auto-unfixed``, so the table shows what the fix changed. The rows
 are the regime map's closed-load figures (``toolkv.workload.metrics.closed_stats``) plus the
 device tokens still locked at the end of the run, the tool_start refusals by answer, toolkv's
 demotions, and the scheduler time spent in blocking write drains.
@@ -42,15 +43,15 @@ COMMAND = (
 
 @contextlib.contextmanager
 def unfixed() -> Iterator[None]:
-    """toolkv's tool_start write before the fix: locked under every policy."""
+    """toolkv before the fix: a write_back drain's kept locks are not released."""
     from toolkv.core.backends.hiradix import HiRadixBackend
 
-    real = HiRadixBackend._write_back
-    HiRadixBackend._write_back = lambda self: False  # type: ignore[method-assign]
+    real = HiRadixBackend.around_writing_check
+    HiRadixBackend.around_writing_check = lambda self, call, write_back: call()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        HiRadixBackend._write_back = real  # type: ignore[method-assign]
+        HiRadixBackend.around_writing_check = real  # type: ignore[method-assign]
 
 
 def run_one(config: str, policy: str, seed_: int, *, old: bool = False) -> dict[str, Any]:
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m toolkv.twin.write_policy", description=__doc__.splitlines()[0])
     p.add_argument("--policies", default=",".join(WRITE_POLICIES), type=choice_list(WRITE_POLICIES))
     p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--unfixed", action="store_true", help="also toolkv's former locked write under write_back")
+    p.add_argument("--unfixed", action="store_true", help="also toolkv before the fix, under write_back")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
     p.add_argument("--doc-table", default=None, metavar="JSON", help="print the docs table of a saved run")
     a = p.parse_args(argv)
