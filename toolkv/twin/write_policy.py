@@ -2,7 +2,7 @@
 on the twin, with what toolkv decided and what sglang's write_back drains cost.
 
     python -m toolkv.twin.write_policy [--policies write_through,write_through_selective,write_back]
-                                       [--seed 0] [--unfixed] [--out FILE.json]
+                                       [--seed 0] [--sessions 96] [--turns 5] [--unfixed] [--out FILE.json]
     python -m toolkv.twin.write_policy --doc-table FILE.json      (the docs table, from the JSON)
 
 The load is the GPU one of docs/benchmarks.md ("96 sessions, four named tools"), as ``toolkv twin
@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from toolkv.argtypes import choice_list, seed
+from toolkv.argtypes import choice_list, positive_int, seed
 from toolkv.twin.configs import WRITE_POLICIES
 
 LOAD = dict(initial_sessions=96, arrival_rate=0.0, turns_median=5, first_tokens=3000, growth_per_turn=900,
@@ -54,8 +54,10 @@ def unfixed() -> Iterator[None]:
         HiRadixBackend.around_writing_check = real  # type: ignore[method-assign]
 
 
-def run_one(config: str, policy: str, seed_: int, *, old: bool = False) -> dict[str, Any]:
-    """One twin run of the load: its closed-load row."""
+def run_one(
+    config: str, policy: str, seed_: int, *, old: bool = False, load: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One twin run of the load (``LOAD``, or ``load``): its closed-load row."""
     from toolkv.twin.configs import get
     from toolkv.twin.profile import default_profile
     from toolkv.twin.report import result
@@ -64,7 +66,7 @@ def run_one(config: str, policy: str, seed_: int, *, old: bool = False) -> dict[
     from toolkv.workload.metrics import closed_stats
     from toolkv.workload.plan import Workload
 
-    w = Workload(seed=seed_, **LOAD)  # type: ignore[arg-type]
+    w = Workload(seed=seed_, **(load or LOAD))  # type: ignore[arg-type]
     cfg = get(config).with_host_gb(HOST_GB).with_write_policy(policy)
     prof = default_profile()
     with unfixed() if old else contextlib.nullcontext():
@@ -85,14 +87,14 @@ def run_one(config: str, policy: str, seed_: int, *, old: bool = False) -> dict[
     }  # fmt: skip
 
 
-def run(policies: Sequence[str], seed_: int, with_unfixed: bool) -> dict[str, Any]:
+def run(policies: Sequence[str], seed_: int, with_unfixed: bool, load: dict[str, Any] | None = None) -> dict[str, Any]:
     rows = []
     for p in policies:
         for c in CONFIGS:
-            rows.append(run_one(c, p, seed_))
+            rows.append(run_one(c, p, seed_, load=load))
         if with_unfixed and p == "write_back":
-            rows += [run_one(c, p, seed_, old=True) for c in ("offload", "auto")]
-    return {"command": COMMAND, "seed": seed_, "rows": rows}
+            rows += [run_one(c, p, seed_, old=True, load=load) for c in ("offload", "auto")]
+    return {"command": COMMAND, "seed": seed_, "load": load or LOAD, "rows": rows}
 
 
 def doc_table(data: dict[str, Any]) -> str:
@@ -121,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m toolkv.twin.write_policy", description=__doc__.splitlines()[0])
     p.add_argument("--policies", default=",".join(WRITE_POLICIES), type=choice_list(WRITE_POLICIES))
     p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--sessions", type=positive_int, default=LOAD["initial_sessions"], help="sessions at the start")
+    p.add_argument("--turns", type=positive_int, default=LOAD["turns_median"], help="median turns per session")
     p.add_argument("--unfixed", action="store_true", help="also toolkv before the fix, under write_back")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
     p.add_argument("--doc-table", default=None, metavar="JSON", help="print the docs table of a saved run")
@@ -131,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from toolkv.twin.stack import quiet
 
     quiet()
-    data = run(a.policies.split(","), a.seed, a.unfixed)
+    load = dict(LOAD, initial_sessions=a.sessions, turns_median=a.turns)
+    data = run(a.policies.split(","), a.seed, a.unfixed, None if load == LOAD else load)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(data, indent=1, default=str) + "\n")
