@@ -35,7 +35,9 @@ def server() -> Iterator[object]:
     from toolkv.twin.server import make_server
 
     with toolkv_cache_hooks("radix"):
-        srv = make_server("hiradix", device_tokens=DEVICE, host_ratio=2.0, context_len=2048, write_policy="write_back")
+        srv = make_server(
+            "hiradix", device_tokens=DEVICE, host_ratio=2.0, context_len=2048, write_policy="write_back"
+        )
         try:
             yield srv
         finally:

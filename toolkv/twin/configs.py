@@ -43,7 +43,9 @@ class TwinConfig:
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}; got {self.write_policy!r}")
+            raise ValueError(
+                f"write_policy must be one of {', '.join(WRITE_POLICIES)}; got {self.write_policy!r}"
+            )
 
     def storage_link(self, kv_bytes_per_token: int) -> Any:
         """The L3 link of an L3 server (``toolkv.twin.storage.StorageLink``), None without L3."""

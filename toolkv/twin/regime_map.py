@@ -116,7 +116,11 @@ def run_task(t: Task) -> dict[str, Any]:
     from toolkv.workload.metrics import closed_stats
 
     name = "stock" if t.config == "stock4x" else t.config
-    cfg = get(name).with_host_gb(t.host_gb * (4 if t.config == "stock4x" else 1)).with_write_policy(t.write_policy)
+    cfg = (
+        get(name)
+        .with_host_gb(t.host_gb * (4 if t.config == "stock4x" else 1))
+        .with_write_policy(t.write_policy)
+    )
     w = _workload(t)
     prof = default_profile()
     t0 = time.process_time()
@@ -264,8 +268,8 @@ def cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     same seed's stock run, with the seeds and the live KV against the host pool."""
     by: dict[tuple[Any, ...], dict[int, dict[str, dict[str, Any]]]] = {}
     for r in rows:
-        key = (r["tool_shape"], r["sessions"], r["host_gb"], WRITE_POLICIES.index(policy_of(r)))
-        by.setdefault(key, {}).setdefault(r["seed"], {})[r["config"]] = r
+        cell = (r["tool_shape"], r["sessions"], r["host_gb"], WRITE_POLICIES.index(policy_of(r)))
+        by.setdefault(cell, {}).setdefault(r["seed"], {})[r["config"]] = r
     out = []
     for (shape, n, host, wpi), seeds in sorted(by.items()):
         configs = sorted(
@@ -321,7 +325,9 @@ def misses(recs: list[dict[str, Any]], configs: Sequence[str] = TOOLKV) -> list[
         if r["config"] not in configs:
             continue
         tps, p90 = r["tps_vs_stock"]["median"], r["p90_vs_stock"]["median"]
-        where = f"{r['tool_shape']} {r['sessions']} sessions {r['host_gb']:g} GB{_policy_words(r)} {r['config']}"
+        where = (
+            f"{r['tool_shape']} {r['sessions']} sessions {r['host_gb']:g} GB{_policy_words(r)} {r['config']}"
+        )
         if not r["all_passed"]:
             bad.append(f"{where}: a run failed its checks (crash, leak or 5xx)")
         if not tps >= MIN_TPS:

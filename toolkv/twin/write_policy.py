@@ -87,7 +87,9 @@ def run_one(
     }  # fmt: skip
 
 
-def run(policies: Sequence[str], seed_: int, with_unfixed: bool, load: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(
+    policies: Sequence[str], seed_: int, with_unfixed: bool, load: dict[str, Any] | None = None
+) -> dict[str, Any]:
     rows = []
     for p in policies:
         for c in CONFIGS:
@@ -109,7 +111,11 @@ def doc_table(data: dict[str, Any]) -> str:
         p90 = r["resumed_ttft_p90_s"] / st["resumed_ttft_p90_s"] if st else float("nan")
         answers = ", ".join(f"{k}: {v}" for k, v in r["tool_start"].items()) or "-"
         # a stopped run's closed figures cover only the turns before it stopped: not comparable
-        rate = f"{r['closed_turns_per_s']:.2f} | {tps:.2f}×" if not r["crashed"] else f"- ({r['turns']} turns) | -"
+        rate = (
+            f"{r['closed_turns_per_s']:.2f} | {tps:.2f}×"
+            if not r["crashed"]
+            else f"- ({r['turns']} turns) | -"
+        )
         lines.append(
             f"| {r['write_policy']} | {r['config']} | {rate} "
             f"| {r['resumed_ttft_p90_s']:.2f} | {p90:.2f}× | {100 * r['reuse']:.0f} % | {answers} | {r['demoted']} "
@@ -120,11 +126,17 @@ def doc_table(data: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m toolkv.twin.write_policy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m toolkv.twin.write_policy", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--policies", default=",".join(WRITE_POLICIES), type=choice_list(WRITE_POLICIES))
     p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--sessions", type=positive_int, default=LOAD["initial_sessions"], help="sessions at the start")
-    p.add_argument("--turns", type=positive_int, default=LOAD["turns_median"], help="median turns per session")
+    p.add_argument(
+        "--sessions", type=positive_int, default=LOAD["initial_sessions"], help="sessions at the start"
+    )
+    p.add_argument(
+        "--turns", type=positive_int, default=LOAD["turns_median"], help="median turns per session"
+    )
     p.add_argument("--unfixed", action="store_true", help="also toolkv before the fix, under write_back")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
     p.add_argument("--doc-table", default=None, metavar="JSON", help="print the docs table of a saved run")
