@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import pkgutil
 
-from toolkv.sglang.cache_hooks import active, cache_class_path, cache_hooks, toolkv_cache_hooks
+from toolkv.sglang.cache_hooks import active, cache_classes, cache_hooks, toolkv_cache_hooks
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.plugin import hooks
 from toolkv.testing.unified_harness import has_unified_radix_cache
 
 TREE = "unified" if has_unified_radix_cache() else "radix"
+
+
+def _methods() -> dict[str, object]:
+    """Every hooked attribute, by target, as its class holds it now (0.5.16: ``RadixCache``'s turn
+    capture and reset, ``HiRadixCache``'s ``writing_check``)."""
+    out = {}
+    for target, _, _ in cache_hooks(TREE):
+        path, name = target.rsplit(".", 1)
+        out[target] = pkgutil.resolve_name(path).__dict__[name]
+    return out
 
 
 def _registry() -> tuple[dict[str, list[object]], set[str]]:
@@ -24,41 +34,37 @@ def _registry() -> tuple[dict[str, list[object]], set[str]]:
 
 def test_the_rows_are_the_plugins_own_cache_rows() -> None:
     """Every row of the plugin's scheduler-side list on the cache class, and nothing else."""
-    prefix = cache_class_path(TREE) + "."
+    prefixes = tuple(c + "." for c in cache_classes(TREE))
     plugin_rows = hooks(main_process=False, config=ToolKVConfig(), tree=TREE)
     rows = cache_hooks(TREE)
-    assert rows and rows == [r for r in plugin_rows if r[0].startswith(prefix)]
+    assert rows and rows == [r for r in plugin_rows if r[0].startswith(prefixes)]
 
 
 def test_nested_entries_share_one_application_and_the_last_exit_undoes_it() -> None:
-    cls = pkgutil.resolve_name(cache_class_path(TREE))
-    names = [t.rsplit(".", 1)[1] for t, _, _ in cache_hooks(TREE)]
-    before = {n: cls.__dict__[n] for n in names}
+    before = _methods()
     registry = _registry()
     with toolkv_cache_hooks(TREE):
-        applied = {n: cls.__dict__[n] for n in names}
-        assert all(applied[n] is not before[n] for n in names)
-        assert all(applied[n].__wrapped__ is before[n] for n in names), "wrapped once, over sglang's own"
+        applied = _methods()
+        assert all(applied[n] is not before[n] for n in before)
+        assert all(applied[n].__wrapped__ is before[n] for n in before), "wrapped once, over sglang's own"
         with toolkv_cache_hooks(TREE):  # a second stack (a fleet's next server): nothing applied again
             assert active(TREE) == 2
-            assert {n: cls.__dict__[n] for n in names} == applied
+            assert _methods() == applied
         assert active(TREE) == 1
-        assert {n: cls.__dict__[n] for n in names} == applied, "still applied for the first user"
+        assert _methods() == applied, "still applied for the first user"
     assert active(TREE) == 0
-    assert {n: cls.__dict__[n] for n in names} == before
+    assert _methods() == before
     assert _registry() == registry
 
 
 def test_an_error_inside_still_undoes_the_hooks() -> None:
-    cls = pkgutil.resolve_name(cache_class_path(TREE))
-    names = [t.rsplit(".", 1)[1] for t, _, _ in cache_hooks(TREE)]
-    before = {n: cls.__dict__[n] for n in names}
+    before = _methods()
     try:
         with toolkv_cache_hooks(TREE):
             raise RuntimeError("boom")
     except RuntimeError:
         pass
-    assert active(TREE) == 0 and {n: cls.__dict__[n] for n in names} == before
+    assert active(TREE) == 0 and _methods() == before
 
 
 def test_the_twins_stacks_hold_the_hooks_from_build_to_close() -> None:

@@ -8,7 +8,11 @@ protection. ``offload`` and ``auto`` must stay within the never-worse bars of
 medians over seeds) in both, and reach the target (>= 1.5x throughput or <= 0.7x p90) on the
 value load, where the live KV is 3x the host. The same toolkv without load-adaptive protection
 (``offload-pinned``, TOOLKV_ADAPTIVE=0) runs in the larger cell too: the bars must catch it, or the
-slice could not see the regression it is here for. The whole map: ``make test-long``.
+slice could not see the regression it is here for. The write-policy axis: the 96-session
+named-tool cell (16 GB host) under ``write_back`` and ``write_through_selective``, over two seeds,
+where ``auto`` under write_back once filled the device with locked paths (a tool_start copy in
+flight when write_back's eviction drained the acks kept its lock for good). The whole map:
+``make test-long``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.twin.regime_map import cells, never_worse, read_journal, run_map, short_of_target, tasks
+from toolkv.twin.regime_map import cells, never_worse, read_journal, run_map, short_of_target, task_of, tasks
 
 pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
 
@@ -27,7 +31,17 @@ pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
 def recs() -> list[dict[str, object]]:
     todo = tasks([48], [16.0], ["traces"], [0, 1], ["stock", "offload", "auto"])
     todo += tasks([96], [16.0], ["traces"], [0, 1], ["stock", "offload", "auto", "offload-pinned"])
+    todo += tasks([96], [16.0], ["named"], [0, 1], ["stock", "offload", "auto"], POLICIES)
     return cells(run_map(todo, jobs=2, quiet=True))
+
+
+POLICIES = ("write_back", "write_through_selective")
+
+
+def test_every_write_policy_has_its_cells(recs: list[dict[str, object]]) -> None:
+    """The slice ran the named-tool cell under each other write policy (not write_through again)."""
+    got = {(r.get("write_policy"), r["config"]) for r in recs if r["tool_shape"] == "named"}
+    assert got == {(wp, c) for wp in POLICIES for c in ("stock", "offload", "auto")}
 
 
 def test_offload_and_auto_are_never_slower_than_stock(recs: list[dict[str, object]]) -> None:
@@ -83,13 +97,11 @@ def test_the_committed_map_is_whole_and_its_cells_match_its_runs() -> None:
     ``cells`` makes of those runs now, so the summary cannot drift from the runs it came from."""
     data = json.loads(MAP.read_text())
     ax = data["axes"]
-    want = {
-        (t.sessions, t.host_gb, t.shape, t.seed, t.config)
-        for t in tasks(ax["sessions"], ax["hosts_gb"], ax["tool_shapes"], ax["seeds"], ax["configs"])
-    }
-    have = {
-        (r["sessions"], float(r["host_gb"]), r["tool_shape"], r["seed"], r["config"]) for r in data["runs"]
-    }
+    want = set(
+        tasks(ax["sessions"], ax["hosts_gb"], ax["tool_shapes"], ax["seeds"], ax["configs"],
+              ax.get("write_policies", ["write_through"]))
+    )  # fmt: skip
+    have = {task_of(r) for r in data["runs"]}
     assert have == want
     assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
     assert data["never_worse_violations"] == never_worse(cells(data["runs"]))
@@ -125,3 +137,49 @@ def test_a_known_miss_does_not_fail_the_long_map_but_a_new_one_does(tmp_path: Pa
     assert main(p.parse_args([*argv, "--known", str(known)])) == 0
     known.write_text(json.dumps({"never_worse_violations": ["traces 48 sessions 8 GB offload: p90 ..."]}))
     assert main(p.parse_args([*argv, "--known", str(known)])) == 1
+
+
+WP_MAP = ROOT / "docs" / "results" / "twin" / "write_policy_map.json"
+WP_RUN = ROOT / "docs" / "results" / "twin" / "write_back_named96.json"
+
+
+def _block(doc: str, name: str) -> str:
+    import re
+
+    m = re.search(rf"<!-- BEGIN {name} -->\n(.*?)\n<!-- END {name} -->", doc, re.S)
+    assert m is not None, name
+    return m.group(1).strip()
+
+
+def test_the_write_policy_map_is_the_table_in_the_docs() -> None:
+    """docs/benchmarks.md's write-policy slice of the map is ``doc_table`` of its committed JSON, and
+    that JSON's cells and misses are what its runs give now."""
+    from toolkv.twin.regime_map import doc_table
+
+    data = json.loads(WP_MAP.read_text())
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert _block(doc, "twin-map-write-policy") == doc_table(data).strip(), (
+        "regenerate: python -m toolkv.twin.regime_map --doc-table docs/results/twin/write_policy_map.json"
+    )
+    assert json.loads(json.dumps(cells(data["runs"]), default=str)) == data["cells"]
+    assert data["never_worse_violations"] == never_worse(cells(data["runs"]))
+    assert {task_of(r).write_policy for r in data["runs"]} == set(data["axes"]["write_policies"])
+
+
+def test_the_write_back_run_is_the_table_in_the_docs() -> None:
+    """docs/twin.md's 96-session named-tool table under each write policy is its committed JSON."""
+    from toolkv.twin.write_policy import doc_table
+
+    doc = (ROOT / "docs" / "twin.md").read_text()
+    assert _block(doc, "twin-write-back-named96") == doc_table(json.loads(WP_RUN.read_text())).strip(), (
+        "regenerate: python -m toolkv.twin.write_policy --doc-table docs/results/twin/write_back_named96.json"
+    )
+
+
+def test_the_0523_write_back_run_is_the_table_in_the_docs() -> None:
+    """docs/twin.md's 0.5.23 table of the same load is its committed JSON."""
+    from toolkv.twin.write_policy import doc_table
+
+    data = json.loads((ROOT / "docs" / "results" / "twin" / "write_back_named96_0523.json").read_text())
+    doc = (ROOT / "docs" / "twin.md").read_text()
+    assert _block(doc, "twin-write-back-named96-0523") == doc_table(data).strip()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkv.sglang.config import ToolKVConfig
-from toolkv.sglang.plugin import RADIX, UNIFIED, hooks
+from toolkv.sglang.plugin import HIRADIX, RADIX, UNIFIED, hooks
 
 TREE_APIS = ("radix", "unified")
 
@@ -42,12 +42,19 @@ def cache_class_path(tree_api: str) -> str:
     return UNIFIED if tree_api == "unified" else RADIX
 
 
+def cache_classes(tree_api: str) -> tuple[str, ...]:
+    """The dotted paths of every cache class the plugin hooks for ``tree_api``: the turn-capture
+    class of :func:`cache_class_path`, and for 0.5.16 also ``HiRadixCache`` (its ``writing_check``,
+    write_back's drain)."""
+    return (cache_class_path(tree_api),) if tree_api == "unified" else (RADIX, HIRADIX)
+
+
 def cache_hooks(tree_api: str) -> list[tuple[str, Callable[..., Any], str]]:
     """The rows of the plugin's hook list (scheduler process, default config) that target the
-    cache class of ``tree_api``: (target, hook, ``HookType`` name), in the plugin's order."""
-    prefix = cache_class_path(tree_api) + "."
+    cache classes of ``tree_api``: (target, hook, ``HookType`` name), in the plugin's order."""
+    prefixes = tuple(c + "." for c in cache_classes(tree_api))
     rows = hooks(main_process=False, config=ToolKVConfig(), tree=tree_api)
-    return [row for row in rows if row[0].startswith(prefix)]
+    return [row for row in rows if row[0].startswith(prefixes)]
 
 
 Row = tuple[str, Callable[..., Any], str]  # (target, hook, HookType name), as plugin.hooks gives them

@@ -61,6 +61,7 @@ log = logging.getLogger("toolkv")
 
 SCHED = "sglang.srt.managers.scheduler.Scheduler"
 RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
 UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 HTTP = "sglang.srt.entrypoints.http_server"
 CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
@@ -180,6 +181,7 @@ def hooks(
         out += [
             (f"{RADIX}.cache_finished_req", around_cache_finished_req, "AROUND"),
             (f"{RADIX}.reset", after_tree_reset, "AFTER"),
+            (f"{HIRADIX}.writing_check", around_writing_check, "AROUND"),  # write_back's drain
         ]
     if main_process:
         out.append((f"{HTTP}.launch_server", before_launch_server, "BEFORE"))
@@ -374,6 +376,21 @@ def around_cache_finished_req(
         except Exception:  # deterministic on every rank; never fail the request for toolkv
             log.exception("toolkv: recording the turn of session %s failed", turn[0])
     return result
+
+
+def around_writing_check(original: Callable[..., Any], tree: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``HiRadixCache.writing_check(write_back=False)`` (hiradix_cache.py:981; sglang 0.5.16):
+    under ``--hicache-write-policy write_back`` the eviction drains every write in flight with
+    ``writing_check(write_back=True)``, which finishes each ack without releasing the lock the write
+    took. toolkv's tool_start copies are locked writes; the backend
+    (``HiRadixBackend.around_writing_check``) releases the locks of those the drain finished, so
+    none is kept for good. Every rank drains the same writes, so the ranks release the same locks."""
+    tk = getattr(tree, "_toolkv", None)
+    around = getattr(getattr(getattr(tk, "manager", None), "backend", None), "around_writing_check", None)
+    if around is None:
+        return original(tree, *args, **kwargs)
+    write_back = bool(kwargs.get("write_back", args[0] if args else False))
+    return around(lambda: original(tree, *args, **kwargs), write_back)
 
 
 def checkpointed_turn(tree: Any, req: Any, up_to: int | None) -> tuple[str, Any, Any] | None:

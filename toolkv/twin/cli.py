@@ -37,7 +37,7 @@ from toolkv.argtypes import (
     share,
     writable_file,
 )
-from toolkv.twin.configs import CONFIGS, REGIMES, TwinConfig, get
+from toolkv.twin.configs import CONFIGS, REGIMES, WRITE_POLICIES, TwinConfig, get
 from toolkv.twin.profile import profile_file
 from toolkv.workload.plan import SHAPES, Workload
 
@@ -79,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         type=positive_float_list,
         help="HiCache host pool GB for the 16 GB configurations (sweep, l3: a comma list)",
+    )
+    p.add_argument(
+        "--write-policy",
+        default=None,
+        type=choice_list(WRITE_POLICIES),
+        help="sglang's --hicache-write-policy of the HiCache configurations (default write_through, the "
+        "benchmarks'); map: a comma list, an axis of the map",
     )
     p.add_argument(
         "--profile",
@@ -180,6 +187,8 @@ def configs(a: argparse.Namespace, host_gb: float | None) -> list[TwinConfig]:
             c = c.with_host_gb(host_gb)
         if getattr(a, "ttl", None) is not None and c.mode != "stock":
             c = replace(c, ttl_s=a.ttl)
+        if getattr(a, "write_policy", None):
+            c = c.with_write_policy(a.write_policy.split(",")[0])
         out.append(c)
     return out
 
@@ -353,6 +362,8 @@ def run(a: argparse.Namespace) -> int:
     try:
         if a.host_gb and len(a.host_gb) > 1 and a.action not in HOST_LISTS:
             raise ValueError(f"--host-gb: one value for twin {a.action} (a comma list is for sweep and l3)")
+        if a.write_policy and "," in a.write_policy:
+            raise ValueError(f"--write-policy: one value for twin {a.action} (a comma list is for map)")
         if a.action in L3_DEFAULTS:
             bad = [n for n in (a.configs or "").split(",") if n.strip() and n.strip() not in FLEET_NAMES]
             if bad or a.configs == "all":

@@ -11,6 +11,10 @@ GB = 1e9
 #: the L3 link of the L3 configurations: one local NVMe drive (3-7 GB/s sequential), each way
 L3_GBPS = 5.0
 REGIMES = {"constrained": 120_000, "plentiful": 800_000}  # device pool tokens (--max-total-tokens)
+#: sglang's --hicache-write-policy values (server_args.py), the first the benchmarks' default:
+#: write_through writes a node to host on its first hit, write_through_selective on its second,
+#: write_back only when eviction would drop it (docs/twin.md, "HiCache write policy")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,15 @@ class TwinConfig:
     # TOOLKV_* settings over the twin's own, as an operator's environment would set them (parsed
     # and checked by ToolKVConfig.from_env): e.g. (("TOOLKV_L3", "0"),) to try a knob on a load
     toolkv_env: tuple[tuple[str, str], ...] = ()
+    # --hicache-write-policy (HiCache only): when sglang writes a node to the host pool, and what its
+    # eviction does with a node that has no host copy
+    write_policy: str = "write_through"
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"write_policy must be one of {', '.join(WRITE_POLICIES)}; got {self.write_policy!r}"
+            )
 
     def storage_link(self, kv_bytes_per_token: int) -> Any:
         """The L3 link of an L3 server (``toolkv.twin.storage.StorageLink``), None without L3."""
@@ -52,6 +65,10 @@ class TwinConfig:
 
     def with_host_gb(self, host_gb: float) -> TwinConfig:
         return replace(self, host_gb=host_gb)
+
+    def with_write_policy(self, write_policy: str) -> TwinConfig:
+        """The same server under another ``--hicache-write-policy`` (no-op without HiCache)."""
+        return replace(self, write_policy=write_policy) if self.cache == "hiradix" else self
 
     def describe(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -1,7 +1,8 @@
 """``toolkv twin map``: where toolkv helps, where it does not, and whether it is ever slower than
 stock sglang, over a grid of loads.
 
-Axes: sessions (a closed load: all start at once) × HiCache host pool GB × tool shape, each cell
+Axes: sessions (a closed load: all start at once) × HiCache host pool GB × tool shape × sglang's
+``--hicache-write-policy`` (``--write-policy``; write_through unless named), each cell
 run with several seeds (different sessions, prompts and tool durations). In every cell and seed
 the twin runs stock sglang, toolkv ``offload`` and ``auto`` at the cell's host size, and stock at
 4× that host (what more memory buys instead). Each run gives the value report's closed-load
@@ -41,6 +42,9 @@ HOSTS_GB = (8.0, 16.0, 32.0, 64.0)
 SHAPES = ("traces", "long", "named")
 SEEDS = (0, 1, 2, 3, 4)
 CONFIGS = ("stock", "offload", "auto", "stock4x")
+#: the write policies (toolkv.twin.configs.WRITE_POLICIES); a run without one in its row (a map
+#: made before the axis) ran the first
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 TOOLKV = ("offload", "auto")
 # The load of a cell, as the GPU value load (docs/benchmarks.md): closed, ~6 turns, a first prompt
 # of ~3,000 tokens growing by ~900 a turn, 32 answer tokens. The window of turns per tool shape:
@@ -60,15 +64,17 @@ class Task:
     shape: str
     seed: int
     config: str
+    write_policy: str = WRITE_POLICIES[0]
 
 
 def tasks(
     sessions: Iterable[int], hosts: Iterable[float], shapes: Iterable[str], seeds: Iterable[int],
-    configs: Iterable[str],
+    configs: Iterable[str], write_policies: Iterable[str] = WRITE_POLICIES[:1],
 ) -> list[Task]:  # fmt: skip
     """Every run of the map, the heaviest first (the pool ends sooner when long runs start early)."""
     out = [
-        Task(n, h, s, seed, c)
+        Task(n, h, s, seed, c, wp)
+        for wp in write_policies
         for s in shapes
         for n in sessions
         for h in hosts
@@ -110,7 +116,11 @@ def run_task(t: Task) -> dict[str, Any]:
     from toolkv.workload.metrics import closed_stats
 
     name = "stock" if t.config == "stock4x" else t.config
-    cfg = get(name).with_host_gb(t.host_gb * (4 if t.config == "stock4x" else 1))
+    cfg = (
+        get(name)
+        .with_host_gb(t.host_gb * (4 if t.config == "stock4x" else 1))
+        .with_write_policy(t.write_policy)
+    )
     w = _workload(t)
     prof = default_profile()
     t0 = time.process_time()
@@ -120,7 +130,7 @@ def run_task(t: Task) -> dict[str, Any]:
     opt = (r["twin"].get("opt") or {}).get("reuse")
     return {
         "sessions": t.sessions, "host_gb": t.host_gb, "tool_shape": t.shape, "seed": t.seed, "config": t.config,
-        "closed_turns_per_s": s["closed_turns_per_s"], "turns": s["turns"],
+        "write_policy": t.write_policy, "closed_turns_per_s": s["closed_turns_per_s"], "turns": s["turns"],
         "resumed_ttft_p50_s": s["resumed_ttft_p50_s"], "resumed_ttft_p90_s": s["resumed_ttft_p90_s"],
         "reuse": s["reuse"], "opt_reuse": opt, "passed": bool(r["passed"]), "crashed": r["twin"]["crashed"],
         "live_kv_gb": live_kv_bytes(t, prof.kv_bytes_per_token) / 1e9, "cpu_s": time.process_time() - t0,
@@ -155,7 +165,12 @@ def run_task_retrying(t: Task) -> dict[str, Any]:
 def task_of(row: dict[str, Any]) -> Task:
     """The task a finished run's row answers."""
     return Task(int(row["sessions"]), float(row["host_gb"]), str(row["tool_shape"]), int(row["seed"]),
-                str(row["config"]))  # fmt: skip
+                str(row["config"]), policy_of(row))  # fmt: skip
+
+
+def policy_of(row: dict[str, Any]) -> str:
+    """A run's or cell's write policy (a row written before the axis ran write_through)."""
+    return str(row.get("write_policy") or WRITE_POLICIES[0])
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
@@ -207,7 +222,8 @@ def run_map(
                 el = time.monotonic() - t0
                 eta = el / i * (len(todo) - i)
                 print(
-                    f"[{i}/{len(todo)}] {row['tool_shape']} {row['sessions']} sessions {row['host_gb']:g} GB seed "
+                    f"[{i}/{len(todo)}] {row['tool_shape']} {row['sessions']} sessions {row['host_gb']:g} GB"
+                    f"{_policy_words(row)} seed "
                     f"{row['seed']} {row['config']}: {row['closed_turns_per_s']:.2f} turns/s, p90 "
                     f"{row['resumed_ttft_p90_s']:.2f} s, reuse {100 * row['reuse']:.0f} % "
                     f"({el:.0f} s elapsed, ~{eta:.0f} s left)",
@@ -229,6 +245,13 @@ def _commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _policy_words(rec: dict[str, Any]) -> str:
+    """`` write_back`` for a cell of another write policy than write_through, else nothing: the
+    words of a write_through cell stay what they were before the axis (known misses match them)."""
+    wp = policy_of(rec)
+    return "" if wp == WRITE_POLICIES[0] else f" {wp}"
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
 
@@ -245,11 +268,10 @@ def cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     same seed's stock run, with the seeds and the live KV against the host pool."""
     by: dict[tuple[Any, ...], dict[int, dict[str, dict[str, Any]]]] = {}
     for r in rows:
-        by.setdefault((r["tool_shape"], r["sessions"], r["host_gb"]), {}).setdefault(r["seed"], {})[
-            r["config"]
-        ] = r
+        cell = (r["tool_shape"], r["sessions"], r["host_gb"], WRITE_POLICIES.index(policy_of(r)))
+        by.setdefault(cell, {}).setdefault(r["seed"], {})[r["config"]] = r
     out = []
-    for (shape, n, host), seeds in sorted(by.items()):
+    for (shape, n, host, wpi), seeds in sorted(by.items()):
         configs = sorted(
             {c for runs in seeds.values() for c in runs},
             key=lambda c: CONFIGS.index(c) if c in CONFIGS else 9,
@@ -261,6 +283,8 @@ def cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tool_shape": shape, "sessions": n, "host_gb": host, "config": c,
                 "seeds": sorted(r["seed"] for r, _ in pairs), "live_kv_gb": live, "live_over_host": live / host,
             }  # fmt: skip
+            if wpi:  # a write_through cell keeps the record it had before the axis
+                rec["write_policy"] = WRITE_POLICIES[wpi]
             for key, field in (
                 ("tps", "closed_turns_per_s"),
                 ("p50", "resumed_ttft_p50_s"),
@@ -301,7 +325,9 @@ def misses(recs: list[dict[str, Any]], configs: Sequence[str] = TOOLKV) -> list[
         if r["config"] not in configs:
             continue
         tps, p90 = r["tps_vs_stock"]["median"], r["p90_vs_stock"]["median"]
-        where = f"{r['tool_shape']} {r['sessions']} sessions {r['host_gb']:g} GB {r['config']}"
+        where = (
+            f"{r['tool_shape']} {r['sessions']} sessions {r['host_gb']:g} GB{_policy_words(r)} {r['config']}"
+        )
         if not r["all_passed"]:
             bad.append(f"{where}: a run failed its checks (crash, leak or 5xx)")
         if not tps >= MIN_TPS:
@@ -317,8 +343,8 @@ def misses(recs: list[dict[str, Any]], configs: Sequence[str] = TOOLKV) -> list[
 
 
 def table(recs: list[dict[str, Any]]) -> str:
-    head = ("tool shape", "sessions", "host GB", "live KV ÷ host", "config", "turns/s × stock", "p50 × stock",
-            "p90 × stock", "reuse", "reuse ÷ opt", "seeds")  # fmt: skip
+    head = ("tool shape", "sessions", "host GB", "write policy", "live KV ÷ host", "config", "turns/s × stock",
+            "p50 × stock", "p90 × stock", "reuse", "reuse ÷ opt", "seeds")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(s: dict[str, float], pct: bool = False) -> str:
@@ -328,7 +354,8 @@ def table(recs: list[dict[str, Any]]) -> str:
 
     for r in recs:
         lines.append(
-            f"| {r['tool_shape']} | {r['sessions']} | {r['host_gb']:g} | {r['live_over_host']:.1f} | {r['config']} "
+            f"| {r['tool_shape']} | {r['sessions']} | {r['host_gb']:g} | {policy_of(r)} | {r['live_over_host']:.1f} "
+            f"| {r['config']} "
             f"| {f(r['tps_vs_stock'])} | {f(r['p50_vs_stock'])} | {f(r['p90_vs_stock'])} | {f(r['reuse'], True)} "
             f"| {f(r['reuse_of_opt'], True)} | {len(r['seeds'])} |"
         )
@@ -339,10 +366,13 @@ def doc_table(data: dict[str, Any]) -> str:
     """The map as docs/benchmarks.md shows it (generated from ``map.json``, checked by a test): one
     row per cell, each toolkv configuration's and stock at 4× the host's medians over seeds."""
     recs = data["cells"]
+    # a map of several write policies gets a column for it; one of write_through alone (every map
+    # before the axis) keeps the table it had
+    wide = any("write_policy" in r for r in recs)
     by: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for r in recs:
-        by.setdefault((r["tool_shape"], r["sessions"], r["host_gb"]), {})[r["config"]] = r
-    head = ("tools", "sessions", "host GB", "live KV ÷ host", "stock reuse", "offload turns/s / p90 × stock",
+        by.setdefault((r["tool_shape"], r["sessions"], r["host_gb"], policy_of(r)), {})[r["config"]] = r
+    head = ("tools", "sessions", "host GB", *(("write policy",) if wide else ()), "live KV ÷ host", "stock reuse", "offload turns/s / p90 × stock",
             "offload reuse (÷ opt)", "auto turns/s / p90 × stock", "stock 4× host turns/s / p90 × stock")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -351,8 +381,8 @@ def doc_table(data: dict[str, Any]) -> str:
             return "-"
         return f"{r['tps_vs_stock']['median']:.2f}× / {r['p90_vs_stock']['median']:.2f}×"
 
-    for (shape, n, host), cs in sorted(by.items(), key=lambda kv: (SHAPES.index(kv[0][0]) if kv[0][0] in SHAPES else 9,
-                                                                   kv[0][1], kv[0][2])):  # fmt: skip
+    for (shape, n, host, wp), cs in sorted(by.items(), key=lambda kv: (
+            SHAPES.index(kv[0][0]) if kv[0][0] in SHAPES else 9, kv[0][1], kv[0][2], WRITE_POLICIES.index(kv[0][3]))):  # fmt: skip
         st, off = cs.get("stock"), cs.get("offload")
         any_rec = next(iter(cs.values()))
         opt = (
@@ -362,7 +392,7 @@ def doc_table(data: dict[str, Any]) -> str:
         )
         stock_reuse = "-" if st is None else f"{100 * st['reuse']['median']:.0f} %"
         lines.append(
-            f"| {shape} | {n} | {host:g} | {any_rec['live_over_host']:.1f} "
+            f"| {shape} | {n} | {host:g} | {f'{wp} | ' if wide else ''}{any_rec['live_over_host']:.1f} "
             f"| {stock_reuse} | {pair(off)} | {opt} "
             f"| {pair(cs.get('auto'))} | {pair(cs.get('stock4x'))} |"
         )
@@ -423,6 +453,7 @@ def main(a: argparse.Namespace) -> int:
         shapes = [s.strip() for s in a.map_shapes.split(",") if s.strip()]
         seeds = _ints(a.seeds)
         configs = [c.strip() for c in (a.configs or ",".join(CONFIGS)).split(",") if c.strip()]
+        policies = [w.strip() for w in (getattr(a, "write_policy", None) or WRITE_POLICIES[0]).split(",")]
         bad = [s for s in shapes if s not in DURATION_S] + [c for c in configs if c not in CONFIGS]
         if (
             bad
@@ -436,7 +467,7 @@ def main(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"toolkv twin map: error: {e}", file=sys.stderr)
         return 2
-    todo = tasks(sessions, hosts, shapes, seeds, configs)
+    todo = tasks(sessions, hosts, shapes, seeds, configs, policies)
     jobs = a.jobs or os.cpu_count() or 1
     if not a.quiet:
         print(f"toolkv twin map: {len(todo)} runs on {jobs} processes", file=sys.stderr)
@@ -452,6 +483,7 @@ def main(a: argparse.Namespace) -> int:
         "tool_shapes": shapes,
         "seeds": seeds,
         "configs": configs,
+        **({"write_policies": policies} if policies != [WRITE_POLICIES[0]] else {}),
     }
     data = {
         "axes": axes, "load": LOAD | {"duration_s": DURATION_S}, "regime": "constrained",

@@ -70,6 +70,7 @@ def result(
         "prefill_tokens": o.prefill_tokens,
         "cached_tokens": o.cached_tokens,
         "copied_tokens": o.copied_tokens,
+        "drain_s": o.drain_s,
         "leaks": o.leaks,
         "crashed": o.crashed,
         "timeline": a.timeline,

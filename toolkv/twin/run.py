@@ -79,6 +79,7 @@ class Outcome:
     host_tokens: int
     device_tokens: int
     wall_s: float
+    drain_s: float = 0.0  # scheduler time in blocking write drains (write_back: Twin._charge_drains)
 
 
 class Twin:
@@ -99,6 +100,9 @@ class Twin:
         self.tk = self.stack.tk
         self.agents = Agents(self.sessions, cfg.mode, cfg.send_tool)
         self.copies = TimedCopies(self.h, profile)
+        self._drains = 0  # blocking write drains not yet charged to the clock (_watch_drains)
+        self.drain_s = 0.0  # scheduler time spent waiting in them, over the run
+        self._watch_drains()
         self.clock: Clock = ModelledGpuTime(profile, self.copies)
         sched_cls: type[TwinScheduler] = self.stack.scheduler_class or TwinScheduler
         if self.stack.unified:
@@ -115,6 +119,33 @@ class Twin:
         self.crashed: str | None = None
         self.iterations = self.prefills = self.decodes = 0
         self._rid = 0
+
+    def _watch_drains(self) -> None:
+        """Count sglang's blocking write drains (``writing_check(write_back=True)``: write_back's
+        eviction, and toolkv's copies under write_back). On a GPU the scheduler thread waits in
+        them until every queued device-to-host copy has landed; the CPU harness runs the copies at
+        once, so :meth:`_charge_drains` moves the clock to where the copy engine would finish."""
+        tree = self.h.tree
+        if getattr(tree, "cache_controller", None) is None:
+            return
+        real = tree.writing_check
+
+        def writing_check(*args: Any, **kw: Any) -> Any:
+            if kw.get("write_back", args[0] if args else False):
+                self._drains += 1
+            return real(*args, **kw)
+
+        tree.writing_check = writing_check
+
+    def _charge_drains(self) -> None:
+        """The scheduler waits for the copies a blocking drain waited for (after ``copies.stamp``,
+        which gave them their finish times on the copy engine's FIFO)."""
+        if self._drains:
+            self._drains = 0
+            until = self.copies.last_finish("d2h")
+            if until > self.now:
+                self.drain_s += until - self.now
+                self.now = until
 
     # ---- scheduler callbacks ---------------------------------------------------------------------
     def _sid(self, req: Any) -> str:
@@ -219,9 +250,11 @@ class Twin:
         self._inputs()
         self.tk.tick()
         self.copies.stamp(self.now)
+        self._charge_drains()
         self._storage_io()
         batch = self.sched.next_batch()
         self.copies.stamp(self.now)
+        self._charge_drains()
         self._storage_io()
         self.iterations += 1
         if batch is not None:
@@ -288,7 +321,7 @@ class Twin:
             self.cfg, self.agents, self.samples, end, self.iterations, self.prefills, self.decodes,
             self.sched.retractions, self.sched.prefill_tokens, self.sched.cached_tokens,
             dict(self.copies.tokens_moved), meta_end, leaks, self.crashed, self.stack.host_tokens,
-            self.opts.device_tokens, wall,
+            self.opts.device_tokens, wall, self.drain_s,
         )  # fmt: skip
 
     def leaks(self) -> dict[str, Any]:

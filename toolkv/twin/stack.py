@@ -133,7 +133,7 @@ def _build(
             UnifiedHarnessConfig(
                 page_size=1, device_tokens=device_tokens, host_ratio=ratio, layers=1, heads=1, head_dim=1,
                 dtype=torch.float16, max_reqs=max_reqs, context_len=context_len, hicache=cfg.cache == "hiradix",
-                tree_core=twin_tree_core(),
+                tree_core=twin_tree_core(), write_policy=cfg.write_policy,
             )
         )  # fmt: skip
     else:
@@ -142,7 +142,7 @@ def _build(
         hcfg = HarnessConfig(
             kind="hiradix" if cfg.cache == "hiradix" else "radix", page_size=1, device_tokens=device_tokens,
             host_ratio=ratio, layers=1, heads=1, head_dim=1, dtype=torch.float16, max_reqs=max_reqs,
-            context_len=context_len,
+            context_len=context_len, write_policy=cfg.write_policy,
         )  # fmt: skip
         if link is not None:
             from toolkv.twin.storage import build_storage_harness

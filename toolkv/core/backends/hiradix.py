@@ -81,6 +81,9 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         self.counters_host_room = 0  # tool_starts that had evict_host make room (spec HostRoom)
         # Sessions' copies in the L3 storage tier, by session id (spec/storage/StorageTier.tla).
         self._l3: dict[str, StorageCopy] = {}
+        # Under write_back: this manager's writes in flight, by ack id (sglang's ``node.id`` of the
+        # written node, the key of ``ongoing_write_through``) -> the node the write locked
+        self._drain_locks: dict[int, TreeNode] = {}
 
     @property
     def protected_tokens(self) -> int:
@@ -119,11 +122,48 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         for m in to_write:  # root-down: write_backup needs a backed-up parent
             written = tree.write_backup(m)
             assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
+            if self._write_back():  # write_back's drain would keep this write's lock (around_writing_check)
+                self._drain_locks[m.id] = m
         self._take_host_protection(rec, leaf)
         rec.protected = leaf
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def _write_back(self) -> bool:
+        """Whether the server runs ``--hicache-write-policy write_back``: then sglang's eviction can
+        finish toolkv's writes without releasing their locks (:meth:`around_writing_check`)."""
+        controller = getattr(self.tree, "cache_controller", None)
+        return getattr(controller, "write_policy", None) == "write_back"
+
+    def around_writing_check(self, call: Callable[[], Any], write_back: bool) -> Any:
+        """Run sglang's ``writing_check`` (``call``), then release the locks of this manager's
+        writes that a write_back drain finished (the plugin's AROUND hook on
+        ``HiRadixCache.writing_check``).
+
+        A tool_start copy is a locked write (``write_backup(m)`` -> ``inc_lock_ref``), released at
+        its ack by the scheduler's ``writing_check()`` (``_finish_write_through_ack(release_lock=True)``).
+        Under write_back, sglang's eviction also drains every write in flight with
+        ``writing_check(write_back=True)`` (hiradix_cache.py ``_evict_write_back`` ->
+        ``flush_staged``), which finishes each ack with ``release_lock=False``: a toolkv copy still
+        in flight then kept its lock for good (the twin's 96-session named-tool load: 81 of 171
+        tool_start copies, the device filled with locked paths and admission stopped). Writing
+        unlocked and waiting within the tool_start avoids the leak too, but holds the scheduler for
+        every copy (0.98x stock's throughput at 48 named-tool sessions); releasing here keeps the
+        copy asynchronous, as under write_through."""
+        if not self._drain_locks:
+            return call()
+        ongoing = self.tree.ongoing_write_through
+        # the node each write locked is its entry's lock node (a split keeps it: the suffix)
+        in_flight = {k: ongoing[k][0] for k in self._drain_locks if k in ongoing} if write_back else {}
+        try:
+            return call()
+        finally:
+            for k, locked in in_flight.items():
+                if k not in ongoing:  # finished by the drain, its lock kept: release it
+                    self.tree.dec_lock_ref(locked)
+            for k in [k for k in self._drain_locks if k not in ongoing]:
+                del self._drain_locks[k]
 
     def pin_cost(self, leaf: TreeNode) -> int:
         """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate:
@@ -134,7 +174,8 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         """Device tokens a ``tool_start`` of ``leaf``'s path takes from what sglang may evict while
         its writes are in flight: ``write_backup`` locks each node it copies, and with it the path
         above (hiradix_cache.py ``write_backup`` -> ``inc_lock_ref``), until the ack; so the
-        resident unlocked nodes from the root to the deepest node without a host copy."""
+        resident unlocked nodes from the root to the deepest node without a host copy (under every
+        write policy: under write_back too the lock holds until the ack or the drain)."""
         return offload_lock_cost(path_to(self.tree, leaf), lambda m: m.host_value is None, self._evictable)
 
     @staticmethod
@@ -309,6 +350,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
     def reset(self) -> None:
         self._loads.clear()
         self._l3.clear()  # sglang's reset drops its prefetch and backup queues with the tree
+        self._drain_locks.clear()  # and its writes (reset runs only with none in flight)
 
     def describe(self, rec: SessionRecord) -> dict[str, object]:
         node = rec.node
