@@ -38,7 +38,7 @@ CONFIGS = ("stock", "offload")
 
 
 # ---- 1. tree operations -----------------------------------------------------------------------------
-def _tree_ops(core: str, sessions: int, reps: int) -> dict[str, float]:
+def _tree_ops(core: Any, sessions: int, reps: int) -> dict[str, float]:
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 

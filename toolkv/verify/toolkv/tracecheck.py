@@ -154,8 +154,8 @@ THostFits(W) == TFits
 \\* room was made exactly where the trace says the manager made it (HostRoom steps before a ToolStart)
 THostShort(W) == Trace[i + 1].act[1] = "HostRoom"
 TDevFits(C) == TFits
-\* sglang's promise of device room is checked on the real pools by the campaign; the trace records
-\* the implementation's decision (a pin or an offload refused for it is a step that did not fit)
+\\* sglang's promise of device room is checked on the real pools by the campaign; the trace records
+\\* the implementation's decision (a pin or an offload refused for it is a step that did not fit)
 TPromiseFits(df, d, lr) == TFits
 TInsertFits == TRUE
 TWriteFits == TRUE
