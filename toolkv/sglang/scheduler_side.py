@@ -518,6 +518,10 @@ class SchedulerToolKV:
             if hasattr(b, attr):
                 out[attr] = int(getattr(b, attr))
         tree = m.tree
+        if hasattr(tree, "tree_core"):  # sglang 0.5.21+: which radix tree core the server runs
+            from toolkv.core.treeops import handle_tree
+
+            out["tree_core"] = "rust" if handle_tree(tree) else "python"
         alloc = getattr(tree, "token_to_kv_pool_allocator", None)
         if alloc is not None:
             out["device_free_tokens"] = int(alloc.available_size())

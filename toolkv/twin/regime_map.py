@@ -134,6 +134,7 @@ def run_task(t: Task) -> dict[str, Any]:
         "resumed_ttft_p50_s": s["resumed_ttft_p50_s"], "resumed_ttft_p90_s": s["resumed_ttft_p90_s"],
         "reuse": s["reuse"], "opt_reuse": opt, "passed": bool(r["passed"]), "crashed": r["twin"]["crashed"],
         "live_kv_gb": live_kv_bytes(t, prof.kv_bytes_per_token) / 1e9, "cpu_s": time.process_time() - t0,
+        "tree_core": o.meta_end.get("tree_core"),
     }  # fmt: skip
 
 
