@@ -49,7 +49,7 @@ def _threads() -> list[str]:
     return sorted(p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
+def _rank_main(rank: int, port: int, out: str, scenario: str = "main") -> None:
     """One rank, and its orderly end.
 
     Why a rank used to die with SIGABRT ("terminate called without an active exception") now and
@@ -77,7 +77,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         world_size=WORLD,
         timeout=timedelta(seconds=30),
     )
-    result = _scenario(rank)
+    result = _scenario(rank) if scenario == "main" else _scenario_promise(rank)
     gc.collect()
     dist.barrier()  # both ranks are done with every collective before either tears down
     dist.destroy_process_group()
@@ -191,6 +191,101 @@ def _scenario(rank: int) -> dict[str, Any]:
         record("drained")
         leak_free = h.accounting() == initial
     return {"trace": trace, "leak_free": leak_free}
+
+
+def _scenario_promise(rank: int) -> dict[str, Any]:
+    """``tool_start``'s device-room check (sglang's promise of device room) under skewed views:
+    only rank 1's scheduler counts a promise the offload's write locks would take, and both ranks
+    must refuse the same call; with the promise gone both accept it, and the writes, acknowledged
+    on different iterations per rank, finish it in the same iteration."""
+    import torch.distributed as dist
+    from _turns import finish_turn
+
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.scheduler_side import SchedulerToolKV
+    from toolkv.testing.harness import CacheHarness, HarnessConfig
+
+    trace: list[dict[str, Any]] = []
+    # write_back: a finished turn has no host copy, so a tool_start writes (and locks) its whole path
+    with CacheHarness(HarnessConfig(write_policy="write_back"), seed=rank) as h:
+        initial = h.accounting()
+        agree = ProcessGroupAgreement(dist.group.WORLD)
+        clock = ScriptedClock(rank)
+        tk = SchedulerToolKV(
+            h.tree, config=ToolKVConfig(ttl_s=TTL), agree=agree, tp_size=WORLD,
+            clock=AgreedClock(agree, every=1, source=clock),
+        )  # fmt: skip
+        h.tree._toolkv = tk
+
+        def record(step: str, reply: Any = None) -> None:
+            acc = h.accounting()
+            trace.append(
+                {
+                    "step": step,
+                    "reply": reply,
+                    "sessions": {x: tk.manager.kv_meta(x) for x in sorted(tk.manager.sessions)},
+                    "acct": [
+                        acc.device_free,
+                        acc.host_free,
+                        acc.evictable,
+                        acc.protected,
+                        acc.pending_writes,
+                    ],
+                }
+            )
+
+        assert finish_turn(h, "a", list(range(1, 49)), [49, 50])
+        record("turn")
+        be: Any = tk.manager.backend
+        be.headroom = (lambda: 10**6) if rank == 1 else (lambda: 0)  # only rank 1 sees the promise
+        status, body = tk.handle("tool_start", {"session_id": "a"})
+        for k in ("message", "device_free_tokens", "device_evictable_tokens", "promised_tokens"):
+            body.pop(k, None)  # this rank's own numbers; the decision is agreed
+        record("tool_start, rank 1 promised", (status, body))
+        be.headroom = lambda: 0
+        record("tool_start", tk.handle("tool_start", {"session_id": "a"}))
+        for step, writes_on in (("rank0 writes", (0,)), ("rank1 writes", (1,))):
+            clock.t += 1.0
+            if rank in writes_on:
+                h.complete("write")
+            h.check_events()
+            tk.tick()
+            record(step)
+        record("close", tk.handle("close", {"session_id": "a"}))
+        h.synchronize()
+        h.check_events()
+        h.evict_device(10**6)
+        h.check_events()
+        h.evict_host(10**6)
+        record("drained")
+        leak_free = h.accounting() == initial
+    return {"trace": trace, "leak_free": leak_free}
+
+
+def _spawn(tmp_path: Path, scenario: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    t0 = time.monotonic()
+    ctx = mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), scenario), nprocs=WORLD, join=False)
+    while not ctx.join(timeout=1):
+        if time.monotonic() > t0 + 120:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("TP ranks hung (no lockstep)")
+    r0, r1 = (json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(WORLD))
+    for a, b in zip(r0["trace"], r1["trace"], strict=True):
+        assert a == b, f"ranks diverged at {a['step']!r}:\n{a}\n{b}"
+    return r0, r1
+
+
+def test_two_gloo_ranks_refuse_an_offload_one_ranks_promise_needs_together(tmp_path: Path) -> None:
+    r0, r1 = _spawn(tmp_path, "promise")
+    by = {s["step"]: s for s in r0["trace"]}
+    refused = by["tool_start, rank 1 promised"]
+    assert refused["reply"][0] == 503 and refused["reply"][1]["error"] == "device_memory_full"
+    assert refused["sessions"]["a"]["state"] == "Running" and refused["acct"] == by["turn"]["acct"]
+    assert by["tool_start"]["reply"][1]["state"] == "Offloading"
+    assert by["rank0 writes"]["sessions"]["a"]["state"] == "Offloading", "rank 0 must wait for rank 1"
+    assert by["rank1 writes"]["sessions"]["a"]["state"] == "Offloaded"
+    assert r0["leak_free"] and r1["leak_free"]
 
 
 def test_two_gloo_ranks_take_identical_decisions(tmp_path: Path) -> None:
