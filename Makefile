@@ -82,7 +82,7 @@ test:
 	$(STAGE) spec-check-storage $(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
 	@$(STAGE) pytest-0523 $(PYTEST_0523) >$(VENV)/pytest-0523.log 2>&1 & b=$$!; \
 	echo "== pytest-0523 runs beside pytest (its output follows pytest's: $(VENV)/pytest-0523.log)"; \
-	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci TOOLKV_REQUIRE_MOONCAKE=1 $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15; \
+	$(STAGE) pytest env HYPOTHESIS_PROFILE=ci REQUIRE_MOONCAKE=1 $(VENV)/bin/pytest -m "not gpu and not slow" -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder -v -p no:cacheprovider --durations=15; \
 	rc=$$?; wait $$b; rc_b=$$?; cat $(VENV)/pytest-0523.log; $(STAGE) --summary; [ $$rc -eq 0 ] && [ $$rc_b -eq 0 ]
 
 # The longer campaign (one command): every CPU test including the slow ones, with Hypothesis's

@@ -8,7 +8,7 @@ tier is filled past its capacity by another client (the master's own eviction ru
 session's ``tool_end`` on server B, which never saw it, adopts it from the tier: a stale epoch is
 still refused, its next request reads the tier at arrival, and the bytes equal the ones A computed.
 Skipped with the reason when Mooncake cannot start here (package or ``libibverbs1`` missing);
-``TOOLKV_REQUIRE_MOONCAKE=1`` (``make test``) makes that a failure instead.
+``REQUIRE_MOONCAKE=1`` (``make test``) makes that a failure instead.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def mooncake() -> Iterator[MooncakeStore]:
         with running(segment_bytes=SEGMENT) as store:
             yield store
     except MooncakeUnavailable as e:
-        if os.environ.get("TOOLKV_REQUIRE_MOONCAKE") == "1":
+        if os.environ.get("REQUIRE_MOONCAKE") == "1":
             raise
         pytest.skip(f"Mooncake cannot run here: {e}")
 
