@@ -61,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
     # Offloads free their device copy unless TOOLKV_LAZY_FREE says otherwise: a real server frees it
     # only under memory pressure, which one agent on this server never makes, so with the plugin's
     # default no tool call would show a restore.
+    # sglang's cache needs a process group; this server's is a single rank of its own, on a port of
+    # its own (a MASTER_PORT inherited from the shell, or a test runner's, may be taken already)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(sock.getsockname()[1])
     env = dict(os.environ)
     env.setdefault("TOOLKV_LAZY_FREE", "0")
     try:  # the TOOLKV_* settings, refused as the plugin refuses them at server start
