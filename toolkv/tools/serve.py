@@ -55,15 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkv.sglang.config import ToolKVConfig
-    from toolkv.twin.serve import ServeConfig, serve
-
     # Offloads free their device copy unless TOOLKV_LAZY_FREE says otherwise: a real server frees it
     # only under memory pressure, which one agent on this server never makes, so with the plugin's
     # default no tool call would show a restore.
     # sglang's cache needs a process group; this server's is a single rank of its own, on a port of
     # its own (a MASTER_PORT inherited from the shell, or a test runner's, may be taken already)
     import socket
+
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.twin.serve import ServeConfig, serve
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
