@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkv.twin.configs import GPU_LABEL
+from toolkv.twin.host_mix import mean_shares
 from toolkv.twin.opt import opt_reuse
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.run import Outcome
@@ -70,6 +71,7 @@ def result(
         "prefill_tokens": o.prefill_tokens,
         "cached_tokens": o.cached_tokens,
         "copied_tokens": o.copied_tokens,
+        "host_mix": mean_shares(o.samples, o.host_tokens),
         "drain_s": o.drain_s,
         "leaks": o.leaks,
         "crashed": o.crashed,

@@ -32,6 +32,7 @@ from toolkv.twin.agents import Agents
 from toolkv.twin.clock import Clock, ModelledGpuTime
 from toolkv.twin.configs import TwinConfig
 from toolkv.twin.copies import TimedCopies
+from toolkv.twin.host_mix import host_mix
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.scheduler import Batch, TwinScheduler
 from toolkv.twin.sessions import Sessions
@@ -233,6 +234,7 @@ class Twin:
         }
         if self.h.host_pool is not None:
             s["host_used"] = int(self.h.host_pool.size) - int(self.h.host_pool.available_size())
+            s["host_mix"] = host_mix(tree)
         self.samples.append(s)
 
     def _storage_io(self) -> None:

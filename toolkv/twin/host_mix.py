@@ -1,0 +1,134 @@
+"""Where the host pool's tokens go: mirrors of device KV against copies only the host holds.
+
+Under ``--hicache-write-policy write_through`` sglang writes every node it inserts to the host
+(hiradix_cache.py ``insert`` -> ``_inc_hit_count`` -> ``write_backup``), so the host holds a mirror
+of most of the device, and ``evict_host`` may free only host copies whose device copy is gone
+(hiradix_cache.py ``evict_host``: ``if not x.evicted: continue``). The host's room for KV that is
+*not* on the device is then what is left after the mirror. This module sorts the host pool's
+tokens, at one moment, into four kinds, so a run says how much of the host paid for itself:
+
+- ``mirror_locked``: host copies of device nodes a running request (or a pin) locks: the same KV
+  twice, neither copy evictable;
+- ``mirror_unlocked``: host copies of idle device nodes (a protected session whose GPU copy lazy
+  free left to sglang's LRU is one): the host copy survives the device's eviction;
+- ``host_only_protected``: toolkv's protected copies whose device copy is gone;
+- ``host_only_unprotected``: HiCache's own copies of evicted nodes, which ``evict_host`` may free.
+
+``python -m toolkv.twin.host_mix`` runs the value load under each write policy and prints the
+table of docs/twin.md ("Where the host pool goes"), saving its JSON. The sort walks the tree, so
+the twin takes it at its samples only (one per simulated second), on 0.5.16's ``HiRadixCache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+KINDS = ("mirror_locked", "mirror_unlocked", "host_only_protected", "host_only_unprotected")
+
+
+def host_mix(tree: Any) -> dict[str, int] | None:
+    """The host tokens of ``tree`` (a ``HiRadixCache``) by kind; None for a cache without node
+    objects with a host copy (a plain ``RadixCache``, 0.5.23's tree cores)."""
+    root = getattr(tree, "root_node", None)
+    if root is None or not all(
+        hasattr(root, a) for a in ("host_value", "host_ref_counter", "lock_ref", "value")
+    ):
+        return None
+    out = dict.fromkeys(KINDS, 0)
+    stack = list(root.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n.host_value is None:
+            continue
+        k = len(n.host_value)
+        if n.value is not None:
+            out["mirror_locked" if n.lock_ref > 0 else "mirror_unlocked"] += k
+        else:
+            out["host_only_protected" if n.host_ref_counter > 0 else "host_only_unprotected"] += k
+    return out
+
+
+def mean_shares(samples: Iterable[Mapping[str, Any]], host_tokens: int) -> dict[str, float] | None:
+    """Each kind's mean share of the host pool over the samples that carry ``host_mix``."""
+    rows = [s["host_mix"] for s in samples if s.get("host_mix")]
+    if not rows or host_tokens <= 0:
+        return None
+    return {k: sum(r[k] for r in rows) / len(rows) / host_tokens for k in KINDS}
+
+
+# ---- the docs table ----------------------------------------------------------------------------
+#: the value load (scripts/gpu_lib.sh ``value_load value``), as ``toolkv twin`` takes it
+VALUE_LOAD = ["--sessions", "48", "--arrival-rate", "0", "--turns", "6", "--first-tokens", "3000",
+              "--growth", "900", "--output", "32", "--max-context", "16384", "--warmup", "0",
+              "--duration", "75"]  # fmt: skip
+COMMAND = "python -m toolkv.twin.host_mix --out docs/results/twin/host_mix.json"
+
+
+def run(policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Each configuration under each write policy on the value load, with the bound (``--opt``)."""
+    from toolkv.twin.cli import add_arguments, run_configs, workload
+    from toolkv.twin.cli import configs as pick
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    rows: list[dict[str, Any]] = []
+    for wp in policies:
+        a = p.parse_args(["--quiet", "--opt", "--configs", ",".join(configs), "--write-policy", wp,
+                          *VALUE_LOAD, *extra])  # fmt: skip
+        w = workload(a)
+        for r in run_configs(a, w, pick(a, None), opt=True, progress=False):
+            t = r["twin"]
+            print(f"{wp} {r['config']}: reuse {r['summary']['reuse']['reuse']:.2f}", file=sys.stderr)
+            rows.append({
+                "write_policy": wp,
+                "config": r["config"],
+                "host_tokens": t["host_tokens"],
+                "shares": t["host_mix"],
+                "reuse": r["summary"]["reuse"]["reuse"],
+                "opt_reuse": t["opt"]["reuse"],
+                "tool_start_refused": sum(v for c, v in r["summary"].get("calls", {}).items()
+                                          if c.startswith("tool_start ") and c != "tool_start 200"),
+            })  # fmt: skip
+    return {"command": COMMAND, "load": VALUE_LOAD, "rows": rows}
+
+
+def table(data: Mapping[str, Any]) -> str:
+    """The markdown table of ``run``'s JSON (docs/twin.md, tests/test_host_mix.py)."""
+    head = ("write policy", "config", "mirror of locked KV", "mirror of idle KV", "host only, protected",
+            "host only, unprotected", "free", "reuse", "of the bound")  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in data["rows"]:
+        s = r["shares"]
+        free = 1.0 - sum(s.values())
+        frac = r["reuse"] / r["opt_reuse"] if r["opt_reuse"] else None
+        out.append("| " + " | ".join([
+            r["write_policy"], r["config"], *(f"{100 * s[k]:.0f} %" for k in KINDS), f"{100 * free:.0f} %",
+            f"{100 * r['reuse']:.0f} %", f"{100 * frac:.0f} %" if frac is not None else "-",
+        ]) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from toolkv.twin.configs import WRITE_POLICIES
+
+    p = argparse.ArgumentParser(prog="python -m toolkv.twin.host_mix", description=__doc__.split("\n\n")[0])
+    p.add_argument("--write-policies", default=",".join(WRITE_POLICIES))
+    p.add_argument("--configs", default="stock,offload,auto")
+    p.add_argument("--out", type=Path, help="write the JSON here")
+    a, extra = p.parse_known_args(argv)
+    data = run(a.write_policies.split(","), a.configs.split(","), extra)
+    print(table(data))
+    if a.out:
+        a.out.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
