@@ -38,6 +38,9 @@ CONSTANTS
     Policy,     \* BOOLEAN: the per-call policy's actions (Keep, LetGo, Demote, Prefetch) are enabled
     LazyFree,   \* BOOLEAN: an offload leaves its acknowledged GPU copies to HiCache's own eviction
                 \* (GpuEvict) instead of freeing them (FreeSet) at ToolStart / WriteAck
+    Unmirror,   \* BOOLEAN: a ToolStart short of host room may drop the host mirror of a device copy a
+                \* running request locks (HostUnmirror): sglang writes it again at the request's
+                \* finish (write-through) or at its eviction (write-back); the device copy stays
     Promised,   \* device slots sglang has promised a request and will allocate without asking again:
                 \* the rest of a chunked prefill (its next chunk is admitted unchecked once the
                 \* prefill budget is spent) or a running batch's decode; 0 = not modelled
@@ -48,14 +51,15 @@ Bugs == {"none", "HostLockLeak", "DoubleLoad", "OrphanHost", "EvictProtected",
          "SplitCopiesHostRef", "NoEpochCheck", "EpochReuse", "RingOverrun", "RingTwoFree",
          "KeepNoPin", "DemoteKeepsRef", "EarlyKept",
          "EarlyRelease", "RoomIgnored", "RoomEvictsProtected", "KeepFullTtl", "WarmFullTtl",
-         "ParkUnprotected", "ResidentNoPin", "ClosedKeepsRef", "WriteLockFree", "PinPricedByLoad"}
+         "ParkUnprotected", "ResidentNoPin", "ClosedKeepsRef", "WriteLockFree", "PinPricedByLoad",
+         "UnmirrorProtected", "UnmirrorInFlight"}
 
 ASSUME /\ Root \notin Nodes /\ NoNode \notin Nodes /\ Root # NoNode
        /\ DevSlots \in Nat /\ HostSlots \in Nat
        /\ MaxEpoch \in Nat \ {0} /\ MaxTime \in Nat /\ TTL \in Nat /\ KeepTTL \in Nat /\ MaxResets \in Nat
        /\ EnvLocks \in BOOLEAN /\ EnvWrites \in BOOLEAN /\ Hist \in BOOLEAN
        /\ Ring \in Nat /\ SysLoads \in BOOLEAN /\ (SysLoads => Ring > 0) /\ Policy \in BOOLEAN
-       /\ LazyFree \in BOOLEAN
+       /\ LazyFree \in BOOLEAN /\ Unmirror \in BOOLEAN
        /\ Promised \in 0..DevSlots
        /\ BUG \in Bugs
 
@@ -196,9 +200,24 @@ FreeSetNoAck(L, d) ==
 HostEvictable ==
     {m \in InTree : /\ host[m] /\ ~dev[m] /\ lockRef[m] = 0
                    /\ (BUG = "RoomEvictsProtected" \/ \A c \in InTree : m \in Path(c) => hostRef[c] = 0)}
-\* ToolStart: the unbacked path fits on host, counting the copies evict_host can free for it
-\* (RoomIgnored: only the free slots, the old rule that refused while HiCache could make room).
-HostFits(W) == Cardinality(W) <= hostFree + IF BUG = "RoomIgnored" THEN 0 ELSE Cardinality(HostEvictable)
+\* Host mirrors a ToolStart of the path ending at n may drop (Unmirror): the host copy of a node on
+\* the device that a request locks (the device copy cannot go while it runs), with no write or load
+\* in flight on it (the host copy is a load's source, a write's target), no protection, and off n's
+\* own path; closed towards the leaves over host copies (a backed-up prefix stays contiguous from
+\* the root, as write_backup requires, and a protected descendant keeps its ancestors' copies).
+\* UnmirrorProtected ignores protections; UnmirrorInFlight drops a copy whose write is in flight.
+MirrorOk(m, n) ==
+    /\ host[m] /\ dev[m] /\ lockRef[m] > 0 /\ m \notin Path(n) /\ loadKey[m] = NoNode
+    /\ BUG = "UnmirrorInFlight" \/ writeKey[m] = NoNode
+    /\ BUG = "UnmirrorProtected" \/ hostRef[m] = 0
+MirrorRoom(n) ==
+    IF ~Unmirror THEN {}
+    ELSE {m \in InTree : MirrorOk(m, n) /\ \A c \in InTree : (m \in Path(c) /\ host[c]) => MirrorOk(c, n)}
+\* ToolStart: the unbacked path fits on host, counting the copies evict_host can free for it and the
+\* mirrors it may drop (RoomIgnored: only the free slots, the old rule that refused while HiCache could
+\* make room).
+HostFits(W, n) == Cardinality(W) <= hostFree + IF BUG = "RoomIgnored" THEN 0
+                                                ELSE Cardinality(HostEvictable) + Cardinality(MirrorRoom(n))
 \* ... but not into the free slots alone: room must be made first (HostRoom).
 HostShort(W) == Cardinality(W) > hostFree
 DevFits(C) == Cardinality(C) <= devFree       \* ToolEnd: the evicted path fits on device
@@ -285,7 +304,7 @@ ToolStart(s) ==
             /\ Rec(<<"ToolStart", s>>, {})
        ELSE
          LET W == {m \in Path(n) : ~host[m]} IN
-         IF ~HostFits(W)
+         IF ~HostFits(W, n)
          THEN \* host pool full at write, nothing evictable: the offload is refused, nothing changes
               /\ UNCHANGED core
               /\ Rec(<<"ToolStart", s>>, {})
@@ -570,7 +589,7 @@ HostRoom(s, m) ==
         W == {x \in Path(n) : ~host[x]}
     IN
     /\ phase[s] = "Running" /\ n # NoNode /\ status[n] = "InTree" /\ epoch[s] < MaxEpoch
-    /\ HostShort(W) /\ HostFits(W)
+    /\ HostShort(W) /\ HostFits(W, n)
     /\ m \in HostEvictable /\ Kids(m) = {}
     /\ status' = [status EXCEPT ![m] = "Gone"]
     /\ host' = [host EXCEPT ![m] = FALSE]
@@ -578,6 +597,23 @@ HostRoom(s, m) ==
     /\ UNCHANGED <<queued, ring, parent, dev, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock, devFree,
                    sessVars, envVars>>
     /\ Rec(<<"HostRoom", s, m>>, {})
+
+\* ...or, once no evictable host copy is left, has one mirror m dropped (Unmirror): the host copy of
+\* a node a running request locks on the device, a leaf of the host copies (its children have
+\* none).  The node stays in the tree on the device; sglang writes its host copy again when the
+\* request finishes (write_through's hit at insert) or when eviction would drop it (write_back).
+HostUnmirror(s, m) ==
+    LET n == ref[s]
+        W == {x \in Path(n) : ~host[x]}
+    IN
+    /\ Unmirror /\ phase[s] = "Running" /\ n # NoNode /\ status[n] = "InTree" /\ epoch[s] < MaxEpoch
+    /\ HostShort(W) /\ HostFits(W, n) /\ HostEvictable = {}
+    /\ m \in MirrorRoom(n) /\ \A c \in Kids(m) : ~host[c]
+    /\ host' = [host EXCEPT ![m] = FALSE]
+    /\ hostFree' = hostFree + 1
+    /\ UNCHANGED <<queued, ring, status, parent, dev, lockRef, hostRef, writeKey, loadKey, loadAcks, extLock,
+                   devFree, sessVars, envVars>>
+    /\ Rec(<<"HostUnmirror", s, m>>, {})
 
 \* The session's next request is admitted (the scheduler's hook after PrefillAdder matched and
 \* locked its prefix): the request's own lock now holds the path, so the hand-over's pin goes.
@@ -834,7 +870,7 @@ ManagerNext ==
     \/ \E s \in Sessions : ToolStart(s) \/ Close(s)
     \/ \E s \in Sessions : Keep(s) \/ LetGo(s) \/ Demote(s) \/ Prefetch(s) \/ Unpin(s)
     \/ \E s \in Sessions, e \in 1..MaxEpoch : Park(s, e)
-    \/ \E s \in Sessions, m \in Nodes : HostRoom(s, m)
+    \/ \E s \in Sessions, m \in Nodes : HostRoom(s, m) \/ HostUnmirror(s, m)
     \/ \E s \in Sessions, e \in 0..MaxEpoch : ToolEnd(s, e)
     \/ \E k \in Nodes : WriteAck(k) \/ LoadAck(k)
     \/ TtlSweep
@@ -967,6 +1003,10 @@ ReleasedHoldsNothing == \A s \in Sessions : phase[s] = "Released" => prot[s] = N
 \* sglang's promise of device room is kept: what it may still allocate without asking is free or
 \* evictable (the 0.5.23 crash: a burst of tool_starts locked the evictable room the rest of a
 \* chunked prefill counted on, and its unchecked next chunk failed to allocate).
+\* A node's host copy has its parent's beside it (write_backup writes root-down, evict_host and
+\* HostUnmirror take leaves of the host copies): what a restore loads is a contiguous prefix.
+HostPrefixClosed == \A m \in InTree : (host[m] /\ parent[m] # Root) => host[parent[m]]
+
 PromiseKept == Promised <= DevRoom
 
 \* A closed record references no node (the closed history is bounded by count, not by bytes: a

@@ -48,6 +48,10 @@ NeverHandedOver ==
 NeverRoomMade ==
     [][~(act'[1] = "HostRoom")]_vars
 
+\* A tool_start short of host room drops the mirror of a device copy another request locks (Unmirror).
+NeverUnmirrored ==
+    [][~(act'[1] = "HostUnmirror")]_vars
+
 \* A tree reset loses an offloaded session.
 NeverLostOnReset == \A s \in Sessions : phase[s] # "Lost"
 

@@ -64,6 +64,11 @@ class ManagerConfig:
     # False (the base spec): freed once the write is acknowledged. The plugin turns it on
     # (TOOLKV_LAZY_FREE=1) on backends that can (HiRadixCache under its LRU strategy).
     lazy_free: bool = False
+    # Spec Unmirror: a tool_start the host cannot take, even after sglang's evict_host, drops host
+    # mirrors of device copies running requests lock (the device copy stays; sglang writes the
+    # mirror again when the request finishes), leaf first in LRU order, instead of answering 507.
+    # HiRadixCache only. False: 507 (docs/twin.md, "Where the host pool goes").
+    unmirror: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

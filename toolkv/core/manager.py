@@ -340,7 +340,9 @@ def make_backend(
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
         from toolkv.core.backends.hiradix import HiRadixBackend
 
-        return HiRadixBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
+        return HiRadixBackend(
+            tree, agree=agree, host_budget_tokens=config.host_budget_tokens, unmirror=config.unmirror
+        )
     if fallback == "shadow":
         from toolkv.core.backends.shadow import ShadowBackend
 

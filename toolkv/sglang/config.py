@@ -247,6 +247,10 @@ class ToolKVConfig:
     # TOOLKV_LAZY_FREE: a finished offload leaves its GPU copies to sglang's eviction (its first
     # victims) instead of freeing them at once; 0: free them once the write is acknowledged
     lazy_free: bool = True
+    # TOOLKV_UNMIRROR: a tool_start the host cannot take drops host mirrors of device copies
+    # running requests lock (sglang writes them again at the request's finish) instead of a 507;
+    # HiRadixCache under write_through / write_through_selective
+    unmirror: bool = True
     restore_tokens_per_s: float = 200_000.0  # TOOLKV_RESTORE_TOKENS_PER_S: assumed until measured
     # TOOLKV_KEEP_TTL_S: the longest a GPU pin (kept, or restored early) waits for tool_end
     keep_ttl_s: float = 30.0
@@ -363,6 +367,7 @@ class ToolKVConfig:
             prefetch=_bool(e, "TOOLKV_PREFETCH", True),
             adaptive=_bool(e, "TOOLKV_ADAPTIVE", True),
             lazy_free=_bool(e, "TOOLKV_LAZY_FREE", True),
+            unmirror=_bool(e, "TOOLKV_UNMIRROR", cls.unmirror),
             restore_tokens_per_s=_float(
                 e, "TOOLKV_RESTORE_TOKENS_PER_S", cls.restore_tokens_per_s, floats(1)
             ),
@@ -413,6 +418,7 @@ class ToolKVConfig:
             prefetch=self.prefetch,
             adaptive=self.adaptive,
             lazy_free=self.lazy_free,
+            unmirror=self.unmirror,
             restore_tokens_per_s=self.restore_tokens_per_s,
             keep_ttl_s=self.keep_ttl_s,
             handover_ttl_s=self.handover_ttl_s,

@@ -23,7 +23,7 @@ Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from toolkv.core.backends.base import (
@@ -42,6 +42,7 @@ from toolkv.core.backends.base import (
     record_freed,
 )
 from toolkv.core.backends.hicache_storage import HiCacheStorage, StorageCopy, _ntok
+from toolkv.core.backends.mirrors import drop_mirror, drop_order, mirror_ok, mirror_room, mirror_tokens
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
@@ -62,8 +63,12 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         agree: Agreement | None = None,
         host_budget_tokens: int | None = None,
         schedule_stream: Any = None,
+        unmirror: bool = False,
     ) -> None:
         self.tree = tree
+        # Spec Unmirror: a tool_start short of host room may drop host mirrors of device copies
+        # running requests lock (toolkv.core.backends.mirrors)
+        self.unmirror = unmirror
         self.agree = agree or LocalAgreement()
         self.host_budget_tokens = host_budget_tokens
         self.schedule_stream = schedule_stream
@@ -79,6 +84,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
         self._ledger = ProtectionLedger()
         self.counters_host_room = 0  # tool_starts that had evict_host make room (spec HostRoom)
+        self.counters_unmirrored_tokens = 0  # host tokens of mirrors dropped for room (spec HostUnmirror)
         # Sessions' copies in the L3 storage tier, by session id (spec/storage/StorageTier.tla).
         self._l3: dict[str, StorageCopy] = {}
         # Under write_back: this manager's writes in flight, by ack id (sglang's ``node.id`` of the
@@ -99,10 +105,16 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         pool = tree.token_to_kv_pool_host
         host_free = int(pool.available_size())
         # Spec HostFits: free slots plus the unprotected host copies sglang's evict_host can free
-        # (counted only when the free slots are short: it walks the tree).
+        # (counted only when the free slots are short: it walks the tree), plus (Unmirror) the
+        # mirrors of device copies running requests lock, counted only when those are short too.
         room = self.host_evictable_tokens() if need > host_free else 0
+        mirrors = (
+            mirror_room(tree, path, self._mirror_ok) if self.unmirror and need > host_free + room else []
+        )
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
-        fits = need <= host_free + room and (budget is None or self._ledger.tokens + extra <= budget)
+        fits = need <= host_free + room + mirror_tokens(mirrors) and (
+            budget is None or self._ledger.tokens + extra <= budget
+        )
         if not self.agree.all_true(fits):
             raise host_full(
                 rec,
@@ -111,14 +123,23 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
                 extra=extra,
                 protected=self._ledger.tokens,
                 budget=budget,
-                evictable=room,
+                evictable=room + mirror_tokens(mirrors),
             )
         if need > host_free:  # spec HostRoom, repeated: evict_host frees LRU unprotected leaves
             # every rank evicts the largest shortfall of any rank: the same count on the same LRU
             # order evicts the same nodes, so the ranks' trees stay equal
             tree.evict_host(int(self.agree.max_time(float(need - host_free))))
             self.counters_host_room += 1
-            assert int(pool.available_size()) >= need, "evict_host freed less than it was counted to"
+            short = need - int(pool.available_size())
+            if short > 0:  # spec HostUnmirror, repeated: mirrors leaf first, in LRU order
+                short = int(self.agree.max_time(float(short)))
+                for m in drop_order(mirrors):
+                    if short <= 0:
+                        break
+                    freed = drop_mirror(tree, m)
+                    short -= freed
+                    self.counters_unmirrored_tokens += freed
+            assert int(pool.available_size()) >= need, "the host room made is less than was counted"
         for m in to_write:  # root-down: write_backup needs a backed-up parent
             written = tree.write_backup(m)
             assert written == len(m.key), f"write_backup refused a node after the capacity check ({written})"
@@ -129,6 +150,19 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def _unmirrors(self) -> bool:
+        """Spec ``Unmirror``, where it pays: under ``write_through`` and ``write_through_selective``
+        sglang writes a dropped mirror again at the request's finish, asynchronously; under
+        ``write_back`` only its eviction would, in a blocking drain of every write in flight
+        (``_evict_write_back`` -> ``writing_check(write_back=True)``), which the twin measured as a
+        worse p90 (docs/twin.md, "Where the host pool goes")."""
+        return self.unmirror and not self._write_back()
+
+    @staticmethod
+    def _mirror_ok(m: TreeNode, tree: Tree, own: Collection[int]) -> bool:
+        """Spec ``MirrorOk`` (a method, so a seeded defect can replace it)."""
+        return mirror_ok(m, tree, own)
 
     def _write_back(self) -> bool:
         """Whether the server runs ``--hicache-write-policy write_back``: then sglang's eviction can
@@ -335,6 +369,12 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
         # room = free + what evict_host can free (spec HostFits), never another session's protected copy
         host_avail = min(host_total, int(pool.available_size()) + self.host_evictable_tokens())
+        if (
+            self.unmirror and host_avail < host_total
+        ):  # and the mirrors a tool_start may drop (spec MirrorRoom)
+            host_avail = min(
+                host_total, host_avail + mirror_tokens(mirror_room(self.tree, (), self._mirror_ok))
+            )
         if self.host_budget_tokens is not None:
             host_total = min(host_total, self.host_budget_tokens)
             host_avail = min(host_avail, max(0, self.host_budget_tokens - self._ledger.tokens))

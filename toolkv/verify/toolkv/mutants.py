@@ -13,7 +13,7 @@ runner, the conformance replay and the fuzz campaigns construct their managers t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import cache
 from typing import Any
 
@@ -167,6 +167,28 @@ class RoomIgnoredMixin:
         return 0
 
 
+class UnmirrorProtectedMixin:
+    """``UnmirrorProtected`` (spec mutant of the same name): the mirrors a tool_start drops for host
+    room may be protected copies, so another session's protected KV loses its host copy while a
+    request locks its device copy, and the restore after that request finds nothing to load."""
+
+    @staticmethod
+    def _mirror_ok(m: TreeNode, tree: Any, own: Collection[int]) -> bool:
+        return m.host_value is not None and m.value is not None and m.lock_ref > 0 and id(m) not in own
+
+
+class UnmirrorInFlightMixin:
+    """``UnmirrorInFlight`` (spec mutant of the same name): a mirror whose write is still in flight
+    may be dropped: its host slots go back to the pool while the copy engine still writes them."""
+
+    @staticmethod
+    def _mirror_ok(m: TreeNode, tree: Any, own: Collection[int]) -> bool:
+        return (
+            m.host_value is not None and m.value is not None and m.lock_ref > 0 and m.host_ref_counter == 0
+            and id(m) not in own
+        )  # fmt: skip
+
+
 class HostRefLeakMixin:
     """``HostRefLeak`` (the Rust core's backend): a protection's release drops the receipt without
     returning the host lock, so the session's host copy can never be evicted again."""
@@ -292,6 +314,8 @@ BACKEND_MUTANTS: dict[type, dict[str, type]] = {
         "KeepNoPin": KeepNoPinMixin,
         "RoomIgnored": RoomIgnoredMixin,
         "PinPricedByLoad": PinPricedByLoadMixin,
+        "UnmirrorProtected": UnmirrorProtectedMixin,
+        "UnmirrorInFlight": UnmirrorInFlightMixin,
     },
     RustUnifiedBackend: {
         "EvictProtected": EvictProtectedUnifiedMixin,
@@ -354,7 +378,8 @@ def mutant_manager(
         kind = type(backend)
         if kind in BACKEND_MUTANTS and caveats & set(BACKEND_MUTANTS[kind]):
             cls: Any = backend_class(kind, caveats)
-            backend = cls(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
+            extra = {"unmirror": config.unmirror} if issubclass(kind, HiRadixBackend) else {}
+            backend = cls(tree, agree=agree, host_budget_tokens=config.host_budget_tokens, **extra)
     return manager_class(caveats)(tree, backend, config=config, agree=agree)
 
 

@@ -150,7 +150,7 @@ TInit == /\\ i = 1
 
 \\* The implementation's capacity decisions replace the spec's node-slot guards.
 TFits == Trace[i + 1].fits
-THostFits(W) == TFits
+THostFits(W, n) == TFits
 \\* room was made exactly where the trace says the manager made it (HostRoom steps before a ToolStart)
 THostShort(W) == Trace[i + 1].act[1] = "HostRoom"
 TDevFits(C) == TFits
@@ -196,6 +196,7 @@ TraceNext == TNext \\/ Done
     Policy = {"TRUE" if header.get("policy") else "FALSE"}
     LazyFree = {"TRUE" if header.get("lazy_free") else "FALSE"}
     Promised = 0
+    Unmirror = FALSE
     BUG = "none"
     HostFits <- THostFits
     PromiseFits <- TPromiseFits
