@@ -100,6 +100,10 @@ class RustUnifiedBackend(UnifiedBackend):
                 return True
         return False
 
+    def _node_of(self, node_id: int) -> TreeNode | None:
+        """The handle of ``node_id`` as the tree core reports it now (None: the root)."""
+        return _by_id(self.tree, node_id)
+
     def _lock_cost(self, leaf: TreeNode) -> int:
         """Device tokens a path lock on ``leaf`` takes from what sglang may evict, measured: lock,
         read ``evictable_size``, unlock with the receipt (see the module docstring)."""
