@@ -91,7 +91,9 @@ def step(h: UnifiedStorageHarness, m: ToolKVManager, now: float) -> None:
     m.tick(now)
 
 
-def until(h: UnifiedStorageHarness, m: ToolKVManager, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+def until(
+    h: UnifiedStorageHarness, m: ToolKVManager, done: Callable[[], bool], timeout_s: float = 30.0
+) -> None:
     """Scheduler iterations until ``done`` (sglang's storage threads run on their own time)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -176,7 +178,9 @@ def test_a_stale_epoch_changes_nothing(h: UnifiedStorageHarness) -> None:
 
 
 @pytest.mark.parametrize("mutant", [False, True], ids=["fixed", "ReleaseDropsPin"])
-def test_a_close_during_the_prefetch_keeps_its_pin_until_the_ack(h: UnifiedStorageHarness, mutant: bool) -> None:
+def test_a_close_during_the_prefetch_keeps_its_pin_until_the_ack(
+    h: UnifiedStorageHarness, mutant: bool
+) -> None:
     """The session closes while sglang reads its copy: toolkv's record of the copy (its storage
     protection and the prefetch's pin) stays until the prefetch's own ack, which the tick takes
     (``poll_storage``); then every record is returned. Mutant ``ReleaseDropsPin`` drops it at the

@@ -483,6 +483,7 @@ class UnifiedStorageHarness(UnifiedCacheHarness):
         out: torch.Tensor = self.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len]
         return out
 
+
 __all__ = [
     "MIN_UNIFIED_VERSION",
     "TreeCoreName",

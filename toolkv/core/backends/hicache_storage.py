@@ -159,7 +159,9 @@ class HiCacheStorage:
         copy (a host write in flight has nothing to store yet) and a hash per page."""
         page = self.tree.page_size
         ready = all(m.host_value is not None and m.write_through_pending_id is None for m in path)
-        if not ready or not all(m.hash_value is not None and len(m.hash_value) == len(m.key) // page for m in path):
+        if not ready or not all(
+            m.hash_value is not None and len(m.hash_value) == len(m.key) // page for m in path
+        ):
             return None
         return [list(m.hash_value) for m in path]
 
@@ -238,7 +240,9 @@ class HiCacheStorage:
         """Tokens on the path of ``host_node`` (0 for the root)."""
         return 0 if is_root(self.tree, host_node) else _ntok(path_to(self.tree, host_node))
 
-    def _start_prefetch(self, rid: str, host_node: TreeNode, tokens: Sequence[int], extra_key: str | None) -> bool:
+    def _start_prefetch(
+        self, rid: str, host_node: TreeNode, tokens: Sequence[int], extra_key: str | None
+    ) -> bool:
         """sglang's ``prefetch_from_storage`` of ``tokens`` below ``host_node`` under request id
         ``rid``. True: it started (sglang's ``ongoing_prefetch`` has it: lockstep state, the same
         on every rank); False: refused (below the threshold, its budget spent)."""

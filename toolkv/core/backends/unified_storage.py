@@ -12,29 +12,34 @@ are read and how the primitives are called, and only that is here (file:line int
 
 * page keys: ``tree_core.get_hash_values(node_id)`` (``unified_tree_core.py:606``; the Rust
   adapter's ``rust_tree_core/adapter.py:1067``), one hash per page;
-* Store: ``URC.write_backup_storage(node_id)`` (1990) — ``cc.write_storage`` queues the pages for
-  the backup thread and the write holds a *host lock* on the node (``inc_host_lock_ref``, 2020)
-  until the backup ack, where 0.5.16 held ``protect_host``; a write in flight is an entry of
-  ``URC.ongoing_backup`` (2020) naming the node id;
-* StoreAck: the backup acks are drained by ``_drain_backup`` (3240-3260), which returns the
-  write's host lock; the copy is whole when the backend's ``batch_exists`` counts every key;
+* Store: ``URC.write_backup_storage(node_id)`` (1990), which sglang also calls itself for every
+  acknowledged host write (1814-1818): ``write_storage`` queues the pages for the backup thread and
+  the write holds a *host lock* on the node (``inc_host_lock_ref``, 2017-2020) until its ack, where
+  0.5.16 held ``protect_host``; a write in flight is an entry of ``URC.ongoing_backup`` naming the
+  node id;
+* StoreAck: the backup acks are drained by ``_drain_backup`` (3240), which returns the write's host
+  lock (3251); the copy is whole when the backend's ``batch_exists`` counts every key;
 * StoragePrefetch: ``URC.prefetch_from_storage(CacheRequestHandle, anchor_id, tokens, last_hash,
-  prefix_keys, matched_prefix_tokens, extra_key)`` (2081), the scheduler's own call
-  (``managers/scheduler.py:3381``). It takes a host lock on the anchor (2170) and reserves its
-  span; host slots are allocated when the hit query's answer is drained (``allocate_storage_hit``,
-  3110), where 0.5.16 allocated them at the call. ``has_ongoing_prefetch`` (2330) says it started;
-* PrefetchAck: ``URC.check_prefetch_progress(handle)`` (2391; ``wait_complete`` waits for every
-  page the hit query found, 2347-2350), or already the ack drain (``_drain_ack_prefetch``, 3205),
-  inserts the pages into the host tree (``_handle_prefetch_result``: ``insert_host``, 2470) and
-  returns the anchor's host lock (2517). The request's own records are let go as sglang's
-  admission does (``pop_prefetch_loaded_tokens`` 2755, ``finish_storage_prefetch_admission`` 2726,
+  prefix_keys, matched_prefix_tokens, extra_key)`` (2081), as the scheduler calls it
+  (``managers/scheduler.py:3381``). Below ``prefetch_threshold`` it declines (2150); else it takes
+  a host lock on the anchor (2168) and records the prefetch (2237); ``has_ongoing_prefetch``
+  (2315) says it started. The host slots are allocated when the hit query's answer is drained
+  (``allocate_storage_hit``, 3109), where 0.5.16 allocated them at the call;
+* PrefetchAck: ``URC.check_prefetch_progress(handle)`` (2391; ``wait_complete`` waits, 2298) — or
+  already sglang's own ack drain (3229), before toolkv's tick — inserts the pages into the host
+  tree (``_handle_prefetch_result`` 2422: ``insert_host`` 2473) and returns the anchor's host lock
+  (2514): the pages are unprotected host copies until toolkv's ``prefetch_ack`` protects them
+  (``spec/storage/UnifiedRead.tla``: a read may come back short, so the host tree is read, never
+  the read's count). The request's own records are let go as sglang's admission does
+  (``pop_prefetch_loaded_tokens`` 2755, ``finish_storage_prefetch_admission`` 2726,
   ``storage_prefetch_retries.cancel``, ``mem_cache/storage_prefetch.py:37``);
 * lookups: ``URC.match_prefix`` (613), which sees host-only nodes on both cores (the read-only
   ``match_full_device_prefix`` that :func:`~toolkv.core.treeops.walk` uses on the Rust core stops
   at the device part).
 
 Where toolkv cannot keep its guarantee it does not store: a backend that evicts on its own
-(HiCacheFile with a size cap), and Mooncake, whose soft pin and session manifests
+(HiCacheFile with a size cap or a free-space watermark: its ``LRUFileEvictor``,
+``mem_cache/hicache_storage.py:805-812``), and Mooncake, whose soft pin and session manifests
 (``spec/storage/SharedTier.tla``) toolkv drives through 0.5.16's client only; the session then stays
 protected on its host copy (``store`` returns False, nothing changed).
 """
@@ -51,7 +56,7 @@ from toolkv.core.treeops import TreeNode, is_root
 
 
 def request_handle(rid: str) -> Any:
-    """sglang 0.5.23's request handle for a prefetch toolkv issues (``base_prefix_cache.py:46``):
+    """sglang 0.5.23's request handle for a prefetch toolkv issues (``mem_cache/base_prefix_cache.py:46``):
     the request id and attempt 0, the same on every rank."""
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
@@ -92,7 +97,7 @@ class UnifiedStorage(HiCacheStorage):
 
     def _write_to_storage(self, m: TreeNode) -> None:
         """``URC.write_backup_storage`` (1990): the backup thread writes the pages; a host lock on
-        the node until the ack (2020)."""
+        the node until the ack (2019)."""
         self.tree.write_backup_storage(m.id)
 
     def _storing(self, m: TreeNode) -> bool:
@@ -110,7 +115,9 @@ class UnifiedStorage(HiCacheStorage):
         node = self._node_of(int(m.best_match_node))
         return node, (0 if is_root(self.tree, node) else matched)
 
-    def _start_prefetch(self, rid: str, host_node: TreeNode, tokens: Sequence[int], extra_key: str | None) -> bool:
+    def _start_prefetch(
+        self, rid: str, host_node: TreeNode, tokens: Sequence[int], extra_key: str | None
+    ) -> bool:
         """``URC.prefetch_from_storage`` (2081) as the scheduler calls it (``scheduler.py:3381``):
         the anchor's hash chain, the tokens below it, the tokens matched above it."""
         tree = self.tree

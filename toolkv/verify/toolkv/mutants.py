@@ -467,4 +467,8 @@ STORAGE_MUTANTS: dict[str, tuple[type[ToolKVManager], type[HiRadixBackend]]] = {
 def release_drops_pin(base: type[Any]) -> type[Any]:
     """``ReleaseDropsPin`` on any backend with a storage tier (``base``: sglang 0.5.23's unified
     backends, on either tree core), as :class:`ReleaseDropsPinBackend` seeds it on HiRadix."""
-    return type(f"ReleaseDropsPin{base.__name__}", (base,), {"_release_storage": ReleaseDropsPinBackend._release_storage})
+    return type(
+        f"ReleaseDropsPin{base.__name__}",
+        (base,),
+        {"_release_storage": ReleaseDropsPinBackend._release_storage},
+    )
