@@ -224,3 +224,26 @@ def test_read_at_arrival_leaves_the_read_to_sglang(h: UnifiedStorageHarness) -> 
     settle(h, m)
     assert h.storage_records() == NO_RECORDS
     assert h.accounting() == initial
+
+
+def test_the_plugin_takes_the_l3_settings_on_0523(h: UnifiedStorageHarness) -> None:
+    """A 0.5.23 server with ``--hicache-storage-backend file`` and the L3 settings
+    (``TOOLKV_L3``, ``TOOLKV_L3_READ_AT_ARRIVAL``, the rates and the margin) is served: nothing in
+    the server flags or the tree is refused, and the plugin's manager has the storage tier on."""
+    from toolkv.sglang.config import ToolKVConfig
+    from toolkv.sglang.scheduler_side import check_tree, unsupported_reasons
+
+    assert h.server_args.hicache_storage_backend == "file"
+    assert unsupported_reasons(h.server_args) == []
+    check_tree(h.tree)
+    env = {
+        "TOOLKV_L3": "1",
+        "TOOLKV_L3_READ_AT_ARRIVAL": "1",
+        "TOOLKV_L3_READ_TOKENS_PER_S": "50000",
+        "TOOLKV_L3_WRITE_TOKENS_PER_S": "50000",
+        "TOOLKV_L3_STORE_MARGIN_S": "5",
+    }
+    config = ToolKVConfig.from_env(env).manager_config()
+    m = ToolKVManager(h.tree, make_backend(h.tree, config=config, agree=LocalAgreement()), config=config)
+    assert m.caps.storage is not None and m.machine._storage_on()
+    assert config.l3_read_at_arrival and config.l3_read_tokens_per_s == 50_000
