@@ -440,13 +440,13 @@ class UnifiedStorageHarness(UnifiedCacheHarness):
         ``prefetch_from_storage`` below the last host node, then every iteration
         ``check_hicache_events`` and ``check_prefetch_progress`` until it is done; the request's
         records let go as admission does. Returns the tokens loaded from storage."""
-        from toolkv.core.backends.unified_storage import request_handle
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
         t = self.tree
         m = self.match(tokens)
         anchor = m.last_host_node
         done_len = int(m.device_prefix_len) + int(m.host_hit_length)
-        handle = request_handle(rid)
+        handle = CacheRequestHandle(rid, 0)  # the request's id, its first attempt
         t.prefetch_from_storage(
             handle,
             anchor,
