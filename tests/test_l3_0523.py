@@ -35,7 +35,7 @@ from toolkv.core.backends.unified import UnifiedBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
 from toolkv.errors import StaleEpoch, WrongState
 from toolkv.testing.unified_harness import UnifiedHarnessConfig, UnifiedStorageHarness
-from toolkv.verify.toolkv.mutants import release_drops_pin
+from toolkv.verify.toolkv.mutants import release_drops_pin, trust_whole_read
 
 A = list(range(1, 97))  # 96 tokens: 24 pages of 4
 B = list(range(1001, 1097))  # another session, no shared prefix
@@ -62,13 +62,13 @@ def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UnifiedStorage
 
 
 def manager(
-    h: UnifiedStorageHarness, *, mutant: bool = False, read_at_arrival: bool = False
+    h: UnifiedStorageHarness, *, mutant: Callable[[type], type] | None = None, read_at_arrival: bool = False
 ) -> tuple[ToolKVManager, UnifiedBackend]:
     config = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, l3_read_at_arrival=read_at_arrival)
     be = make_backend(h.tree, config=config, agree=LocalAgreement())
     assert isinstance(be, UnifiedBackend) and be.storage_enabled()
-    if mutant:
-        be.__class__ = release_drops_pin(type(be))
+    if mutant is not None:
+        be.__class__ = mutant(type(be))
     return ToolKVManager(h.tree, be, config=config), be
 
 
@@ -187,7 +187,7 @@ def test_a_close_during_the_prefetch_keeps_its_pin_until_the_ack(
     close: the copy is unpinned while it is read, and nobody ends the prefetch for sglang (its
     per-request records are left behind)."""
     initial = h.accounting()
-    m, be = manager(h, mutant=mutant)
+    m, be = manager(h, mutant=release_drops_pin if mutant else None)
     epoch, _ = stored_and_evicted(h, m)
     m.tool_end("a", epoch)
     assert h.tree.ongoing_prefetch, "sglang reads the copy"
@@ -200,6 +200,42 @@ def test_a_close_during_the_prefetch_keeps_its_pin_until_the_ack(
         return
     assert be.storage_copies["a"].released, "closed, still pinned by its prefetch"
     until(h, m, lambda: not be.storage_copies and not h.tree.ongoing_prefetch)
+    settle(h, m)
+    assert h.storage_records() == NO_RECORDS
+    assert h.accounting() == initial
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["fixed", "TrustWholeRead"])
+def test_a_page_evicted_between_sglangs_read_and_toolkvs_ack_is_recomputed(
+    h: UnifiedStorageHarness, mutant: bool
+) -> None:
+    """0.5.23 only (``spec/storage/UnifiedRead.tla``, ``ReadLost``): sglang's ack drain puts the pages
+    read into the host tree, unprotected, before toolkv's tick takes the ``PrefetchAck``; its host
+    eviction runs in between and takes them. toolkv reads the host tree at the ack: the read is
+    short, nothing came back, the session runs and its next turn recomputes it, and everything is
+    returned. Mutant ``TrustWholeRead`` takes the whole, pinned copy for a whole read."""
+    initial = h.accounting()
+    m, be = manager(h, mutant=trust_whole_read if mutant else None)
+    epoch, _ = stored_and_evicted(h, m)
+    m.tool_end("a", epoch)
+    deadline = time.monotonic() + 30.0
+    while h.tree.ongoing_prefetch:  # sglang's own drain ends the read (no toolkv tick yet)
+        h.check_events()
+        assert time.monotonic() < deadline, "the read never ended"
+        time.sleep(0.001)
+    assert h.evict_host(10**6) >= len(A), "the pages read were unprotected host copies"
+    if mutant:
+        with pytest.raises(Exception):  # noqa: B017 - any outcome but the fixed one
+            step(h, m, 2.0)
+            assert m.counters["l3_prefetch_short"] == 1 and m.kv_meta("a")["restore"] == "recompute"
+        return
+    step(h, m, 2.0)
+    meta = m.kv_meta("a")
+    assert (meta["state"], meta["restore"], meta["recompute_tokens"]) == ("Running", "recompute", len(A)), (
+        meta
+    )
+    assert m.counters["l3_prefetch_short"] == 1 and m.counters["l3_restored"] == 0
+    assert not be.storage_copies
     settle(h, m)
     assert h.storage_records() == NO_RECORDS
     assert h.accounting() == initial

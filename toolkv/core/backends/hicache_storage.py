@@ -285,10 +285,17 @@ class HiCacheStorage:
         if copy.released:
             return False
         node, matched = self._lookup(rec.tokens[: copy.tokens], rec.extra_key)
-        if not self.agree.all_true(matched >= copy.tokens):
+        if not self._read_whole(copy, matched):
             return False
         self._protect_host_path(rec, node)
         return True
+
+    def _read_whole(self, copy: StorageCopy, matched: int) -> bool:
+        """The host tree holds the session's whole copy again (agreed across ranks). Read off the
+        tree, never the read's own count: on 0.5.23 the pages enter the host tree before this ack,
+        unprotected, and the host eviction may have taken one (``spec/storage/UnifiedRead.tla``;
+        mutant ``TrustWholeRead`` trusts a whole, pinned copy to have been read whole)."""
+        return self.agree.all_true(matched >= copy.tokens)
 
     def poll_storage(self) -> int:
         """Finish the prefetches of sessions released while they read (their pins held the storage

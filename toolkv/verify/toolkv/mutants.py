@@ -472,3 +472,14 @@ def release_drops_pin(base: type[Any]) -> type[Any]:
         (base,),
         {"_release_storage": ReleaseDropsPinBackend._release_storage},
     )
+
+
+def trust_whole_read(base: type[Any]) -> type[Any]:
+    """``TrustWholeRead`` (``spec/storage/UnifiedRead.tla``): the prefetch of a whole, pinned copy
+    is taken for a whole read at its ack, whatever the host tree holds; on 0.5.23 the host
+    eviction may have taken a page read before the ack, and the session's "restored" copy is short."""
+
+    def _read_whole(self: Any, copy: StorageCopy, matched: int) -> bool:
+        return bool(copy.whole)
+
+    return type(f"TrustWholeRead{base.__name__}", (base,), {"_read_whole": _read_whole})
