@@ -38,6 +38,10 @@ Node facts (device value, host value, locks, pending write) are read off the Pyt
 ``UnifiedTreeNode`` objects; the Rust tree core exposes no node objects, so :func:`check_tree`
 refuses it with the setting that selects the Python core.
 
+The L3 storage tier (``--hicache-storage-backend``; ``spec/storage/StorageTier.tla``, with 0.5.23's
+read in ``UnifiedRead.tla``) is :class:`~toolkv.core.backends.unified_storage.UnifiedStorage`, the
+same steps as on the HiRadixCache over 0.5.23's primitives, on either tree core.
+
 Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the ack queues,
 ``writing_check``/``loading_check``/``check_hicache_events`` (the scheduler runs them).
 """
