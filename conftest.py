@@ -30,10 +30,23 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def _extensions_dir() -> str:
+    """A torch-extension build directory of the installed sglang's own. sglang 0.5.16 and 0.5.23
+    both JIT-build an extension named ``hicache_hash_cpp`` (the page hashes of the storage tier,
+    ``mem_cache/cpp_utils/native_hash.py``) from their own source, into torch's one default
+    directory: the two test environments, which ``make test`` runs side by side, would rebuild
+    each other's build (about 20 s each time) or load the other release's library."""
+    from importlib.metadata import version
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "torch_extensions", f"sglang-{version('sglang')}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # an xdist worker: its own gloo port (two workers must not derive the same one from their pids)
     if os.environ.get("PYTEST_XDIST_WORKER") and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = _free_port()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", _extensions_dir())
 
 
 #: Modules that take longest under ``make test`` (its ``--durations`` and stage times, docs/testing.md),

@@ -2,7 +2,8 @@
 ``typing.Protocol``s, checked once where the manager gets its backend.
 
 Not every cache has every tier: a plain RadixCache (pin, shadow) has no host tree to park on and no
-storage tier; a UnifiedRadixCache has a host tree but no L3 path in toolkv yet. The manager used to
+storage tier; a HiRadixCache and a UnifiedRadixCache have both (``hicache_storage.py``,
+``unified_storage.py``). The manager used to
 ask ``getattr(backend, "pin_cost", None)`` at each use and call the L3 methods through
 ``type: ignore``. Here each optional ability is a protocol, :func:`capabilities_of` checks the
 backend against all of them once, and the manager holds the answer, typed: ``caps.storage`` is a

@@ -38,7 +38,7 @@ _WAIT_S = 20.0
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
+def env(name: str, value: str) -> Iterator[None]:
     """Set one environment variable for the duration (HiCacheFile reads its directory from it)."""
     old = os.environ.get(name)
     os.environ[name] = value
@@ -51,7 +51,48 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-class StorageCacheHarness(CacheHarness):
+class StorageWaits:
+    """Waiting for sglang's storage threads, shared by the 0.5.16 and 0.5.23 storage harnesses
+    (the threads run on their own time, as on a server; the helpers wait for them, bounded, then
+    run the scheduler's per-iteration step, ``check_events``)."""
+
+    tree: Any
+    controller: Any
+    backend: Any
+    storage_dir: Path
+
+    def check_events(self) -> None:
+        raise NotImplementedError
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        """Poll ``done`` until it holds: the storage threads run on their own time, as on a server."""
+        deadline = time.monotonic() + _WAIT_S
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang's storage thread never {what}")
+            time.sleep(0.001)
+
+    def await_store_acks(self) -> int:
+        """Wait until the backup thread has written every queued write-to-storage operation and
+        acknowledged it, then drain the acks (the source's protection returned). Returns how many
+        operations this call saw acknowledged: 0 when the scheduler's last iteration already
+        drained them (the backup thread is fast and runs on its own time)."""
+        n = len(self.tree.ongoing_backup)
+        self._wait(
+            lambda: self.controller.ack_backup_queue.qsize() >= len(self.tree.ongoing_backup),
+            "acked a backup",
+        )
+        self.check_events()
+        assert not self.tree.ongoing_backup, "every backup acknowledged"
+        return n
+
+    def stored_keys(self) -> list[str]:
+        """The page keys (hash values) HiCacheFile holds, without the model/rank suffix."""
+        suffix = self.backend.config_suffix + ".bin"
+        return sorted(p.name[: -len(suffix)] for p in self.storage_dir.iterdir() if p.name.endswith(suffix))
+
+
+class StorageCacheHarness(StorageWaits, CacheHarness):
     """One real HiRadixCache whose controller has sglang's ``HiCacheFile`` storage backend.
 
     ``prefetch_policy`` is sglang's ``--hicache-storage-prefetch-policy``; the default
@@ -96,7 +137,7 @@ class StorageCacheHarness(CacheHarness):
             raise ValueError("the storage tier exists only under HiRadixCache")
         self.storage_dir.mkdir(parents=True, exist_ok=True)
         with (
-            _env("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(self.storage_dir)),
+            env("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(self.storage_dir)),
             get_parallel().override(
                 tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1
             ),
@@ -123,33 +164,6 @@ class StorageCacheHarness(CacheHarness):
         self.tree.writing_check()
         self.tree.loading_check()
         self.tree.drain_storage_control_queues()
-
-    def _wait(self, done: Callable[[], bool], what: str) -> None:
-        """Poll ``done`` until it holds: the storage threads run on their own time, as on a server."""
-        deadline = time.monotonic() + _WAIT_S
-        while not done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sglang's storage thread never {what}")
-            time.sleep(0.001)
-
-    def await_store_acks(self) -> int:
-        """Wait until the backup thread has written every queued write-to-storage operation and
-        acknowledged it, then drain the acks (``release_host`` of each source). Returns how many
-        operations this call saw acknowledged: 0 when the scheduler's last iteration already
-        drained them (the backup thread is fast and runs on its own time)."""
-        n = len(self.tree.ongoing_backup)
-        self._wait(
-            lambda: self.controller.ack_backup_queue.qsize() >= len(self.tree.ongoing_backup),
-            "acked a backup",
-        )
-        self.check_events()
-        assert not self.tree.ongoing_backup, "every backup acknowledged"
-        return n
-
-    def stored_keys(self) -> list[str]:
-        """The page keys (hash values) HiCacheFile holds, without the model/rank suffix."""
-        suffix = self.backend.config_suffix + ".bin"
-        return sorted(p.name[: -len(suffix)] for p in self.storage_dir.iterdir() if p.name.endswith(suffix))
 
     def storage_hit_tokens(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` storage holds (sglang's ``query_storage_hit_length``

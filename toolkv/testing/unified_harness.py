@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -94,7 +97,7 @@ class UnifiedHarnessConfig:
             raise ValueError(f"tree_core must be 'python' or 'rust', got {self.tree_core!r}")
 
 
-def make_server_args(cfg: UnifiedHarnessConfig) -> Any:
+def make_server_args(cfg: UnifiedHarnessConfig, **extra: Any) -> Any:
     """A real ``ServerArgs`` for a dummy model (no model is resolved), published as the process's
     config the way the scheduler publishes it (0.5.23 reads HiCache options through
     ``runtime_context.get_memory()``, not through the ``ServerArgs`` argument)."""
@@ -108,6 +111,7 @@ def make_server_args(cfg: UnifiedHarnessConfig) -> Any:
         hicache_write_policy=cfg.write_policy,
         hicache_io_backend=cfg.io_backend,
         hicache_mem_layout=cfg.layout,
+        **extra,
     )
     set_global_server_args_for_scheduler(args)
     return args
@@ -174,6 +178,10 @@ class UnifiedCacheHarness(TreeHarness):
     def __init__(self, cfg: UnifiedHarnessConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(cfg or UnifiedHarnessConfig(), seed=seed)
 
+    def _server_args(self, cfg: UnifiedHarnessConfig) -> Any:
+        """The server's flags (a subclass adds its own)."""
+        return make_server_args(cfg)
+
     def _cpu_doubles(self, engine: ControlledTransferEngine) -> contextlib.AbstractContextManager[None]:
         return unified_cpu_doubles(engine)
 
@@ -184,7 +192,7 @@ class UnifiedCacheHarness(TreeHarness):
 
         cfg = self.cfg
         group = ensure_process_group()
-        self.server_args = make_server_args(cfg)
+        self.server_args = self._server_args(cfg)
         self._build_pools(cfg.device)
         self.params = CacheInitParams(
             req_to_token_pool=self.req_pool,
@@ -327,12 +335,162 @@ class UnifiedCacheHarness(TreeHarness):
         return UnifiedAccounting(**asdict(super().accounting()), queued_loads=queued)
 
 
+class UnifiedStorageHarness(UnifiedCacheHarness):
+    """One real 0.5.23 ``UnifiedRadixCache`` whose controller has sglang's ``HiCacheFile`` storage
+    backend (``--hicache-storage-backend file``), as
+    :class:`~toolkv.testing.storage_harness.StorageCacheHarness` is for 0.5.16: the controller
+    creates the backend over a directory the test chooses and starts its real storage threads
+    (the backup thread, the prefetch thread and its I/O thread). Nothing of the storage path is
+    doubled; the waits are :class:`~toolkv.testing.storage_harness.StorageWaits`'.
+
+    Every acknowledged host write is written to storage by sglang itself
+    (``_finish_write_through_ack`` → ``write_backup_storage``), and ``check_hicache_events``
+    drains the storage control queues, as the scheduler's every iteration does.
+    ``prefetch_policy`` is ``--hicache-storage-prefetch-policy`` (``wait_complete``: every page the
+    hit query found is read before the prefetch ends); ``prefetch_threshold`` (tokens) the extra
+    config's key below which sglang does not prefetch."""
+
+    def __init__(
+        self,
+        cfg: UnifiedHarnessConfig | None,
+        storage_dir: Path,
+        *,
+        prefetch_policy: str = "wait_complete",
+        prefetch_threshold: int = 1,
+        seed: int = 0,
+    ) -> None:
+        from toolkv.testing.storage_harness import StorageWaits
+
+        self.storage_dir = Path(storage_dir)
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_threshold = prefetch_threshold
+        self._waits = StorageWaits
+        super().__init__(cfg, seed=seed)
+
+    def _server_args(self, cfg: UnifiedHarnessConfig) -> Any:
+        """The base harness's ``ServerArgs`` with the storage flags a server would be started with
+        (set before they are published: 0.5.23 reads them through ``get_memory()``)."""
+        from toolkv.testing.storage_harness import MODEL_NAME
+
+        return make_server_args(
+            cfg,
+            hicache_storage_backend="file",
+            hicache_storage_prefetch_policy=self.prefetch_policy,
+            hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": self.prefetch_threshold}),
+            served_model_name=MODEL_NAME,
+        )
+
+    def _build(self) -> None:
+        """The base stack with storage on: HiCacheFile's directory (read from its environment
+        variable at construction) and the TP rank/size its storage config asks for (world size 1)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        from toolkv.testing.storage_harness import env
+
+        if not self.cfg.hicache:
+            raise ValueError("the storage tier needs HiCache's host tier")
+        self.storage_dir.mkdir(parents=True, exist_ok=True)
+        with (
+            env("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(self.storage_dir)),
+            get_parallel().override(
+                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1
+            ),
+        ):
+            super()._build()
+        self.backend: Any = self.tree.cache_controller.storage_backend
+        assert self.tree.enable_storage, "sglang attached no storage backend"
+
+    def close(self) -> None:
+        """Stop sglang's storage threads (``detach_storage_backend``: drain, stop, release what a
+        prefetch or backup still holds) before the CPU doubles go."""
+        tree = getattr(self, "tree", None)
+        if tree is not None and getattr(tree, "enable_storage", False):
+            with contextlib.suppress(Exception):
+                tree.detach_storage_backend()
+        super().close()
+
+    # ---- waits (StorageWaits', bound here: the harness bases differ by release) ---------------------
+    def _wait(self, done: Any, what: str) -> None:
+        self._waits._wait(self, done, what)  # type: ignore[arg-type]
+
+    def await_store_acks(self) -> int:
+        return int(self._waits.await_store_acks(self))  # type: ignore[arg-type]
+
+    def stored_keys(self) -> list[str]:
+        return list(self._waits.stored_keys(self))  # type: ignore[arg-type]
+
+    def storage_records(self) -> dict[str, int]:
+        """sglang's per-request and per-write storage records, each a count that is 0 when nothing
+        is in flight or left behind: writes to storage, prefetches, their reserved span, the
+        tokens-read counts and the wait, retry and hit accounting of each request."""
+        t = self.tree
+        return {
+            "ongoing_backup": len(t.ongoing_backup),
+            "ongoing_prefetch": len(t.ongoing_prefetch),
+            "prefetch_tokens_occupied": int(t.cache_controller.prefetch_tokens_occupied),
+            "prefetch_loaded_tokens": len(t.prefetch_loaded_tokens_by_reqid),
+            "prefetch_loaded_start": len(t.prefetch_loaded_storage_start_by_reqid),
+            "prefetch_wait": len(t._storage_prefetch_wait),
+            "prefetch_retries": len(t.storage_prefetch_retries._pending),
+            "prefetch_hit_accounting": len(t._storage_prefetch_hit_remaining_by_reqid),
+        }
+
+    def prefetch(self, rid: str, tokens: Sequence[int]) -> int:
+        """sglang's own read at a request's arrival (``Scheduler._prefetch_kvcache``): match,
+        ``prefetch_from_storage`` below the last host node, then every iteration
+        ``check_hicache_events`` and ``check_prefetch_progress`` until it is done; the request's
+        records let go as admission does. Returns the tokens loaded from storage."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        t = self.tree
+        m = self.match(tokens)
+        anchor = m.last_host_node
+        done_len = int(m.device_prefix_len) + int(m.host_hit_length)
+        handle = CacheRequestHandle(rid, 0)  # the request's id, its first attempt
+        t.prefetch_from_storage(
+            handle,
+            anchor,
+            array("q", tokens[done_len:]),
+            t.get_last_hash_value(anchor),
+            None,
+            matched_prefix_tokens=array("q", tokens[:done_len]),
+        )
+        if not t.has_ongoing_prefetch(handle):
+            return 0
+
+        def finished() -> bool:
+            self.check_events()
+            return bool(t.check_prefetch_progress(handle))
+
+        self._wait(finished, "finished the prefetch")
+        self.check_events()  # host slots of pages not read are released through a queue
+        loaded = int(t.pop_prefetch_loaded_tokens(handle))
+        t.finish_storage_prefetch_admission(handle, loaded, None)
+        t.storage_prefetch_retries.cancel(rid)
+        return loaded
+
+    def load_to_device(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Load the host-only part of ``tokens``'s path to the device (``match_prefix``, then the
+        ``load_back`` of its best match that a prefill batch's ``init_load_back`` runs, and
+        ``ready_to_load_host_cache``), finish the copy and process its ack; returns the device
+        indices of the whole match."""
+        m = self.match(tokens)
+        assert self.tree.load_back(m.best_match_node), "load_back refused"
+        self.tree.ready_to_load_host_cache()
+        self.synchronize()
+        self.check_events()
+        m = self.match(tokens)
+        out: torch.Tensor = self.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len]
+        return out
+
+
 __all__ = [
     "MIN_UNIFIED_VERSION",
     "TreeCoreName",
     "UnifiedAccounting",
     "UnifiedCacheHarness",
     "UnifiedHarnessConfig",
+    "UnifiedStorageHarness",
     "ensure_process_group",
     "full",
     "has_unified_radix_cache",

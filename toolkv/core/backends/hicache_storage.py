@@ -13,14 +13,14 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 
 from toolkv.core.backends.base import Agreement, ProtectionLedger
 from toolkv.core.backends.mooncake_tier import Manifest, MooncakeTier, is_mooncake
 from toolkv.core.session import SessionRecord
-from toolkv.core.treeops import Tree, TreeNode, path_to, walk
+from toolkv.core.treeops import Tree, TreeNode, is_root, path_to, walk
 
 
 @dataclass
@@ -40,6 +40,11 @@ class StorageCopy:
     released: bool = False  # the session let go while the prefetch read: dropped at its ack
 
 
+#: :meth:`HiCacheStorage._read_from`'s answer for "the host copy is whole: restore from it" (not
+#: None: on sglang 0.5.23's Rust tree core the root, where a prefetch may start, is None)
+FROM_HOST: Final = "from host"
+
+
 def _ntok(nodes: Sequence[TreeNode]) -> int:
     """Tokens held by ``nodes`` (key length equals value and host_value length; ``len`` of a
     RadixKey is a few times cheaper than ``len`` of a tensor)."""
@@ -50,7 +55,13 @@ class HiCacheStorage:
     """The storage-tier steps of :class:`~toolkv.core.backends.hiradix.HiRadixBackend` (a mixin
     over its tree, agreement, protection ledger and storage records). A step a seeded defect
     changes is a small method of its own (:meth:`_store_whole`, :meth:`_read_from`,
-    :meth:`_release_storage`), overridden from outside by ``toolkv.verify.toolkv.mutants``."""
+    :meth:`_release_storage`), overridden from outside by ``toolkv.verify.toolkv.mutants``.
+
+    What reads or calls sglang's release-specific API is a small method too (:meth:`_page_keys`,
+    :meth:`_write_to_storage`, :meth:`_storing`, :meth:`_lookup`, :meth:`_start_prefetch`,
+    :meth:`_prefetch_finished`): 0.5.23's ``UnifiedRadixCache`` has the same storage path behind
+    node ids and request handles, and ``toolkv.core.backends.unified_storage`` overrides these
+    alone; the spec's actions above them are this class's, on both releases."""
 
     tree: Tree
     agree: Agreement
@@ -62,6 +73,9 @@ class HiCacheStorage:
 
     def _take_host_protection(self, rec: SessionRecord, leaf: TreeNode) -> None:
         raise NotImplementedError  # the host tier's (HiRadixBackend)
+
+    def _host_backed(self, m: TreeNode) -> bool:
+        raise NotImplementedError  # the host tier's (HostRestore)
 
     def _release_protection(self, rec: SessionRecord) -> None:
         raise NotImplementedError  # the host tier's (HiRadixBackend)
@@ -125,22 +139,36 @@ class HiCacheStorage:
             return False
         tree = self.tree
         path = path_to(tree, leaf)
-        ready = all(m.host_value is not None and m.write_through_pending_id is None for m in path)
-        hashed = all(
-            m.hash_value is not None and len(m.hash_value) == len(m.key) // tree.page_size for m in path
-        )
-        if not self.agree.all_true(ready and hashed and not self._evicts_on_its_own()):
+        per_node = self._page_keys(path)
+        if not self.agree.all_true(per_node is not None and not self._evicts_on_its_own()):
             return False
-        keys = [k for m in path for k in m.hash_value]
+        assert per_node is not None
+        keys = [k for node_keys in per_node for k in node_keys]
         have = self._stored_pages(keys)
         done = 0
-        for m in path:  # root-down, from the first node with a page missing
-            n = len(m.hash_value)
+        for m, node_keys in zip(path, per_node, strict=True):  # root-down, from the first page missing
+            n = len(node_keys)
             if done + n > have and not self._storing(m):
-                tree.write_backup_storage(m)  # sglang's protect_host on m until the backup ack
+                self._write_to_storage(m)
             done += n
         self._l3[rec.session_id] = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
         return True
+
+    def _page_keys(self, path: Sequence[TreeNode]) -> list[list[str]] | None:
+        """Each node's page hashes, root first; None unless every node has an acknowledged host
+        copy (a host write in flight has nothing to store yet) and a hash per page."""
+        page = self.tree.page_size
+        ready = all(m.host_value is not None and m.write_through_pending_id is None for m in path)
+        if not ready or not all(
+            m.hash_value is not None and len(m.hash_value) == len(m.key) // page for m in path
+        ):
+            return None
+        return [list(m.hash_value) for m in path]
+
+    def _write_to_storage(self, m: TreeNode) -> None:
+        """Write ``m``'s host copy to storage: sglang's ``write_backup_storage`` (its backup thread;
+        ``protect_host`` on ``m`` until the backup ack is drained)."""
+        self.tree.write_backup_storage(m)
 
     def store_ack(self, rec: SessionRecord) -> bool | None:
         """Spec ``StoreAck``: None while a write of the path is in flight. Then whole (every page
@@ -191,35 +219,55 @@ class HiCacheStorage:
         nothing changed, retry or let the TTL end it."""
         copy = self._l3.get(rec.session_id)
         assert copy is not None and copy.rid is None, "a session with a storage copy, no prefetch yet"
-        tree = self.tree
         tokens = rec.tokens[: copy.tokens]
-        node, matched = walk(tree, tokens, rec.extra_key)
+        node, matched = self._lookup(tokens, rec.extra_key)
         host_node = self._read_from(copy, node, matched)
-        if host_node is None:
+        if host_node is FROM_HOST:
             self._protect_host_path(rec, node)
             del self._l3[rec.session_id]
             return "host"
-        depth = _ntok(path_to(tree, host_node))
-        rest = array("q", tokens[depth:])
-        tree.prefetch_from_storage(rid, host_node, rest, host_node.get_last_hash_value())
-        if rid not in tree.ongoing_prefetch:  # the same decision on every rank (lockstep state)
+        if not self._start_prefetch(rid, host_node, tokens, rec.extra_key):
             return "refused"
         copy.rid = rid
         return "prefetching"
 
-    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode | None:
-        """Where a restore of a session with a storage copy reads from: None while its host copy
-        is whole (spec ``ToolEndFromHost``: protected again, the storage copy let go); else the
+    def _lookup(self, tokens: Sequence[int], extra_key: str | None) -> tuple[TreeNode, int]:
+        """The deepest node of the tree whose path is a prefix of ``tokens``, whatever its tier,
+        and the tokens its path covers."""
+        return walk(self.tree, tokens, extra_key)
+
+    def _host_depth(self, host_node: TreeNode) -> int:
+        """Tokens on the path of ``host_node`` (0 for the root)."""
+        return 0 if is_root(self.tree, host_node) else _ntok(path_to(self.tree, host_node))
+
+    def _start_prefetch(
+        self, rid: str, host_node: TreeNode, tokens: Sequence[int], extra_key: str | None
+    ) -> bool:
+        """sglang's ``prefetch_from_storage`` of ``tokens`` below ``host_node`` under request id
+        ``rid``. True: it started (sglang's ``ongoing_prefetch`` has it: lockstep state, the same
+        on every rank); False: refused (below the threshold, its budget spent)."""
+        tree = self.tree
+        rest = array("q", tokens[self._host_depth(host_node) :])
+        tree.prefetch_from_storage(rid, host_node, rest, host_node.get_last_hash_value())
+        return rid in tree.ongoing_prefetch
+
+    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode:
+        """Where a restore of a session with a storage copy reads from: :data:`FROM_HOST` while its
+        host copy is whole (spec ``ToolEndFromHost``: protected again, the storage copy let go); else the
         deepest node of the path with a host copy, below which a prefetch reads the storage copy,
         and only a copy whose write was acknowledged whole (``RestoreSourceWhole``; mutant
         ``RestoreBeforeStoreAck`` reads one still being written)."""
         if self.agree.all_true(matched >= copy.tokens):
-            return None
+            return FROM_HOST
         assert copy.whole, "a prefetch reads only a storage copy whose write was acknowledged whole"
-        host_node = node
-        while host_node is not self.tree.root_node and host_node.host_value is None:
-            host_node = host_node.parent
-        return host_node
+        return self._host_anchor(node)
+
+    def _host_anchor(self, node: TreeNode) -> TreeNode:
+        """The deepest node of ``node``'s path with a host copy (the root if none)."""
+        tree = self.tree
+        while not is_root(tree, node) and not self._host_backed(node):
+            node = node.parent
+        return node
 
     def prefetch_ack(self, rec: SessionRecord) -> bool | None:
         """Spec ``PrefetchAck``: None until sglang's ``check_prefetch_progress`` says the prefetch is
@@ -236,11 +284,18 @@ class HiCacheStorage:
         del self._l3[rec.session_id]
         if copy.released:
             return False
-        node, matched = walk(self.tree, rec.tokens[: copy.tokens], rec.extra_key)
-        if not self.agree.all_true(matched >= copy.tokens):
+        node, matched = self._lookup(rec.tokens[: copy.tokens], rec.extra_key)
+        if not self._read_whole(copy, matched):
             return False
         self._protect_host_path(rec, node)
         return True
+
+    def _read_whole(self, copy: StorageCopy, matched: int) -> bool:
+        """The host tree holds the session's whole copy again (agreed across ranks). Read off the
+        tree, never the read's own count: on 0.5.23 the pages enter the host tree before this ack,
+        unprotected, and the host eviction may have taken one (``spec/storage/UnifiedRead.tla``;
+        mutant ``TrustWholeRead`` trusts a whole, pinned copy to have been read whole)."""
+        return self.agree.all_true(matched >= copy.tokens)
 
     def poll_storage(self) -> int:
         """Finish the prefetches of sessions released while they read (their pins held the storage
@@ -256,10 +311,17 @@ class HiCacheStorage:
         """sglang's ``check_prefetch_progress`` for the copy's prefetch: True once its pages are in
         the host tree and its host slots and last-host-node protection are returned."""
         assert copy.rid is not None
-        if not self.tree.check_prefetch_progress(copy.rid):
+        if not self._prefetch_finished(copy.rid):
             return False
-        self.tree.pop_prefetch_loaded_tokens(copy.rid)
         copy.rid = None
+        return True
+
+    def _prefetch_finished(self, rid: str) -> bool:
+        """sglang's ``check_prefetch_progress`` (collectives: every rank, the same step), then its
+        per-request count of tokens read (``pop_prefetch_loaded_tokens``) let go."""
+        if not self.tree.check_prefetch_progress(rid):
+            return False
+        self.tree.pop_prefetch_loaded_tokens(rid)
         return True
 
     def _protect_host_path(self, rec: SessionRecord, leaf: TreeNode) -> None:
@@ -279,11 +341,9 @@ class HiCacheStorage:
         (the pages read before the missing one), so that it can be restored like a whole copy;
         ``rec.node`` becomes its last node. Returns its tokens (0: nothing came back, nothing
         protected). The rest is left to the next request to recompute."""
-        node, _ = walk(self.tree, rec.tokens, rec.extra_key)
-        root = self.tree.root_node
-        while node is not root and node.host_value is None:
-            node = node.parent
-        tokens = _ntok(path_to(self.tree, node)) if node is not root else 0
+        node, _ = self._lookup(rec.tokens, rec.extra_key)
+        node = self._host_anchor(node)
+        tokens = self._host_depth(node)
         if not self.agree.all_true(tokens > 0):
             return 0
         self._protect_host_path(rec, node)

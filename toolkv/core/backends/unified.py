@@ -38,6 +38,10 @@ Node facts (device value, host value, locks, pending write) are read off the Pyt
 ``UnifiedTreeNode`` objects; the Rust tree core exposes no node objects, so :func:`check_tree`
 refuses it with the setting that selects the Python core.
 
+The L3 storage tier (``--hicache-storage-backend``; ``spec/storage/StorageTier.tla``, with 0.5.23's
+read in ``UnifiedRead.tla``) is :class:`~toolkv.core.backends.unified_storage.UnifiedStorage`, the
+same steps as on the HiRadixCache over 0.5.23's primitives, on either tree core.
+
 Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the ack queues,
 ``writing_check``/``loading_check``/``check_hicache_events`` (the scheduler runs them).
 """
@@ -63,6 +67,8 @@ from toolkv.core.backends.base import (
     path_resident,
     record_freed,
 )
+from toolkv.core.backends.hicache_storage import StorageCopy
+from toolkv.core.backends.unified_storage import UnifiedStorage
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
@@ -109,7 +115,7 @@ class Receipts:
     pin: Any = None  # from inc_lock_ref on the restoring leaf
 
 
-class UnifiedBackend(HostRestore, OwnLoads):
+class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
     """Host offload on a ``UnifiedRadixCache`` with HiCache. The steps a seeded defect would
     change are small methods of their own (:meth:`_take_host_protection`,
     :meth:`_free_candidate_ready`, :meth:`_free_device_copy`, :meth:`_readable_after_load_back`),
@@ -143,6 +149,8 @@ class UnifiedBackend(HostRestore, OwnLoads):
         # time); a split during the load inserts a node into the chain, and it is loading too.
         self._loads: dict[int, tuple[TreeNode, TreeNode]] = {}
         self._ledger = ProtectionLedger()
+        # Sessions' copies in the L3 storage tier, by session id (spec/storage/StorageTier.tla).
+        self._l3: dict[str, StorageCopy] = {}
         self.counters_host_room = 0  # tool_starts that had the host eviction make room (spec HostRoom)
         # Device tokens sglang has promised but not allocated yet (bound by the scheduler side): a
         # restore leaves them free, as on the HiRadixCache.
@@ -260,7 +268,16 @@ class UnifiedBackend(HostRestore, OwnLoads):
 
     def offload_pending(self, rec: SessionRecord) -> bool:
         assert rec.node is not None
-        return any(m.write_through_pending_id is not None for m in path_to(self.tree, rec.node))
+        return any(self._writing(m) for m in path_to(self.tree, rec.node))
+
+    def _writing(self, m: TreeNode) -> bool:
+        """A write of ``m`` to host is in flight (sglang clears the id at its ack)."""
+        return m.write_through_pending_id is not None
+
+    def _node_of(self, node_id: int) -> TreeNode | None:
+        """The ``UnifiedTreeNode`` behind a node id (the Python core's arena)."""
+        node: TreeNode = self.tree.tree_core.node_by_id(node_id)
+        return node
 
     # ---- loads ----------------------------------------------------------------------------------------
     def _node_loading(self, m: TreeNode) -> bool:
@@ -376,6 +393,7 @@ class UnifiedBackend(HostRestore, OwnLoads):
     def release(self, rec: SessionRecord) -> None:
         self.unpin(rec)
         self._release_protection(rec)
+        self._release_storage(rec)
 
     # ---- load-adaptive protection (spec ``Park``, ``Unpin`` to ``Parked``) ----------------------------
     #: A parked session's next request is served by sglang 0.5.23's own admission: ``match_kv_cache``
@@ -422,12 +440,14 @@ class UnifiedBackend(HostRestore, OwnLoads):
 
     def forget(self, rec: SessionRecord) -> None:
         self._ledger.give(rec.session_id)
+        self._l3.pop(rec.session_id, None)
         rec.protected = None
         rec.pinned = None
         rec.backend_state = Receipts()
 
     def reset(self) -> None:
         self._loads.clear()
+        self._l3.clear()  # sglang's reset drops its prefetch and backup records with the tree
 
     # ---- kv_meta --------------------------------------------------------------------------------------
     def tier(self, node: TreeNode | None) -> Tier:

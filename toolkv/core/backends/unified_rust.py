@@ -31,6 +31,10 @@ Where a fact is truly unavailable the safe outcome is chosen:
   host lock counts of every node; here ``tool_start`` asks sglang's host eviction for the shortfall
   and then decides on the free slots alone (spec ``HostRoom`` then ``ToolStart``; a call refused
   after that has made room for nobody in particular, never freed a protected copy).
+* **L3.** The storage tier's steps take node ids (``write_backup_storage``, the hash values, the
+  prefetch's anchor) and look a path up with ``match_prefix``, which sees host-only nodes on this
+  core too (``toolkv.core.backends.unified_storage``); nothing of it reads a node object. Mooncake
+  is not stored to (as on the Python core): the session stays on its protected host copy.
 * **A host-only suffix** is not found by the device-only lookup: a session whose recorded node
   went away (and whose tokens' device match stops short) is ``SessionKVLost`` (its next turn
   recomputes), never acted on through a stale id.
@@ -99,6 +103,10 @@ class RustUnifiedBackend(UnifiedBackend):
             if any(p.id == m.id for p in path_to(self.tree, _by_id(self.tree, int(anchor_id)))):
                 return True
         return False
+
+    def _node_of(self, node_id: int) -> TreeNode | None:
+        """The handle of ``node_id`` as the tree core reports it now (None: the root)."""
+        return _by_id(self.tree, node_id)
 
     def _lock_cost(self, leaf: TreeNode) -> int:
         """Device tokens a path lock on ``leaf`` takes from what sglang may evict, measured: lock,

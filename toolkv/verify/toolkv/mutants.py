@@ -462,7 +462,7 @@ class RestoreBeforeStoreAckBackend(HiRadixBackend):
     source: the prefetch reads it from the root, whatever the host holds (``_read_from``). The
     copy was never completely written (spec ``RestoreSourceWhole``)."""
 
-    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode | None:
+    def _read_from(self, copy: StorageCopy, node: TreeNode, matched: int) -> TreeNode:
         if not copy.whole:
             return self.tree.root_node  # type: ignore[no-any-return]
         return super()._read_from(copy, node, matched)
@@ -487,3 +487,24 @@ STORAGE_MUTANTS: dict[str, tuple[type[ToolKVManager], type[HiRadixBackend]]] = {
     "ReleaseDropsPin": (ToolKVManager, ReleaseDropsPinBackend),
     "ArrivalKeepsPin": (_manager_running("ArrivalKeepsPin", ArrivalKeepsPinMachine), HiRadixBackend),
 }
+
+
+def release_drops_pin(base: type[Any]) -> type[Any]:
+    """``ReleaseDropsPin`` on any backend with a storage tier (``base``: sglang 0.5.23's unified
+    backends, on either tree core), as :class:`ReleaseDropsPinBackend` seeds it on HiRadix."""
+    return type(
+        f"ReleaseDropsPin{base.__name__}",
+        (base,),
+        {"_release_storage": ReleaseDropsPinBackend._release_storage},
+    )
+
+
+def trust_whole_read(base: type[Any]) -> type[Any]:
+    """``TrustWholeRead`` (``spec/storage/UnifiedRead.tla``): the prefetch of a whole, pinned copy
+    is taken for a whole read at its ack, whatever the host tree holds; on 0.5.23 the host
+    eviction may have taken a page read before the ack, and the session's "restored" copy is short."""
+
+    def _read_whole(self: Any, copy: StorageCopy, matched: int) -> bool:
+        return bool(copy.whole)
+
+    return type(f"TrustWholeRead{base.__name__}", (base,), {"_read_whole": _read_whole})
