@@ -66,9 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run (default), sweep, speed, l3, fleet or map",
     )
     p.add_argument(
-        "--configs", default=None, type=choice_list((*CONFIGS, *FLEET_NAMES), every="all"),
+        "--configs", default=None, type=choice_list((*CONFIGS, *FLEET_NAMES, "stock4x"), every="all"),
         help=f"comma list of {', '.join(CONFIGS)} (or all; default {VALIDATED}); l3/fleet: of stock, stock-l3, "
-        "toolkv, toolkv-l3",
+        "toolkv, toolkv-l3; map: of stock, offload, auto, stock4x (stock with 4x the host pool)",
     )  # fmt: skip
     p.add_argument("--regime", choices=sorted(REGIMES), default="constrained", help="device pool size")
     p.add_argument(
@@ -373,10 +373,10 @@ def run(a: argparse.Namespace) -> int:
         else:
             if a.configs is None:
                 a.configs = VALIDATED
-            bad = [n for n in a.configs.split(",") if n.strip() in FLEET_NAMES and n.strip() not in CONFIGS]
+            bad = [n for n in a.configs.split(",") if n.strip() not in CONFIGS and n.strip() != "all"]
             if bad:
                 raise ValueError(
-                    f"--configs: {bad} are twin l3/fleet configurations; twin {a.action} runs "
+                    f"--configs: {bad} are twin l3/fleet/map configurations; twin {a.action} runs "
                     f"{', '.join(CONFIGS)}"
                 )
         if a.compare and not Path(a.compare).exists():

@@ -70,19 +70,36 @@ VALUE_LOAD = ["--sessions", "48", "--arrival-rate", "0", "--turns", "6", "--firs
 COMMAND = "python -m toolkv.twin.host_mix --out docs/results/twin/host_mix.json"
 
 
+#: the configurations beside the named ones: toolkv without host room from mirrors (TOOLKV_UNMIRROR=0)
+VARIANTS = {
+    "offload-507": ("offload", (("TOOLKV_UNMIRROR", "0"),)),
+    "auto-507": ("auto", (("TOOLKV_UNMIRROR", "0"),)),
+}
+
+
+def _configs(names: Sequence[str], write_policy: str) -> list[Any]:
+    from dataclasses import replace
+
+    from toolkv.twin.configs import get
+
+    out = []
+    for n in names:
+        base, env = VARIANTS.get(n, (n, ()))
+        out.append(replace(get(base), name=n, toolkv_env=env).with_write_policy(write_policy))
+    return out
+
+
 def run(policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = ()) -> dict[str, Any]:
     """Each configuration under each write policy on the value load, with the bound (``--opt``)."""
     from toolkv.twin.cli import add_arguments, run_configs, workload
-    from toolkv.twin.cli import configs as pick
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     rows: list[dict[str, Any]] = []
     for wp in policies:
-        a = p.parse_args(["--quiet", "--opt", "--configs", ",".join(configs), "--write-policy", wp,
-                          *VALUE_LOAD, *extra])  # fmt: skip
+        a = p.parse_args(["--quiet", "--opt", "--write-policy", wp, *VALUE_LOAD, *extra])
         w = workload(a)
-        for r in run_configs(a, w, pick(a, None), opt=True, progress=False):
+        for r in run_configs(a, w, _configs(configs, wp), opt=True, progress=False):
             t = r["twin"]
             print(f"{wp} {r['config']}: reuse {r['summary']['reuse']['reuse']:.2f}", file=sys.stderr)
             rows.append({
@@ -92,6 +109,8 @@ def run(policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = 
                 "shares": t["host_mix"],
                 "reuse": r["summary"]["reuse"]["reuse"],
                 "opt_reuse": t["opt"]["reuse"],
+                "closed_turns_per_s": r["summary"]["closed_turns_per_s"],
+                "ttft_p90_s": r["summary"]["resumed_ttft_p90_s"],
                 "tool_start_refused": sum(v for c, v in r["summary"].get("calls", {}).items()
                                           if c.startswith("tool_start ") and c != "tool_start 200"),
             })  # fmt: skip
@@ -99,17 +118,23 @@ def run(policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = 
 
 
 def table(data: Mapping[str, Any]) -> str:
-    """The markdown table of ``run``'s JSON (docs/twin.md, tests/test_host_mix.py)."""
+    """The markdown table of ``run``'s JSON (docs/twin.md, tests/test_host_mix.py): each kind's
+    share of the host pool, then the run's closed throughput and resumed-turn TTFT p90 against the
+    stock run of the same write policy, its reuse, the share of the bound, its 507s."""
     head = ("write policy", "config", "mirror of locked KV", "mirror of idle KV", "host only, protected",
-            "host only, unprotected", "free", "reuse", "of the bound")  # fmt: skip
+            "host only, unprotected", "free", "turns/s × stock", "p90 × stock", "reuse (of the bound)",
+            "tool_start 507")  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    stock = {r["write_policy"]: r for r in data["rows"] if r["config"] == "stock"}
     for r in data["rows"]:
-        s = r["shares"]
+        s, ref = r["shares"], stock[r["write_policy"]]
         free = 1.0 - sum(s.values())
         frac = r["reuse"] / r["opt_reuse"] if r["opt_reuse"] else None
         out.append("| " + " | ".join([
             r["write_policy"], r["config"], *(f"{100 * s[k]:.0f} %" for k in KINDS), f"{100 * free:.0f} %",
-            f"{100 * r['reuse']:.0f} %", f"{100 * frac:.0f} %" if frac is not None else "-",
+            f"{r['closed_turns_per_s'] / ref['closed_turns_per_s']:.2f}×", f"{r['ttft_p90_s'] / ref['ttft_p90_s']:.2f}×",
+            f"{100 * r['reuse']:.0f} % ({100 * frac:.0f} %)" if frac is not None else f"{100 * r['reuse']:.0f} %",
+            "-" if r["config"] == "stock" else str(r["tool_start_refused"]),
         ]) + " |")  # fmt: skip
     return "\n".join(out)
 
@@ -119,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m toolkv.twin.host_mix", description=__doc__.split("\n\n")[0])
     p.add_argument("--write-policies", default=",".join(WRITE_POLICIES))
-    p.add_argument("--configs", default="stock,offload,auto")
+    p.add_argument("--configs", default="stock,offload,auto,offload-507,auto-507",
+                   help="twin configurations; offload-507, auto-507: with TOOLKV_UNMIRROR=0")  # fmt: skip
     p.add_argument("--out", type=Path, help="write the JSON here")
     a, extra = p.parse_known_args(argv)
     data = run(a.write_policies.split(","), a.configs.split(","), extra)

@@ -52,7 +52,6 @@ def mirror_room(
     ``own_path``, each with every host copy of its subtree droppable (``ok`` for each: a seeded
     defect replaces it). One post-order walk."""
     own = {id(m) for m in own_path}
-    ok_node = ok
     out: list[TreeNode] = []
     # id(node) -> (its subtree holds a host copy, every host copy in its subtree may go)
     below: dict[int, tuple[bool, bool]] = {}
@@ -64,14 +63,14 @@ def mirror_room(
             stack.append((node, True))
             stack.extend((c, False) for c in kids)
             continue
-        has, ok = node.host_value is not None, True
+        has, fine = node.host_value is not None, True
         for c in kids:
-            c_has, c_ok = below.pop(id(c))
-            has, ok = has or c_has, ok and c_ok
+            c_has, c_fine = below.pop(id(c))
+            has, fine = has or c_has, fine and c_fine
         mine = node is not tree.root_node and node.host_value is not None
-        ok = ok and (not mine or ok_node(node, tree, own))
-        below[id(node)] = (has, ok)
-        if mine and ok:
+        fine = fine and (not mine or ok(node, tree, own))
+        below[id(node)] = (has, fine)
+        if mine and fine:
             out.append(node)
     return out
 
