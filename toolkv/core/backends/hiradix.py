@@ -113,10 +113,13 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
                 budget=budget,
                 evictable=room,
             )
-        if need > host_free:  # spec HostRoom, repeated: evict_host frees LRU unprotected leaves
-            # every rank evicts the largest shortfall of any rank: the same count on the same LRU
-            # order evicts the same nodes, so the ranks' trees stay equal
-            tree.evict_host(int(self.agree.max_time(float(need - host_free))))
+        # spec HostRoom, repeated: evict_host frees LRU unprotected leaves. Every rank evicts the
+        # largest shortfall of any rank (an all-reduce MAX, on every rank: a rank whose own free
+        # slots suffice must still take part, and evict as much): the same count on the same LRU
+        # order evicts the same nodes, so the ranks' trees stay equal
+        short = int(self.agree.max_time(float(need - host_free)))
+        if short > 0:
+            tree.evict_host(short)
             self.counters_host_room += 1
             assert int(pool.available_size()) >= need, "evict_host freed less than it was counted to"
         for m in to_write:  # root-down: write_backup needs a backed-up parent
