@@ -50,6 +50,9 @@ LOCAL_READINGS = (  # a reply's numbers of this rank alone (the decision in it i
 )
 
 
+SINK: list[str] = []  # where a rank appends each record as it is taken (its scenario's own file)
+
+
 class LocalAt:
     """The mutant agreement: calls made from the named functions run their collective (the ranks
     stay in step) but answer this rank's own reading, as if that decision skipped the agreement."""
@@ -113,12 +116,17 @@ class Rank:
             "collectives": self.agree.collectives,
         }
         self.trace.append(row)
+        if SINK:  # as it happens: a mutant's rank may die out of step before it writes its results
+            with Path(SINK[0]).open("a") as f:
+                f.write(json.dumps(row) + "\n")
         return row
 
     def call(self, step: str, op: str, **body: Any) -> dict[str, Any]:
         return self.record(step, self.tk.handle(op, body))
 
-    def iteration(self, step: str, *, writes_on: tuple[int, ...] = (), loads_on: tuple[int, ...] = ()) -> None:
+    def iteration(
+        self, step: str, *, writes_on: tuple[int, ...] = (), loads_on: tuple[int, ...] = ()
+    ) -> None:
         """One scheduler iteration: this rank's copy engine may finish, sglang's ack checks
         (all-reduce MIN inside), then toolkv's tick (the agreed clock inside)."""
         self.clock.t += 1.0
@@ -133,7 +141,9 @@ class Rank:
     def turn(self, sid: str, first: int, n: int, slot: int = 0) -> None:
         from _turns import finish_turn
 
-        assert finish_turn(self.h, sid, list(range(first, first + n - 2)), [first + n - 2, first + n - 1], slot=slot)
+        assert finish_turn(
+            self.h, sid, list(range(first, first + n - 2)), [first + n - 2, first + n - 1], slot=slot
+        )
 
     def admit(self, step: str, *sids: str) -> None:
         self.tk.on_batch([SimpleNamespace(session_id=s, session=None) for s in sids])
@@ -349,12 +359,13 @@ def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str) ->
             HiRadixCache._all_reduce = lambda self, data, op: None  # type: ignore[method-assign]
         elif where:
             agree = LocalAt(agree, {where})
+        SINK[:] = [str(Path(out, f"rank{rank}.{name}.jsonl"))]
         try:
             results[name] = SCENARIOS[name](rank, agree, clock_agree)
         except Exception as e:  # a mutant's ranks out of step: what they did so far is the evidence
             if not mutant:
                 raise
-            results[name] = {"error": repr(e)}
+            print(f"rank {rank}, {name}: {e!r}", file=sys.stderr)  # its records are in its .jsonl
             Path(out, f"rank{rank}.json").write_text(json.dumps(results))
             os._exit(0)
     gc.collect()
@@ -369,28 +380,45 @@ def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str) ->
 def _launch(tmp_path: Path, names: list[str], mutant: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
     t0 = time.monotonic()
     ctx = mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), names, mutant), nprocs=WORLD, join=False)
-    while not ctx.join(timeout=1):
+    while True:
+        try:
+            if ctx.join(timeout=1):
+                break
+        except (mp.ProcessExitedException, mp.ProcessRaisedException):
+            if not mutant:
+                raise
+            break  # a mutant's rank died out of step (gloo aborts it): that is a finding too
         if time.monotonic() > t0 + 240:
             for p in ctx.processes:
                 p.kill()
             if mutant:
                 break
             pytest.fail("TP ranks hung (no lockstep)")
-    paths = [Path(tmp_path, f"rank{r}.json") for r in range(WORLD)]
-    r0, r1 = (json.loads(p.read_text()) if p.exists() else {} for p in paths)
-    return r0, r1
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    ranks: list[dict[str, Any]] = []
+    for r in range(WORLD):
+        p = Path(tmp_path, f"rank{r}.json")
+        got: dict[str, Any] = json.loads(p.read_text()) if p.exists() else {}
+        for name in names:  # what a rank that died had recorded, up to where it died
+            rows = Path(tmp_path, f"rank{r}.{name}.jsonl")
+            if name not in got and rows.exists():
+                got[name] = {"error": "died", "trace": [json.loads(x) for x in rows.read_text().splitlines()]}
+        ranks.append(got)
+    return ranks[0], ranks[1]
 
 
 def divergence(r0: dict[str, Any], r1: dict[str, Any], name: str) -> str | None:
     """Where the ranks' records of scenario ``name`` part (None: the same at every step, and
     both ranks got to the end leak-free)."""
-    a, b = r0.get(name), r1.get(name)
-    if a is None or b is None or "error" in a or "error" in b:
-        return f"a rank did not finish: {(a or {}).get('error')} / {(b or {}).get('error')}"
-    for x, y in zip(a["trace"], b["trace"], strict=False):
+    a, b = r0.get(name) or {}, r1.get(name) or {}
+    for x, y in zip(a.get("trace", []), b.get("trace", []), strict=False):
         if x != y:
             diff = {k: (x.get(k), y.get(k)) for k in x if x.get(k) != y.get(k)}
             return f"ranks diverged at {x['step']!r}: {diff}"
+    if not a or not b or "error" in a or "error" in b:
+        return f"a rank did not finish: {a.get('error')} / {b.get('error')}"
     if len(a["trace"]) != len(b["trace"]):
         return "ranks took different numbers of steps"
     if not (a["leak_free"] and b["leak_free"]):
