@@ -112,7 +112,7 @@ class Rank:
             "locks": [list(x) for x in acc.lock_refs],
             "host_refs": [list(x) for x in acc.host_refs],
             "loads": acc.pending_loads,
-            "tree": list(self.h.tree_token_counts()),
+            "tree": self.tree_counts(),
             "collectives": self.agree.collectives,
         }
         self.trace.append(row)
@@ -120,6 +120,10 @@ class Rank:
             with Path(SINK[0]).open("a") as f:
                 f.write(json.dumps(row) + "\n")
         return row
+
+    def tree_counts(self) -> list[int] | None:
+        """(tokens on device, tokens on host) over the tree's nodes."""
+        return list(self.h.tree_token_counts())
 
     def call(self, step: str, op: str, **body: Any) -> dict[str, Any]:
         return self.record(step, self.tk.handle(op, body))
@@ -327,7 +331,7 @@ MUTANTS: dict[str, tuple[str, str]] = {
 }
 
 
-def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str) -> None:
+def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str, module: str = __name__) -> None:
     """One rank: the scenarios in order, each on its own harness; the orderly end of
     tests/test_tp.py's ranks (barrier, destroy, ``os._exit``). A mutant's rank writes what it has
     as soon as a scenario fails (a rank out of step raises on a collective that times out)."""
@@ -346,22 +350,28 @@ def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str) ->
         world_size=WORLD,
         timeout=timedelta(seconds=10 if mutant else 60),
     )
+    import importlib
+
+    mod = importlib.import_module(module)  # this module's scenarios, or the 0.5.23 file's
+    scenarios, mutants = mod.SCENARIOS, mod.MUTANTS
     results: dict[str, Any] = {}
-    where = MUTANTS[mutant][1] if mutant else ""
+    where = mutants[mutant][1] if mutant else ""
     for name in names:
         agree: Any = ProcessGroupAgreement(dist.group.WORLD)
         clock_agree: Any = agree
         if where == "clock":
             clock_agree = LocalAgreement()
-        elif where == "ack":
-            from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-
-            HiRadixCache._all_reduce = lambda self, data, op: None  # type: ignore[method-assign]
+        elif where == "ack":  # sglang's writing_check/loading_check reduce (its _all_reduce) skipped
+            if module == __name__:
+                from sglang.srt.mem_cache.hiradix_cache import HiRadixCache as Cache
+            else:
+                from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as Cache
+            Cache._all_reduce = lambda self, data, op: None  # type: ignore[method-assign]
         elif where:
             agree = LocalAt(agree, {where})
         SINK[:] = [str(Path(out, f"rank{rank}.{name}.jsonl"))]
         try:
-            results[name] = SCENARIOS[name](rank, agree, clock_agree)
+            results[name] = scenarios[name](rank, agree, clock_agree)
         except Exception as e:  # a mutant's ranks out of step: what they did so far is the evidence
             if not mutant:
                 raise
@@ -377,9 +387,12 @@ def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str) ->
     os._exit(0)
 
 
-def _launch(tmp_path: Path, names: list[str], mutant: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+def _launch(
+    tmp_path: Path, names: list[str], mutant: str = "", module: str = __name__
+) -> tuple[dict[str, Any], dict[str, Any]]:
     t0 = time.monotonic()
-    ctx = mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), names, mutant), nprocs=WORLD, join=False)
+    args = (_free_port(), str(tmp_path), names, mutant, module)
+    ctx = mp.spawn(_rank_main, args=args, nprocs=WORLD, join=False)
     while True:
         try:
             if ctx.join(timeout=1):
