@@ -160,9 +160,12 @@ def test_two_gloo_ranks_on_the_rust_core_agree(tmp_path: Path) -> None:
     assert by["tool_start a (rank 1: 10 free slots)"]["reply"][0] == 200
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mutant", list(MUTANTS))
+@pytest.mark.parametrize(
+    "mutant",
+    [pytest.param(m, marks=[] if m == "host_room_local" else [pytest.mark.slow]) for m in MUTANTS],
+)
 def test_a_decision_taken_without_agreement_parts_the_rust_ranks(tmp_path: Path, mutant: str) -> None:
+    """One mutant in the quick suite (the Rust backend's own host room), all in ``test-long``."""
     name = MUTANTS[mutant][0]
     r0, r1 = _launch(tmp_path, [name], mutant, module=MODULE)
     assert divergence(r0, r1, name) is not None, f"{mutant}: the ranks stayed together"
