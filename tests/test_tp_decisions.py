@@ -311,6 +311,49 @@ def sc_ttl(rank: int, agree: Any, clock_agree: Any) -> dict[str, Any]:
         return r.finish()
 
 
+def sc_l3(rank: int, agree: Any, clock_agree: Any) -> dict[str, Any]:
+    """L3 with read at arrival, over sglang's real file backend and its storage threads: a session
+    away long is stored to L3 by predicted return; rank 1's backup thread is held back an
+    iteration (its write to storage acknowledged later), and both ranks take ``StoreAck`` in the
+    same iteration (sglang reduces its backup acks). The tool_end then reads nothing itself
+    (``l3_read_at_arrival``): both ranks let sglang's prefetch at the next request read it."""
+    import tempfile
+    import threading
+
+    from toolkv.testing.harness import HarnessConfig
+    from toolkv.testing.storage_harness import StorageCacheHarness
+
+    with (
+        tempfile.TemporaryDirectory() as d,
+        StorageCacheHarness(HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4), Path(d)) as h,
+    ):
+        r = Rank(rank, h, agree, clock_agree, lazy_free=False, l3=True, l3_read_at_arrival=True)
+        hold = threading.Event()
+        if rank == 0:
+            hold.set()
+        put = h.backend.batch_set
+
+        def held_back(*args: Any, **kw: Any) -> Any:  # rank 1's storage writes wait for the event
+            assert hold.wait(30)
+            return put(*args, **kw)
+
+        h.backend.batch_set = held_back
+        r.turn("a", 1, 97)  # 96 tokens of KV: 24 pages
+        r.call("tool_start a", "tool_start", session_id="a", tool="slow_ci", expected_s=600.0)
+        r.iteration("writes", writes_on=(0, 1))
+        r.iteration("storing (rank 1's backup held)")
+        if rank == 0:
+            h._wait(lambda: h.controller.ack_backup_queue.qsize() >= len(h.tree.ongoing_backup), "acked")
+        r.iteration("rank 0's backup acked")
+        hold.set()
+        h._wait(lambda: h.controller.ack_backup_queue.qsize() >= len(h.tree.ongoing_backup), "acked")
+        r.iteration("rank 1's backup acked")
+        r.iteration("after the acks")
+        r.call("tool_end a (read at arrival)", "tool_end", session_id="a", epoch=1)
+        r.iteration("after tool_end")
+        return r.finish()
+
+
 SCENARIOS: dict[str, Callable[[int, Any, Any], dict[str, Any]]] = {
     "handover": sc_handover,
     "host_room": sc_host_room,
@@ -318,6 +361,7 @@ SCENARIOS: dict[str, Callable[[int, Any, Any], dict[str, Any]]] = {
     "protect": sc_protect,
     "lazy_free": sc_lazy_free,
     "ttl": sc_ttl,
+    "l3": sc_l3,
 }
 
 # mutant -> (scenario, where its agreement is skipped)
@@ -328,6 +372,7 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "unpin_local": ("protect", "_room_short"),  # the hand-over's pin given up on this rank's queue
     "acks_local": ("lazy_free", "ack"),  # sglang's ack counts unreduced (write and load acks)
     "clock_local": ("ttl", "clock"),  # the clock unagreed: each rank's TTL on its own clock
+    "storage_acks_local": ("l3", "storage_ack"),  # sglang's backup acks unreduced
 }
 
 
@@ -367,6 +412,10 @@ def _rank_main(rank: int, port: int, out: str, names: list[str], mutant: str, mo
             else:
                 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as Cache
             Cache._all_reduce = lambda self, data, op: None  # type: ignore[method-assign]
+        elif where == "storage_ack":  # every reduction of sglang's cache (the storage queues' too) skipped
+            from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+            HiRadixCache._all_reduce_attn_groups = lambda self, t, op: None  # type: ignore[method-assign]
         elif where:
             agree = LocalAt(agree, {where})
         SINK[:] = [str(Path(out, f"rank{rank}.{name}.jsonl"))]
@@ -487,6 +536,13 @@ def test_two_gloo_ranks_agree_on_every_decision(tmp_path: Path) -> None:
 
     idle = [_state(s, "a") for s in r0["ttl"]["trace"] if s["step"].startswith("idle")]
     assert idle[1] == "Offloaded" and idle[-1] == "Expired", idle
+
+    by = _by(r0, "l3")
+    assert by["writes"]["sessions"]["a"].get("l3") == "storing", "stored early: away for long"
+    assert by["rank 0's backup acked"]["sessions"]["a"]["l3"] == "storing", "rank 0 must wait for rank 1"
+    assert by["rank 1's backup acked"]["sessions"]["a"]["l3"] == "stored"
+    end = by["tool_end a (read at arrival)"]
+    assert end["reply"][0] == 200 and _state(end, "a") == "Running", "read at arrival: nothing read now"
 
 
 @pytest.mark.parametrize(
