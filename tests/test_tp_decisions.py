@@ -354,6 +354,31 @@ def sc_l3(rank: int, agree: Any, clock_agree: Any) -> dict[str, Any]:
         return r.finish()
 
 
+def sc_drain(rank: int, agree: Any, clock_agree: Any) -> dict[str, Any]:
+    """The drain with the acks skewed: a session's offload and then its restore acknowledged an
+    iteration apart; every poll answers the same on both ranks (held until the hand-over ends)."""
+    with _harness() as h:
+        r = Rank(rank, h, agree, clock_agree, lazy_free=False)
+        r.turn("a", 1, 50)
+        r.turn("b", 100, 40, slot=1)
+        r.call("tool_start a", "tool_start", session_id="a")
+        r.call("drain", "drain", drain=True)
+        r.call("tool_start b refused", "tool_start", session_id="b")
+        r.iteration("rank0 writes", writes_on=(0,))
+        r.call("poll 1", "drain", drain=True)
+        r.iteration("rank1 writes", writes_on=(1,))
+        r.call("tool_end a", "tool_end", session_id="a", epoch=1)
+        r.iteration("loads start")
+        r.iteration("rank0 loads", loads_on=(0,))
+        r.call("poll 2", "drain", drain=True)
+        r.iteration("rank1 loads", loads_on=(1,))
+        r.call("poll 3", "drain", drain=True)
+        r.admit("a admitted", "a")
+        r.call("poll 4", "drain", drain=True)
+        r.call("undrain", "drain", drain=False)
+        return r.finish()
+
+
 SCENARIOS: dict[str, Callable[[int, Any, Any], dict[str, Any]]] = {
     "handover": sc_handover,
     "host_room": sc_host_room,
@@ -362,6 +387,7 @@ SCENARIOS: dict[str, Callable[[int, Any, Any], dict[str, Any]]] = {
     "lazy_free": sc_lazy_free,
     "ttl": sc_ttl,
     "l3": sc_l3,
+    "drain": sc_drain,
 }
 
 # mutant -> (scenario, where its agreement is skipped)
@@ -536,6 +562,11 @@ def test_two_gloo_ranks_agree_on_every_decision(tmp_path: Path) -> None:
 
     idle = [_state(s, "a") for s in r0["ttl"]["trace"] if s["step"].startswith("idle")]
     assert idle[1] == "Offloaded" and idle[-1] == "Expired", idle
+
+    by = _by(r0, "drain")
+    assert by["tool_start b refused"]["reply"][0] == 503
+    polls = [by[f"poll {i}"]["reply"][1]["drained"] for i in (1, 2, 3, 4)]
+    assert polls == [False, False, False, True], polls  # held until the hand-over ends at admission
 
     by = _by(r0, "l3")
     assert by["writes"]["sessions"]["a"].get("l3") == "storing", "stored early: away for long"
