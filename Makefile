@@ -88,8 +88,9 @@ test:
 # The longer campaign (one command): every CPU test including the slow ones, with Hypothesis's
 # `long` profile (2,000 examples of up to 80 steps, example database on), then the mutant kill table
 # with shrinking. See docs/testing.md.
-test-long: $(STAMP)
+test-long: $(STAMP) $(STAMP_0523)
 	$(VENV)/bin/toolkv spec-check --jobs 2
+	$(VENV_0523)/bin/pytest -m slow -v -p no:cacheprovider $(UNIFIED_TESTS)
 	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/decode
 	$(VENV)/bin/toolkv spec-check --jobs 2 --spec-dir spec/storage
 	HYPOTHESIS_PROFILE=long $(VENV)/bin/pytest -m "not gpu" -v -p no:cacheprovider --durations=25
@@ -102,7 +103,7 @@ test-long: $(STAMP)
 # Built from scratch in about 4 minutes on 2 cores; its tests skip in .venv and run here.
 VENV_0523 ?= .venv-0523
 STAMP_0523 := $(VENV_0523)/.toolkv-installed
-UNIFIED_TESTS := tests/test_promised_room.py tests/test_rust_core_0523.py tests/test_regime_map_0523.py tests/test_unified_lifecycle.py tests/test_unified_restore.py tests/test_unified_stateful.py tests/test_unified_park.py tests/test_plugin_0523.py tests/test_soak_0523.py tests/test_kv_hints_0523.py tests/test_agent_example_0523.py tests/test_twin_0523.py tests/test_session_header.py tests/test_tree_core_0523.py tests/test_l3_0523.py
+UNIFIED_TESTS := tests/test_promised_room.py tests/test_rust_core_0523.py tests/test_regime_map_0523.py tests/test_unified_lifecycle.py tests/test_unified_restore.py tests/test_unified_stateful.py tests/test_unified_park.py tests/test_plugin_0523.py tests/test_soak_0523.py tests/test_kv_hints_0523.py tests/test_agent_example_0523.py tests/test_twin_0523.py tests/test_session_header.py tests/test_tree_core_0523.py tests/test_l3_0523.py tests/test_tp_rust_0523.py
 
 venv-0523: $(STAMP_0523)
 
@@ -116,7 +117,7 @@ $(STAMP_0523): requirements/lock-cpu.txt requirements/sglang-0523.txt requiremen
 	$(VENV_0523)/bin/python -c "import sglang, sglang.srt.mem_cache.unified_radix_cache, toolkv.core.backends.unified; print('env-0523 ok: sglang', sglang.__version__)"
 	touch $@
 
-PYTEST_0523 = $(VENV_0523)/bin/pytest -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
+PYTEST_0523 = $(VENV_0523)/bin/pytest -m "not slow" -n $(PYTEST_JOBS) --dist loadfile -v -p no:cacheprovider --durations=5 $(UNIFIED_TESTS)
 test-0523: $(STAMP_0523)
 	$(PYTEST_0523)
 

@@ -23,7 +23,7 @@ import logging
 from dataclasses import replace
 from typing import Protocol
 
-from toolkv.core.policy import Decision, Pressure, decide, keep_fits, with_queued
+from toolkv.core.policy import Decision, Pressure, decide, keep_fits
 from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
 from toolkv.core.session.phases import OFFLOADED, Phase
@@ -80,8 +80,7 @@ class _Calls:
 def keep_fits_now(m: SessionMachine, kv_tokens: int) -> bool:
     """The keep rule (``policy.keep_fits``) on the device as it is now, queued requests counted:
     whether pinning ``kv_tokens`` more leaves the policy's reserve free."""
-    p = with_queued(m.backend.pressure(), int(m.queued_demand()))
-    return keep_fits(p, kv_tokens, m.config.policy_config.device_reserve)
+    return keep_fits(m.pressure(), kv_tokens, m.config.policy_config.device_reserve)
 
 
 def demote_for_room(m: SessionMachine, rec: SessionRecord) -> bool:
@@ -184,7 +183,7 @@ class Auto(_Calls):
         only asks whether the host can take ``kv_tokens`` (what the offload would add), so the
         scan over sessions runs only when it cannot already."""
         m = self.m
-        p = with_queued(m.backend.pressure(), int(m.queued_demand()))
+        p = m.pressure()  # agreed across TP ranks: decide() keeps, offloads or lets go alike on all
         if p.host_available_tokens >= kv_tokens:
             return p
         demotable = m.demotable_tokens(session_id, self.returns_at(tool, hint))

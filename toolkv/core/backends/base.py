@@ -31,6 +31,27 @@ class LocalAgreement:
         return t
 
 
+def agreed_pressure(agree: Agreement, p: Pressure) -> Pressure:
+    """``p`` as the tightest TP rank reads it: every count the MIN over the ranks (an all-reduce
+    MAX of its negation, one per field, on every rank). The policy's choices on it (keep, let go,
+    demote for room, an early restore into spare room) read device memory and sglang's queues,
+    local readings; taken on each rank's own numbers, one rank could keep while another
+    offloads. The MIN because a pin or a copy must fit on every rank. ``device_spare_tokens`` is
+    None on every rank alike (the backend's kind), and stays None."""
+
+    def low(x: int) -> int:
+        return int(-agree.max_time(-float(x)))
+
+    spare = p.device_spare_tokens
+    return Pressure(
+        low(p.device_total_tokens),
+        low(p.device_available_tokens),
+        low(p.host_total_tokens),
+        low(p.host_available_tokens),
+        None if spare is None else low(spare),
+    )
+
+
 class OwnLoads:
     """Loads a backend issued, kept as chains: ``key -> (leaf, boundary)``, the load filling the
     path from ``leaf`` up to, not including, ``boundary`` (the deepest ancestor already on device

@@ -108,9 +108,8 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         # (counted only when the free slots are short: it walks the tree), plus (Unmirror) the
         # mirrors of device copies running requests lock, counted only when those are short too.
         room = self.host_evictable_tokens() if need > host_free else 0
-        mirrors = (
-            mirror_room(tree, path, self._mirror_ok) if self.unmirror and need > host_free + room else []
-        )
+        unmirror = self._unmirrors()
+        mirrors = mirror_room(tree, path, self._mirror_ok) if unmirror and need > host_free + room else []
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
         fits = need <= host_free + room + mirror_tokens(mirrors) and (
             budget is None or self._ledger.tokens + extra <= budget
@@ -125,14 +124,18 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
                 budget=budget,
                 evictable=room + mirror_tokens(mirrors),
             )
-        if need > host_free:  # spec HostRoom, repeated: evict_host frees LRU unprotected leaves
-            # every rank evicts the largest shortfall of any rank: the same count on the same LRU
-            # order evicts the same nodes, so the ranks' trees stay equal
-            tree.evict_host(int(self.agree.max_time(float(need - host_free))))
+        # spec HostRoom, repeated: evict_host frees LRU unprotected leaves. Every rank evicts the
+        # largest shortfall of any rank (an all-reduce MAX, on every rank: a rank whose own free
+        # slots suffice must still take part, and evict as much): the same count on the same LRU
+        # order evicts the same nodes, so the ranks' trees stay equal
+        short = int(self.agree.max_time(float(need - host_free)))
+        if short > 0:
+            tree.evict_host(short)
             self.counters_host_room += 1
-            short = need - int(pool.available_size())
-            if short > 0:  # spec HostUnmirror, repeated: mirrors leaf first, in LRU order
-                short = int(self.agree.max_time(float(short)))
+            # spec HostUnmirror, repeated: mirrors leaf first, in LRU order; the shortfall left is
+            # agreed on every rank that evicted (all of them: the count above is agreed)
+            short = int(self.agree.max_time(float(need - int(pool.available_size())))) if unmirror else 0
+            if short > 0:
                 for m in drop_order(mirrors):
                     if short <= 0:
                         break
@@ -369,9 +372,8 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
         # room = free + what evict_host can free (spec HostFits), never another session's protected copy
         host_avail = min(host_total, int(pool.available_size()) + self.host_evictable_tokens())
-        if (
-            self.unmirror and host_avail < host_total
-        ):  # and the mirrors a tool_start may drop (spec MirrorRoom)
+        # and the mirrors a tool_start may drop (spec MirrorRoom)
+        if host_avail < host_total and self._unmirrors():
             host_avail = min(
                 host_total, host_avail + mirror_tokens(mirror_room(self.tree, (), self._mirror_ok))
             )

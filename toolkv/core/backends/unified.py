@@ -191,19 +191,22 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
                 budget=budget,
                 evictable=room,
             )
-        if need > host_free:  # spec HostRoom: the same shortfall on every rank, the same LRU order
-            tree.evict_host(int(self.agree.max_time(float(need - host_free))))
+        # spec HostRoom: the largest shortfall of any rank, evicted on every rank (the all-reduce
+        # runs on every rank, also one whose own free slots suffice), the same LRU order
+        short = int(self.agree.max_time(float(need - host_free)))
+        if short > 0:
+            tree.evict_host(short)
             self.counters_host_room += 1
             host_free = int(pool.available_size())
-            if not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
-                raise host_full(
-                    rec,
-                    need=need,
-                    host_free=host_free,
-                    extra=extra,
-                    protected=self._ledger.tokens,
-                    budget=budget,
-                )
+        if short > 0 and not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
+            raise host_full(
+                rec,
+                need=need,
+                host_free=host_free,
+                extra=extra,
+                protected=self._ledger.tokens,
+                budget=budget,
+            )
         if to_write:  # root-down: a backup needs a backed-up parent
             tree._execute_and_commit_kv_backup(BackupKV(node_ids=[m.id for m in to_write]))
             lost = [m.id for m in to_write if full(m).host_value is None]

@@ -135,8 +135,11 @@ class RustUnifiedBackend(UnifiedBackend):
                 protected=self._ledger.tokens, budget=budget,
             )  # fmt: skip
         host_free = int(pool.available_size())
-        if need > host_free:  # spec HostRoom: sglang's host eviction frees unprotected copies
-            tree.evict_host(int(self.agree.max_time(float(need - host_free))))
+        # spec HostRoom: sglang's host eviction frees unprotected copies, the largest shortfall of
+        # any rank on every rank (the all-reduce runs on every rank, also one with room enough)
+        short = int(self.agree.max_time(float(need - host_free)))
+        if short > 0:
+            tree.evict_host(short)
             self.counters_host_room += 1
             host_free = int(pool.available_size())
         if not self.agree.all_true(need <= host_free):

@@ -10,7 +10,7 @@ and is checked inside the action, which raises before changing anything when it 
 from __future__ import annotations
 
 from toolkv.core.lifecycle import fire
-from toolkv.core.policy import keep_fits, with_queued
+from toolkv.core.policy import keep_fits
 from toolkv.core.result import SessionView
 from toolkv.core.session.core import MachineCore, log
 from toolkv.core.session.phases import OFFLOADED, Phase
@@ -289,8 +289,7 @@ class CopyActions(MachineCore):
         """Whether the device has spare room for the session's KV by the keep rule
         (``policy.keep_fits``: free after promised and queued tokens, less the reserve).
         Backends without the notion always have room."""
-        p = self.backend.pressure()
-        if p.device_spare_tokens is None:
+        if self.backend.pressure().device_spare_tokens is None:  # the backend's kind: alike on all ranks
             return True
-        p = with_queued(p, int(self.queued_demand()))
+        p = self.pressure()  # agreed across TP ranks: every rank restores early, or none
         return keep_fits(p, rec.offload_tokens, self.config.policy_config.device_reserve)

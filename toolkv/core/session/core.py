@@ -22,10 +22,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from toolkv.core.backends.base import Agreement, Backend
+from toolkv.core.backends.base import Agreement, Backend, agreed_pressure
 from toolkv.core.capabilities import Capabilities, capabilities_of
 from toolkv.core.config import ManagerConfig
-from toolkv.core.policy import DurationModel
+from toolkv.core.policy import DurationModel, Pressure, with_queued
 from toolkv.core.result import SessionView
 from toolkv.core.session.record import SessionRecord
 from toolkv.core.timers import Timers
@@ -66,6 +66,12 @@ class MachineCore:
         # needed the host room): the scheduler writes it as a decision line of its own, so an
         # operator sees why a session toolkv had accepted came back with nothing.
         self.on_demote: Callable[[str], None] = lambda session_id: None
+
+    def pressure(self) -> Pressure:
+        """The backend's pressure with the queued requests' tokens taken off the spare room,
+        agreed across TP ranks (``agreed_pressure``: the tightest rank's counts). Every policy
+        choice reads it here, never ``backend.pressure()`` alone."""
+        return agreed_pressure(self.agree, with_queued(self.backend.pressure(), int(self.queued_demand())))
 
     # ---- records --------------------------------------------------------------------------------------
     def _get(self, session_id: str) -> SessionRecord:

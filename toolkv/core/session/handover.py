@@ -130,9 +130,11 @@ class HandoverActions(MachineCore):
 
     def _room_short(self) -> bool:
         """Whether the device is short for what running and queued requests need: free and
-        evictable tokens less than the promised and queued ones. Agreed across ranks."""
+        evictable tokens less than the promised and queued ones. Agreed across ranks: short when
+        any rank is short (a queued request needs its room on every rank; the pin's room check,
+        :meth:`_check_pin_room`, refuses by the same rule)."""
         free, evictable, reserved = self._device_room(queued=True)
-        return self.agree.all_true(reserved > free + evictable)
+        return not self.agree.all_true(reserved <= free + evictable)
 
     # ---- Unpin ------------------------------------------------------------------------------------------
     def unpin_for_room(self) -> int:
