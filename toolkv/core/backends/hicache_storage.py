@@ -132,6 +132,7 @@ class HiCacheStorage:
         if not self.agree.all_true(ready and hashed and not self._evicts_on_its_own()):
             return False
         keys = [k for m in path for k in m.hash_value]
+        self._forget_manifest(rec.session_id)  # an older epoch's, left by a failed remove
         have = self._stored_pages(keys)
         done = 0
         for m in path:  # root-down, from the first node with a page missing
@@ -174,8 +175,20 @@ class HiCacheStorage:
         host = torch.cat([m.host_value for m in path])
         if not tier.pin_pages(copy.keys, host[: copy.tokens]):
             return False
-        manifest = Manifest(rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key)
+        manifest = Manifest(
+            rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key,
+            tier.pin_deadline_ms(),
+        )  # fmt: skip
         return tier.put_manifest(manifest)
+
+    def _forget_manifest(self, session_id: str) -> None:
+        """SharedTier.tla's ``ArrivalRead`` on Mooncake: the session's manifest goes once its own
+        server takes it back from the tier (tool_end, a read back, close, TTL) or stores it anew,
+        so that only the copy of the session's current epoch can ever be adopted (mutant
+        ``ManifestKept``). Nothing on ``file``."""
+        tier = self.shared_tier()
+        if tier is not None:
+            tier.drop_manifest(session_id)
 
     def _store_whole(self, copy: StorageCopy) -> bool:
         """Every page of the copy is in storage (the check ``TrustShortAck`` leaves out)."""
@@ -198,6 +211,7 @@ class HiCacheStorage:
         if host_node is None:
             self._protect_host_path(rec, node)
             del self._l3[rec.session_id]
+            self._forget_manifest(rec.session_id)
             return "host"
         depth = _ntok(path_to(tree, host_node))
         rest = array("q", tokens[depth:])
@@ -234,6 +248,7 @@ class HiCacheStorage:
         if not self._prefetch_done(copy):
             return None
         del self._l3[rec.session_id]
+        self._forget_manifest(rec.session_id)
         if copy.released:
             return False
         node, matched = walk(self.tree, rec.tokens[: copy.tokens], rec.extra_key)
@@ -296,6 +311,8 @@ class HiCacheStorage:
         copy = self._l3.get(rec.session_id)
         if copy is None:
             return
+        if copy.whole:
+            self._forget_manifest(rec.session_id)
         if copy.rid is not None:
             copy.released = True
         else:
