@@ -91,8 +91,16 @@ class HiCacheStorage:
 
     def shared_tier(self) -> MooncakeTier | None:
         """Mooncake's soft pin and the session manifests, when the storage backend is Mooncake
-        (``spec/storage/SharedTier.tla``); None for a backend whose eviction toolkv sees (``file``)."""
-        if not self.storage_enabled() or not is_mooncake(self._storage()):
+        (``spec/storage/SharedTier.tla``); None for a backend whose eviction toolkv sees (``file``).
+        A backend with a ``toolkv_shared_tier`` of its own (the twin's store with Mooncake's
+        semantics) answers for itself."""
+        if not self.storage_enabled():
+            return None
+        own = getattr(self._storage(), "toolkv_shared_tier", None)
+        if own is not None:
+            tier: MooncakeTier | None = own(self.pin_ttl_ms)
+            return tier
+        if not is_mooncake(self._storage()):
             return None
         return MooncakeTier(self._storage(), self.pin_ttl_ms)
 
