@@ -74,6 +74,19 @@ def l3_sweep(a: argparse.Namespace, hosts: list[float]) -> list[dict[str, Any]]:
     return rows
 
 
+def busiest(w: Any, n: int, k: int) -> list[int]:
+    """The ``k`` servers the router gives the most of ``w``'s sessions (ties: the lower index): the
+    servers drained, so that a drain moves sessions (a fixed index may host none of them)."""
+    from toolkv.twin.fleet import route
+    from toolkv.twin.sessions import Sessions
+
+    s = Sessions.lazy(w)
+    load = [0] * n
+    for i in range(len(s.starts)):
+        load[route(s.sid(i), list(range(n)))] += 1
+    return sorted(range(n), key=lambda v: (-load[v], v))[:k]
+
+
 def fleet_sweep(a: argparse.Namespace, ns: list[int]) -> list[dict[str, Any]]:
     """N servers x configuration, ``sessions`` per server, a share drained at ``drain_at``."""
     rows = []
@@ -81,7 +94,7 @@ def fleet_sweep(a: argparse.Namespace, ns: list[int]) -> list[dict[str, Any]]:
         w = long_workload(a.sessions * n, a.duration, a.seed)
         window = (w.ramp_s + a.warmup, w.duration_s)
         k = max(1, round(a.drain_share * n)) if a.drain_share > 0 else 0
-        drain = [(a.drain_at, i) for i in range(k)]
+        drain = [(a.drain_at, i) for i in busiest(w, n, k)]
         host = a.host_gb[0] if a.host_gb else 32.0
         for name in _names(a, FLEET_CONFIGS):
             r = simulate_fleet(w, fleet_config(name, host), _profile(a), options(a), n=n, l3=l3_config(a),
