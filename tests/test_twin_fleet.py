@@ -71,3 +71,51 @@ def test_l3_and_fleet_command_lines_refuse_bad_arguments(capsys: pytest.CaptureF
         assert code == 2, argv
     err = capsys.readouterr().err
     assert "'stock,nope'" in err and "--l3-read-gbps" in err and "--drain-share" in err
+
+
+def test_the_store_with_mooncakes_semantics_evicts_lru_and_never_a_pinned_page() -> None:
+    """``L3Pages(mooncake=True)``: a put into a full store makes the master evict the least recently
+    used pages that hold no soft pin (an access moves a page to the end); pinned pages survive until
+    their deadline; with every page pinned a put is refused."""
+    import torch
+
+    from toolkv.twin.storage import L3Pages
+
+    s = L3Pages(capacity_pages=20, mooncake=True)
+    page = torch.zeros(1)
+    for i in range(20):
+        assert s.put(f"p{i}", page, pin_until=10.0 if i < 5 else None)
+    s.touch("p5")  # p5 is the most recently used now
+    assert s.put("new", page)
+    assert s.evicted == 1 and "p6" not in s.pages and "p5" in s.pages
+    assert all(f"p{i}" in s.pages for i in range(5)), "a pinned page is never evicted"
+    s.now = 11.0  # the pins' deadline passed: the pinned pages are the oldest
+    assert s.put("newer", page) and "p0" not in s.pages
+    full = L3Pages(capacity_pages=3, mooncake=True)
+    for i in range(3):
+        full.put(f"q{i}", page, pin_until=99.0)
+    assert not full.put("q3", page) and full.refused == 1 and len(full) == 3
+    plain = L3Pages(capacity_pages=3)  # no evictor: refused once full
+    for i in range(3):
+        plain.put(f"r{i}", page)
+    assert not plain.put("r3", page) and plain.evicted == 0
+
+
+def test_on_mooncake_a_moved_session_is_adopted_and_its_pinned_copy_read() -> None:
+    """Two servers sharing a store with Mooncake's semantics at a capacity that makes the master
+    evict, one drained part-way. Stock sglang's L3 loses moved sessions' pages to the master's LRU;
+    toolkv's soft pins keep what it stored whole, a moved session's tool_end on the other server is
+    adopted from its manifest, and the moved turns reuse more."""
+    from toolkv.twin.fleet import fleet_config, simulate_fleet
+    from toolkv.twin.l3 import L3Config
+
+    def run(name: str) -> dict[str, Any]:
+        return simulate_fleet(L3W, fleet_config(name, 1.0), default_profile(), L3OPTS, n=2, drain=[(100.0, 0)],
+                              l3=L3Config(capacity_gb=2.0), window=(3.0, L3W.duration_s))  # fmt: skip
+
+    stock, tk = run("stock-mc"), run("toolkv-mc")
+    for r in (stock, tk):
+        assert r["passed"], (r["checks"], r["crashed"], r["leaks"])
+        assert r["moved_turns"] > 0 and r["l3"]["evicted_pages"] > 0, r["l3"]
+    assert tk["toolkv_l3"].get("tool_end_adopted", 0) > 0, tk["toolkv_l3"]
+    assert tk["moved_reuse"] > stock["moved_reuse"], (tk["moved_reuse"], stock["moved_reuse"])

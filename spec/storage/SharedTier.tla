@@ -32,6 +32,24 @@
 (* Running session's KV is on its server's GPU; a Storing one's host copy  *)
 (* is protected by its server until the ack).  No clock: a pin lapses, the *)
 (* TTL fires and servers are drained at any time their guards allow.       *)
+(*                                                                         *)
+(* Faults.  A server killed mid-store is Drain of a Storing session: its   *)
+(* pages may be in the tier, unpinned, and no manifest names them; a       *)
+(* server adopts only what a manifest names, so the manifest is what keeps *)
+(* a partial store from being adopted as whole (mutant ManifestAtStore     *)
+(* writes it when the store starts).  The manifest carries the epoch it    *)
+(* was written at and goes at the arrival read on whichever server, or an  *)
+(* older epoch's copy would be adopted by a stale tool_end after a newer   *)
+(* store died with its server (mutant ManifestKept).  With Restart, the    *)
+(* master is restarted (MasterRestart): it keeps its object metadata in    *)
+(* memory, so every copy in the tier is gone, acknowledged or not; the     *)
+(* StoreAck asks the tier whether each page exists (batch_is_exist) rather *)
+(* than counting the backup thread's puts (mutant AckByPuts), so a store   *)
+(* whose pages a restart wiped is short and the session keeps its host     *)
+(* copy.  A copy lost after its ack is history (lost): the session is then *)
+(* neither adopted (no manifest) nor restored from a partial copy; its     *)
+(* next turn recomputes what the tier no longer holds.  The store full is  *)
+(* StorageTier.tla's short write (a put refused): StoreAck short here.     *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -41,11 +59,16 @@ CONSTANTS
     NoServer,  \* owner of a session no server knows (a model value not in Servers)
     P,         \* pages per session
     MaxEpoch,  \* bound on tool calls per session
+    Restart,   \* BOOLEAN: the master may be restarted (its objects lost)
     BUG        \* "none" or the name of one seeded defect
 
-Bugs == {"none", "NoSoftPin", "PinTtlShort", "NoEpochFence"}
+Bugs == {"none", "NoSoftPin", "PinTtlShort", "NoEpochFence", "ManifestAtStore", "ManifestKept",
+         "AckByPuts"}
 
 ASSUME /\ P \in Nat \ {0} /\ MaxEpoch \in Nat /\ BUG \in Bugs /\ NoServer \notin Servers
+       /\ Restart \in BOOLEAN
+
+NoManifest == 0  \* manifest[s]: no manifest in the tier (epochs of stores start at 1)
 
 Pg == 1..P
 
@@ -60,26 +83,31 @@ VARIABLES
     owner,     \* [Sessions -> Servers \cup {NoServer}]: the server whose toolkv knows the session
     epoch,     \* [Sessions -> 0..MaxEpoch]: the session's epoch (one per tool call)
     l3,        \* [Sessions -> SUBSET Pg]: the session's pages in the tier
-    manifest,  \* [Sessions -> BOOLEAN]: the session's manifest object is in the tier
+    put,       \* [Sessions -> SUBSET Pg]: pages the backup thread put for the current store
+    manifest,  \* [Sessions -> 0..MaxEpoch]: the epoch the session's manifest in the tier names
+               \* (NoManifest: none)
     spin,      \* [Sessions -> BOOLEAN]: Mooncake's soft pin on the copy (deadline ahead)
     l3prot,    \* [Sessions -> BOOLEAN]: toolkv relies on the copy in the tier
     alive,     \* [Servers -> BOOLEAN]: the server has not been drained
     adopted,   \* [Sessions -> BOOLEAN]: history: a server other than the storing one took it
-    stale      \* [Sessions -> BOOLEAN]: history: a tool_end with a stale epoch was accepted
+    stale,     \* [Sessions -> BOOLEAN]: history: a tool_end with a stale epoch was accepted
+    lost       \* [Sessions -> BOOLEAN]: history: a restart wiped the session's acknowledged copy
 
-vars == <<phase, owner, epoch, l3, manifest, spin, l3prot, alive, adopted, stale>>
+vars == <<phase, owner, epoch, l3, put, manifest, spin, l3prot, alive, adopted, stale, lost>>
 
 Init ==
     /\ phase = [s \in Sessions |-> "Running"]
     /\ owner \in [Sessions -> Servers]
     /\ epoch = [s \in Sessions |-> 0]
     /\ l3 = [s \in Sessions |-> {}]
-    /\ manifest = [s \in Sessions |-> FALSE]
+    /\ put = [s \in Sessions |-> {}]
+    /\ manifest = [s \in Sessions |-> NoManifest]
     /\ spin = [s \in Sessions |-> FALSE]
     /\ l3prot = [s \in Sessions |-> FALSE]
     /\ alive = [v \in Servers |-> TRUE]
     /\ adopted = [s \in Sessions |-> FALSE]
     /\ stale = [s \in Sessions |-> FALSE]
+    /\ lost = [s \in Sessions |-> FALSE]
 
 Known(s) == owner[s] # NoServer
 
@@ -87,58 +115,72 @@ Known(s) == owner[s] # NoServer
 (* toolkv on the session's server *)
 
 \* tool_start, then Store: the session's pages are put to the tier (sglang's backup thread; its
-\* puts carry no soft pin).  The epoch of the new call.
+\* puts carry no soft pin).  The epoch of the new call.  ManifestAtStore writes the manifest (and
+\* pins it) now, before any page is in the tier.
 Store(s) ==
     /\ phase[s] = "Running" /\ Known(s) /\ epoch[s] < MaxEpoch
     /\ phase' = [phase EXCEPT ![s] = "Storing"]
     /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
-    /\ UNCHANGED <<owner, l3, manifest, spin, l3prot, alive, adopted, stale>>
+    /\ put' = [put EXCEPT ![s] = {}]
+    /\ lost' = [lost EXCEPT ![s] = FALSE]
+    /\ IF BUG = "ManifestAtStore"
+       THEN /\ manifest' = [manifest EXCEPT ![s] = epoch[s] + 1]
+            /\ spin' = [spin EXCEPT ![s] = TRUE]
+       ELSE UNCHANGED <<manifest, spin>>
+    /\ UNCHANGED <<owner, l3, l3prot, alive, adopted, stale>>
 
 \* The backup thread puts one more page (PutStart .. PutEnd: readable once complete).
 StorePage(s, p) ==
-    /\ phase[s] = "Storing" /\ p \notin l3[s]
+    /\ phase[s] = "Storing" /\ p \notin put[s]
     /\ l3' = [l3 EXCEPT ![s] = @ \cup {p}]
-    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale>>
+    /\ put' = [put EXCEPT ![s] = @ \cup {p}]
+    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale, lost>>
 
 \* The StoreAck: every page exists (batch_is_exist), then one upsert of every page and of the
 \* manifest with soft_pin_action ENABLE (a page the master evicted meanwhile is put again by the
 \* upsert).  NoSoftPin trusts the master with toolkv's record alone, as sglang's puts do.  Short
 \* (a page missing at the check): the session stays on its protected host copy (Running here:
-\* its next turn needs nothing from the tier).
+\* its next turn needs nothing from the tier).  AckByPuts takes the backup thread's puts for the
+\* tier's word.
 StoreAck(s) ==
     /\ phase[s] = "Storing" /\ Known(s)
-    /\ IF l3[s] = Pg
+    /\ IF (IF BUG = "AckByPuts" THEN put[s] ELSE l3[s]) = Pg
        THEN /\ phase' = [phase EXCEPT ![s] = "Stored"]
-            /\ manifest' = [manifest EXCEPT ![s] = TRUE]
+            /\ manifest' = [manifest EXCEPT ![s] = epoch[s]]
             /\ spin' = [spin EXCEPT ![s] = BUG # "NoSoftPin"]
             /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
        ELSE /\ phase' = [phase EXCEPT ![s] = "Running"]
             /\ UNCHANGED <<manifest, spin, l3prot>>
-    /\ UNCHANGED <<owner, epoch, l3, alive, adopted, stale>>
+    /\ UNCHANGED <<owner, epoch, l3, put, alive, adopted, stale, lost>>
 
 \* A tool_end with epoch e reaches server v.  On the server that knows the session: accepted for
-\* its epoch (the read at arrival follows).  On a server that does not know it: adopted when the
-\* manifest is in the tier and names e (NoEpochFence adopts whatever epoch the call carries).
-\* Anything else is refused and changes nothing (unknown_session, stale epoch).
+\* its epoch (the read at arrival follows).  On a server that does not know it, whatever the
+\* session's phase was (that server cannot see it): adopted when the tier holds a manifest that
+\* names e and its pin's deadline is ahead (the manifest records it; NoEpochFence adopts whatever
+\* epoch the call carries); the adopter relies on the copy until the arrival read.  Anything else
+\* is refused and changes nothing (unknown_session, stale epoch).
 ToolEnd(s, v, e) ==
-    /\ alive[v] /\ phase[s] = "Stored"
-    /\ \/ owner[s] = v /\ e = epoch[s]
-       \/ owner[s] = NoServer /\ manifest[s] /\ (e = epoch[s] \/ BUG = "NoEpochFence")
+    /\ alive[v]
+    /\ \/ owner[s] = v /\ phase[s] = "Stored" /\ e = epoch[s]
+       \/ owner[s] = NoServer /\ manifest[s] # NoManifest /\ spin[s]
+          /\ (e = manifest[s] \/ BUG = "NoEpochFence")
     /\ phase' = [phase EXCEPT ![s] = "Arriving"]
     /\ adopted' = [adopted EXCEPT ![s] = @ \/ owner[s] # v]
     /\ owner' = [owner EXCEPT ![s] = v]
     /\ stale' = [stale EXCEPT ![s] = @ \/ e # epoch[s]]
-    /\ UNCHANGED <<epoch, l3, manifest, spin, l3prot, alive>>
+    /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
+    /\ UNCHANGED <<epoch, l3, put, manifest, spin, alive, lost>>
 
 \* The next request arrives on the session's server: sglang's prefetch reads what the tier holds
 \* (a lease covers each read) and toolkv's reliance on the copy ends; the pin lapses at its
-\* deadline.  The manifest is removed: the session is known again.
+\* deadline.  The manifest is removed, on the adopting server and on the one that stored it alike:
+\* the session is known again (ManifestKept leaves it to its pin's deadline).
 ArrivalRead(s) ==
     /\ phase[s] = "Arriving"
     /\ phase' = [phase EXCEPT ![s] = "Running"]
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
-    /\ manifest' = [manifest EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<owner, epoch, l3, spin, alive, adopted, stale>>
+    /\ manifest' = [manifest EXCEPT ![s] = IF BUG = "ManifestKept" THEN @ ELSE NoManifest]
+    /\ UNCHANGED <<owner, epoch, l3, put, spin, alive, adopted, stale, lost>>
 
 \* The TTL or close, on the server that knows the session; for a session no server knows, its
 \* TTL passing (its pin's deadline is later still).
@@ -146,7 +188,7 @@ Release(s) ==
     /\ (Known(s) => alive[owner[s]]) /\ phase[s] # "Closed"
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<owner, epoch, l3, manifest, spin, alive, adopted, stale>>
+    /\ UNCHANGED <<owner, epoch, l3, put, manifest, spin, alive, adopted, stale, lost>>
 
 -----------------------------------------------------------------------------
 (* The fleet and the tier *)
@@ -163,26 +205,38 @@ Drain(v) ==
                     THEN "Closed" ELSE phase[s]]
     /\ l3prot' = [s \in Sessions |->
                     IF owner[s] = v /\ phase[s] # "Stored" THEN FALSE ELSE l3prot[s]]
-    /\ UNCHANGED <<epoch, l3, manifest, spin, adopted, stale>>
+    /\ UNCHANGED <<epoch, l3, put, manifest, spin, adopted, stale, lost>>
 
 \* The soft pin's deadline passes.  toolkv sets it past the session's TTL, so it passes only once
 \* toolkv no longer relies on the copy (PinTtlShort: a deadline shorter than the TTL).
 PinLapse(s) ==
     /\ spin[s] /\ (~l3prot[s] \/ BUG = "PinTtlShort")
     /\ spin' = [spin EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<phase, owner, epoch, l3, manifest, l3prot, alive, adopted, stale>>
+    /\ UNCHANGED <<phase, owner, epoch, l3, put, manifest, l3prot, alive, adopted, stale, lost>>
 
 \* Mooncake's master evicts a complete object that is not soft-pinned (its lease, seconds long,
 \* is taken to have expired: any time).  toolkv's own record does not stop it.
 MasterEvictPage(s, p) ==
     /\ p \in l3[s] /\ ~spin[s]
     /\ l3' = [l3 EXCEPT ![s] = @ \ {p}]
-    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale>>
+    /\ UNCHANGED <<phase, owner, epoch, put, manifest, spin, l3prot, alive, adopted, stale, lost>>
 
 MasterEvictManifest(s) ==
-    /\ manifest[s] /\ ~spin[s]
-    /\ manifest' = [manifest EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<phase, owner, epoch, l3, spin, l3prot, alive, adopted, stale>>
+    /\ manifest[s] # NoManifest /\ ~spin[s]
+    /\ manifest' = [manifest EXCEPT ![s] = NoManifest]
+    /\ UNCHANGED <<phase, owner, epoch, l3, put, spin, l3prot, alive, adopted, stale, lost>>
+
+\* Restart: the master is restarted; it held every object's metadata in memory, so the tier is
+\* empty afterwards (the storage nodes mount their memory again, empty to the new master).  A
+\* session whose acknowledged copy was there has lost it (history).
+MasterRestart ==
+    /\ Restart
+    /\ \E s \in Sessions : l3[s] # {} \/ manifest[s] # NoManifest
+    /\ lost' = [s \in Sessions |-> lost[s] \/ phase[s] \in {"Stored", "Arriving"}]
+    /\ l3' = [s \in Sessions |-> {}]
+    /\ manifest' = [s \in Sessions |-> NoManifest]
+    /\ spin' = [s \in Sessions |-> FALSE]
+    /\ UNCHANGED <<phase, owner, epoch, put, l3prot, alive, adopted, stale>>
 
 Next ==
     \/ \E s \in Sessions :
@@ -191,6 +245,7 @@ Next ==
         \/ \E p \in Pg : StorePage(s, p) \/ MasterEvictPage(s, p)
         \/ \E v \in Servers, e \in 0..MaxEpoch : ToolEnd(s, v, e)
     \/ \E v \in Servers : Drain(v)
+    \/ MasterRestart
 
 Spec == Init /\ [][Next]_vars
 
@@ -202,19 +257,23 @@ TypeOK ==
     /\ owner \in [Sessions -> Servers \cup {NoServer}]
     /\ epoch \in [Sessions -> 0..MaxEpoch]
     /\ l3 \in [Sessions -> SUBSET Pg]
+    /\ put \in [Sessions -> SUBSET Pg]
+    /\ manifest \in [Sessions -> 0..MaxEpoch]
     /\ alive \in [Servers -> BOOLEAN]
 
 \* A session no server knows is a Stored one whose server was drained (or a closed one).
 UnknownOnlyStored == \A s \in Sessions : ~Known(s) => phase[s] \in {"Stored", "Closed"}
 
 \* Every copy toolkv relies on in the tier holds Mooncake's soft pin: the master honours nothing
-\* else.
-ReliedOnIsPinned == \A s \in Sessions : l3prot[s] => spin[s]
+\* else (but a restart, which takes pins and objects alike).
+ReliedOnIsPinned == \A s \in Sessions : l3prot[s] /\ ~lost[s] => spin[s]
 
 \* A Stored session, known or not, and one whose tool_end was accepted have their whole copy and
-\* their manifest in the tier: the arrival read finds every page, on whichever server.
+\* their manifest in the tier: the arrival read finds every page, on whichever server.  Only a
+\* restart after the ack takes it (lost); a session is never adopted from a partial copy.
 StoredWhole ==
-    \A s \in Sessions : phase[s] \in {"Stored", "Arriving"} => l3[s] = Pg /\ manifest[s]
+    \A s \in Sessions : phase[s] \in {"Stored", "Arriving"} /\ ~lost[s] =>
+        l3[s] = Pg /\ manifest[s] = epoch[s]
 
 \* The epoch fence survives the move: no tool_end with a stale epoch is ever accepted.
 FenceHeld == \A s \in Sessions : ~stale[s]

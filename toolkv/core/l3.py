@@ -397,6 +397,17 @@ class L3Tier(MachineCore):
             raise unknown
         if tier is None or manifest is None or manifest.session_id != session_id:
             raise unknown
+        if epoch > manifest.epoch:  # a newer store never completed (its server went mid-store)
+            raise UnknownSession(
+                f"unknown session {session_id!r}: the shared tier holds it only at epoch {manifest.epoch}; "
+                f"the store of epoch {epoch} was never acknowledged whole",
+                session_id=session_id,
+            )
+        if not manifest.pinned():  # its pin lapsed: the master may have evicted a page already
+            raise UnknownSession(
+                f"unknown session {session_id!r}: its copy in the shared tier is past its soft pin's deadline",
+                session_id=session_id,
+            )
         if epoch != manifest.epoch:
             self.counters["stale_epoch"] += 1
             raise StaleEpoch(

@@ -47,7 +47,7 @@ L3_DEFAULTS = {"l3": {"sessions": 8, "duration": 900.0}, "fleet": {"sessions": 6
 VALIDATED = "stock,stock-large,offload,auto"
 # the l3 and fleet actions' configurations (toolkv.twin.fleet.FLEET_CONFIGS, which builds the twin to
 # import; tests/test_cli_bounds.py checks the two agree)
-FLEET_NAMES = ("stock", "stock-l3", "toolkv", "toolkv-l3")
+FLEET_NAMES = ("stock", "stock-l3", "toolkv", "toolkv-l3", "stock-mc", "toolkv-mc")
 # the default run's load (what ``toolkv twin`` runs with no workload flag): its output says how it
 # differs from the README's headline
 DEFAULT_LOAD = {"sessions": Workload().initial_sessions, "duration": 45.0, "first_tokens": Workload().first_tokens,
@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--configs", default=None, type=choice_list((*CONFIGS, *FLEET_NAMES, "stock4x"), every="all"),
         help=f"comma list of {', '.join(CONFIGS)} (or all; default {VALIDATED}); l3/fleet: of stock, stock-l3, "
-        "toolkv, toolkv-l3; map: of stock, offload, auto, stock4x (stock with 4x the host pool)",
+        "toolkv, toolkv-l3, stock-mc, toolkv-mc (-mc: the shared store as Mooncake); map: of stock, offload, auto, "
+        "stock4x (stock with 4x the host pool)",
     )  # fmt: skip
     p.add_argument("--regime", choices=sorted(REGIMES), default="constrained", help="device pool size")
     p.add_argument(

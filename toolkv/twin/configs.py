@@ -34,6 +34,7 @@ class TwinConfig:
     l3_write_gbps: float | None = None  # the write direction's, when it differs
     l3_capacity_gb: float | None = None  # the store's capacity (None: it never fills)
     l3_store: str = ""  # a store shared by several servers (a fleet's), by name; "": the server's own
+    l3_mooncake: bool = False  # the store has Mooncake's semantics (master eviction, soft pins)
     # TOOLKV_* settings over the twin's own, as an operator's environment would set them (parsed
     # and checked by ToolKVConfig.from_env): e.g. (("TOOLKV_L3", "0"),) to try a knob on a load
     toolkv_env: tuple[tuple[str, str], ...] = ()
@@ -55,7 +56,7 @@ class TwinConfig:
 
         return StorageLink.of_gbps(
             self.l3_gbps, self.l3_write_gbps or self.l3_gbps, kv_bytes_per_token, self.l3_capacity_gb,
-            store=self.l3_store,
+            store=self.l3_store, mooncake=self.l3_mooncake,
         )  # fmt: skip
 
     def host_tokens(self, kv_bytes_per_token: int) -> int:

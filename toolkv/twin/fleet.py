@@ -19,7 +19,11 @@ Configurations (:data:`FLEET_CONFIGS`): ``stock`` (HiCache, no L3: a moved sessi
 ``stock-l3`` (HiCache with the shared L3), ``toolkv`` (toolkv ``offload`` with tool names, no L3),
 ``toolkv-l3`` (the same with the shared L3 and toolkv's L3 path). A moved session's ``tool_end``
 reaches a server that never saw it and gets a 404 (toolkv's state is per server); its turn is read
-from the shared L3 by sglang's arrival read, or recomputed.
+from the shared L3 by sglang's arrival read, or recomputed. ``stock-mc`` and ``toolkv-mc``: the same
+as ``stock-l3`` and ``toolkv-l3`` on a store with Mooncake's semantics (the master evicts least
+recently used pages once the capacity is reached; toolkv soft-pins what it stores whole, with its
+manifest, and a moved session's ``tool_end`` on a server that never saw it is adopted from the
+manifest instead of a 404).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class FleetConfig:
     name: str
     server: TwinConfig
     l3: bool  # the servers have sglang's storage tier on the shared store
+    mooncake: bool = False  # the shared store has Mooncake's semantics (toolkv.twin.storage)
 
 
 _TOOLKV = replace(get("offload"), name="toolkv", send_tool=True)
@@ -62,6 +67,10 @@ FLEET_CONFIGS: dict[str, FleetConfig] = {
         FleetConfig("stock-l3", get("stock-l3"), True),
         FleetConfig("toolkv", _TOOLKV, False),
         FleetConfig("toolkv-l3", replace(get("offload-l3"), name="toolkv-l3"), True),
+        # the shared tier as Mooncake: the master evicts (LRU, past the capacity), toolkv soft-pins
+        # what it stores and a moved session's tool_end is adopted (spec/storage/SharedTier.tla)
+        FleetConfig("stock-mc", replace(get("stock-l3"), name="stock-mc"), True, mooncake=True),
+        FleetConfig("toolkv-mc", replace(get("offload-l3"), name="toolkv-mc"), True, mooncake=True),
     )
 }
 
@@ -221,7 +230,8 @@ class Fleet:
         server = cfg.server
         if cfg.l3:  # every server's backend finds the one store by name
             server = replace(server, l3_gbps=self.l3cfg.read_gbps, l3_write_gbps=self.l3cfg.write_gbps,
-                             l3_capacity_gb=self.l3cfg.capacity_gb, l3_store=self.store_name)  # fmt: skip
+                             l3_capacity_gb=self.l3cfg.capacity_gb, l3_store=self.store_name,
+                             l3_mooncake=cfg.mooncake)  # fmt: skip
         self.tick_s = tick_s
         self.agents = Agents(sessions, server.mode, server.send_tool)
         try:
@@ -340,6 +350,8 @@ class Fleet:
         store = self.store
         out["stored_pages"] = len(store) if store is not None else 0
         out["refused_pages"] = store.refused if store is not None else 0
+        out["evicted_pages"] = store.evicted if store is not None else 0
+        out["pinned_writes"] = store.pinned_writes if store is not None else 0
         out["link_read_tokens"] = sum(io.rlink.tokens for io in ios)
         out["link_write_tokens"] = sum(io.wlink.tokens for io in ios)
         return out
@@ -349,7 +361,7 @@ class Fleet:
         out: dict[str, int] = {}
         for s in self.servers:
             for k, v in s.tk.manager.counters.items():
-                if k.startswith("l3_") or k in ("demoted_l3", "demoted", "tool_end_l3"):
+                if k.startswith("l3_") or k in ("demoted_l3", "demoted", "tool_end_l3", "tool_end_adopted"):
                     out[k] = out.get(k, 0) + int(v)
         return out
 

@@ -21,7 +21,14 @@ from toolkv.twin.l3 import L3Config
 from toolkv.twin.run import Options
 
 L3_CONFIGS = "stock,stock-l3,toolkv,toolkv-l3"
-COLORS = {"stock": "tab:blue", "stock-l3": "tab:orange", "toolkv": "tab:green", "toolkv-l3": "tab:red"}
+COLORS = {
+    "stock": "tab:blue",
+    "stock-l3": "tab:orange",
+    "toolkv": "tab:green",
+    "toolkv-l3": "tab:red",
+    "stock-mc": "tab:brown",
+    "toolkv-mc": "tab:purple",
+}
 FLEET_CONFIGS = "stock,stock-l3,toolkv-l3"
 KV_BYTES = 131_072  # bytes of KV a token in the default profile (the JSONs count tokens)
 
@@ -67,6 +74,19 @@ def l3_sweep(a: argparse.Namespace, hosts: list[float]) -> list[dict[str, Any]]:
     return rows
 
 
+def busiest(w: Any, n: int, k: int) -> list[int]:
+    """The ``k`` servers the router gives the most of ``w``'s sessions (ties: the lower index): the
+    servers drained, so that a drain moves sessions (a fixed index may host none of them)."""
+    from toolkv.twin.fleet import route
+    from toolkv.twin.sessions import Sessions
+
+    s = Sessions.lazy(w)
+    load = [0] * n
+    for i in range(len(s.starts)):
+        load[route(s.sid(i), list(range(n)))] += 1
+    return sorted(range(n), key=lambda v: (-load[v], v))[:k]
+
+
 def fleet_sweep(a: argparse.Namespace, ns: list[int]) -> list[dict[str, Any]]:
     """N servers x configuration, ``sessions`` per server, a share drained at ``drain_at``."""
     rows = []
@@ -74,7 +94,7 @@ def fleet_sweep(a: argparse.Namespace, ns: list[int]) -> list[dict[str, Any]]:
         w = long_workload(a.sessions * n, a.duration, a.seed)
         window = (w.ramp_s + a.warmup, w.duration_s)
         k = max(1, round(a.drain_share * n)) if a.drain_share > 0 else 0
-        drain = [(a.drain_at, i) for i in range(k)]
+        drain = [(a.drain_at, i) for i in busiest(w, n, k)]
         host = a.host_gb[0] if a.host_gb else 32.0
         for name in _names(a, FLEET_CONFIGS):
             r = simulate_fleet(w, fleet_config(name, host), _profile(a), options(a), n=n, l3=l3_config(a),
@@ -126,14 +146,22 @@ def l3_table(rows: list[dict[str, Any]]) -> str:
 
 def fleet_table(rows: list[dict[str, Any]]) -> str:
     head = ("servers", "drained", "config", "turns/s", "reuse", "TTFT p50 s", "TTFT p90 s", "moved turns",
-            "moved reuse", "moved TTFT p50 s", "L3 read GB", "checks")  # fmt: skip
+            "moved reuse", "moved TTFT p50 s", "L3 read GB", "evicted pages", "tool_end 404 / adopted",
+            "checks")  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         gb = r["l3"]["read_tokens"] * KV_BYTES / 1e9 if r["l3"] else None
+        ev = r["l3"].get("evicted_pages", 0) if r["l3"] else None
+        tk = r["config"].startswith("toolkv")
+        ends = (
+            f"{r['calls'].get('tool_end 404', 0)} / {r['toolkv_l3'].get('tool_end_adopted', 0)}"
+            if tk
+            else "-"
+        )
         out.append("| " + " | ".join([
             str(r["servers"]), str(r["drained"]), r["config"], f"{r['turns_per_s']:.3f}", _pct(r["reuse"]),
             _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), str(r["moved_turns"]), _pct(r["moved_reuse"]),
-            _f(r["moved_ttft_p50_s"]), _f(gb, "{:,.0f}"),
+            _f(r["moved_ttft_p50_s"]), _f(gb, "{:,.0f}"), "-" if ev is None else f"{ev:,}", ends,
             "pass" if r["passed"] else "FAIL" + (f" ({r['crashed']})" if r["crashed"] else ""),
         ]) + " |")  # fmt: skip
     return "\n".join(out)

@@ -18,9 +18,15 @@ What is not sglang's:
 
 - :class:`TwinL3Backend`, the storage backend: a ``HiCacheStorage`` that keeps each page's bytes in
   memory (a dict by page hash; one store object may be shared by several servers, as a shared
-  Mooncake or a ``file`` backend on a shared path is). It has no evictor: like ``HiCacheFile``
-  without a size cap it never deletes a page, and with ``capacity_tokens`` set it refuses a page
-  once full, as ``HiCacheFile.set`` does when its evictor finds no room.
+  Mooncake or a ``file`` backend on a shared path is). By default it has no evictor: like
+  ``HiCacheFile`` without a size cap it never deletes a page, and with ``capacity_tokens`` set it
+  refuses a page once full, as ``HiCacheFile.set`` does when its evictor finds no room. With
+  ``mooncake`` it has Mooncake's semantics instead (``spec/storage/SharedTier.tla``): a put that
+  finds the store full makes the master evict (``eviction_ratio`` of the capacity, least recently
+  used first, skipping soft-pinned pages whose deadline is ahead), and refuses only what still does
+  not fit; toolkv's soft pins and session manifests go through :class:`TwinSharedTier`, the
+  twin's stand-in for ``MooncakeTier`` (the same calls, on the store's memory and the twin's
+  clock).
 - :class:`TimedStorageIO`, a **timing double** for the controller's three storage threads (the
   prefetch thread, its I/O thread and the backup thread). On a server they run on their own time;
   here they must run on the twin's clock, so the controller is built without them
@@ -46,7 +52,7 @@ import heapq
 import itertools
 import json
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any
@@ -74,30 +80,82 @@ class StorageLink:
     capacity_tokens: int | None = None
     prefetch_threshold: int = 256  # sglang's storage extra-config key (tokens)
     store: str = ""  # the name of a store several servers share ("": the server's own)
+    mooncake: bool = False  # the store has Mooncake's master eviction and soft pins
 
     @classmethod
     def of_gbps(
         cls, read_gbps: float, write_gbps: float, kv_bytes_per_token: int, capacity_gb: float | None = None,
-        store: str = "",
+        store: str = "", mooncake: bool = False,
     ) -> StorageLink:  # fmt: skip
         if read_gbps <= 0 or write_gbps <= 0 or (capacity_gb is not None and capacity_gb <= 0):
             raise ValueError("L3 bandwidths and capacity must be positive")
         cap = int(capacity_gb * GB // kv_bytes_per_token) if capacity_gb else None
         return cls(
-            read_gbps * GB / kv_bytes_per_token, write_gbps * GB / kv_bytes_per_token, cap, store=store
-        )
+            read_gbps * GB / kv_bytes_per_token, write_gbps * GB / kv_bytes_per_token, cap, store=store,
+            mooncake=mooncake,
+        )  # fmt: skip
+
+
+#: Mooncake master's ``-eviction_ratio`` default: the share of the capacity one eviction frees
+EVICTION_RATIO = 0.05
 
 
 @dataclass
 class L3Pages:
-    """The store's contents: each page's bytes by page hash (the key sglang's hit query asks)."""
+    """The store's contents: each page's bytes by page hash (the key sglang's hit query asks).
+    With ``mooncake``: the order of ``pages`` is the master's LRU order (a read, an exists or a
+    write moves a page to the end), ``pins`` the soft pins' deadlines on the twin's clock
+    (``now``, the latest time any server's storage I/O ran), ``manifests`` toolkv's session
+    manifests (small objects: not counted against the capacity)."""
 
     capacity_pages: int | None = None
     pages: dict[str, torch.Tensor] = field(default_factory=dict)
     refused: int = 0  # pages refused for capacity
+    mooncake: bool = False
+    now: float = 0.0
+    pins: dict[str, float] = field(default_factory=dict)
+    manifests: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+    evicted: int = 0  # pages the master evicted
+    pinned_writes: int = 0  # pages toolkv's pin upsert wrote again (they were evicted meanwhile)
 
     def __len__(self) -> int:
         return len(self.pages)
+
+    def touch(self, key: str) -> None:
+        """An access (Mooncake: the page becomes the most recently used)."""
+        if self.mooncake and key in self.pages:
+            self.pages[key] = self.pages.pop(key)
+
+    def pinned(self, key: str) -> bool:
+        return self.pins.get(key, -1.0) > self.now
+
+    def put(self, key: str, data: torch.Tensor, pin_until: float | None = None) -> bool:
+        """Write one page (an upsert when it is there); False: refused, the store is full."""
+        if key not in self.pages:
+            cap = self.capacity_pages
+            if cap is not None and len(self.pages) >= cap and self.mooncake:
+                self.evict()
+            if cap is not None and len(self.pages) >= cap:
+                self.refused += 1
+                return False
+            self.pages[key] = data
+        else:
+            self.pages[key] = data
+            self.touch(key)
+        if pin_until is not None:
+            self.pins[key] = max(self.pins.get(key, -1.0), pin_until)
+        return True
+
+    def evict(self) -> int:
+        """Mooncake's ``BatchEvict``: up to ``EVICTION_RATIO`` of the capacity, least recently used
+        first, skipping soft-pinned pages (``-allow_evict_soft_pinned_objects=false``)."""
+        want = max(1, int(EVICTION_RATIO * (self.capacity_pages or len(self.pages))))
+        gone = [k for k in self.pages if not self.pinned(k)][:want]
+        for k in gone:
+            del self.pages[k]
+            self.pins.pop(k, None)
+        self.evicted += len(gone)
+        return len(gone)
 
 
 def _backend_class() -> type:
@@ -115,10 +173,16 @@ def _backend_class() -> type:
                 self.store = STORES[name]
             else:
                 cap = extra.get("capacity_pages")
-                self.store = L3Pages(int(cap) if cap else None)
+                self.store = L3Pages(int(cap) if cap else None, mooncake=bool(extra.get("mooncake")))
                 if name:
                     STORES[name] = self.store
             self.mem_pool_host: Any = None
+            self.io: Any = None  # the server's TimedStorageIO (it charges toolkv's pin writes)
+
+        def toolkv_shared_tier(self, pin_ttl_ms: int) -> TwinSharedTier | None:
+            """What ``HiCacheStorage.shared_tier`` asks a backend for: the Mooncake calls toolkv
+            makes, on a store with Mooncake's semantics; None on a plain one (file-like)."""
+            return TwinSharedTier(self, pin_ttl_ms) if self.store.mooncake else None
 
         # host pool layout "layer_first": kv_buffer (2, layers, slots, heads, head_dim)
         def _slots(self, host_indices: torch.Tensor) -> torch.Tensor:
@@ -133,15 +197,10 @@ def _backend_class() -> type:
             out = []
             for i, k in enumerate(keys):
                 if k in pages:
+                    self.store.touch(k)
                     out.append(True)
                     continue
-                cap = self.store.capacity_pages
-                if cap is not None and len(pages) >= cap:
-                    self.store.refused += 1
-                    out.append(False)
-                    continue
-                pages[k] = data[:, :, i * ps : (i + 1) * ps].clone()
-                out.append(True)
+                out.append(self.store.put(k, data[:, :, i * ps : (i + 1) * ps].clone()))
             return out
 
         def batch_get_v1(
@@ -158,6 +217,7 @@ def _backend_class() -> type:
                     out.append(False)
                     continue
                 buf[:, :, idx[i * ps : (i + 1) * ps]] = page
+                self.store.touch(k)
                 out.append(True)
             return out
 
@@ -166,6 +226,7 @@ def _backend_class() -> type:
             for i, k in enumerate(keys):
                 if k not in pages:
                     return i
+                self.store.touch(k)
             return len(keys)
 
         def exists(self, key: str) -> bool:
@@ -201,6 +262,69 @@ def __getattr__(name: str) -> Any:
         globals()["TwinL3Backend"] = cls
         return cls
     raise AttributeError(name)
+
+
+class TwinSharedTier:
+    """The twin's stand-in for :class:`toolkv.core.backends.mooncake_tier.MooncakeTier` (the same
+    four calls toolkv's storage tier makes), on :class:`L3Pages` with ``mooncake``: the soft pin's
+    deadline is on the twin's clock (``store.now`` + the pin TTL), the pin upsert writes again the
+    pages the master evicted since the check (their write is charged to the server's write link),
+    the manifest is a small object beside the pages, pinned alike."""
+
+    def __init__(self, backend: Any, pin_ttl_ms: int) -> None:
+        self.backend = backend
+        self.store: L3Pages = backend.store
+        self.pin_ttl_ms = int(pin_ttl_ms)
+
+    def _until(self) -> float:
+        return self.store.now + self.pin_ttl_ms / 1000.0
+
+    def pin_deadline_ms(self) -> int:
+        """The deadline written into the manifest (wall clock, as ``MooncakeTier``'s); the twin's
+        :meth:`find_manifest` answers by the store's own clock instead."""
+        import time
+
+        return int(time.time() * 1000) + self.pin_ttl_ms
+
+    def pin_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> bool:
+        host = self.backend.mem_pool_host
+        ps = int(host.page_size)
+        idx = host_indices.to(torch.int64)
+        until = self._until()
+        rewritten = 0
+        for i, k in enumerate(keys):
+            data = self.store.pages.get(k)
+            if data is None:
+                data = host.kv_buffer[:, :, idx[i * ps : (i + 1) * ps]].clone()
+                rewritten += 1
+            if not self.store.put(k, data, pin_until=until):
+                return False
+        self.store.pinned_writes += rewritten
+        if rewritten and self.backend.io is not None:
+            self.backend.io.charge_write(rewritten * ps)
+        return True
+
+    def put_manifest(self, m: Any) -> bool:
+        self.store.manifests[m.session_id] = (m.encode(), self._until())
+        return True
+
+    def find_manifest(self, session_id: str) -> Any:
+        import time
+
+        from toolkv.core.backends.mooncake_tier import Manifest
+
+        got = self.store.manifests.get(session_id)
+        if got is None:
+            return None
+        raw, until = got
+        if until <= self.store.now:  # its pin lapsed: the master may evict it any time
+            return None
+        m = Manifest.decode(raw)
+        left_ms = (until - self.store.now) * 1000
+        return Manifest(m.session_id, m.epoch, m.tokens, m.extra_key, int(time.time() * 1000 + left_ms))
+
+    def drop_manifest(self, session_id: str) -> None:
+        self.store.manifests.pop(session_id, None)
 
 
 class IdleThread:
@@ -246,6 +370,8 @@ def storage_server_args(args: Any, link: StorageLink, store: str = "") -> Any:
     }  # fmt: skip
     if link.capacity_tokens is not None:
         extra["capacity_pages"] = link.capacity_tokens // max(1, int(args.page_size))
+    if link.mooncake:
+        extra["mooncake"] = True
     args.hicache_storage_backend = "dynamic"
     args.hicache_storage_prefetch_policy = "wait_complete"
     args.hicache_storage_backend_extra_config = json.dumps(extra)
@@ -303,9 +429,17 @@ class TimedStorageIO:
         self.stats: dict[str, float] = {
             "write_ops": 0, "write_tokens": 0, "read_ops": 0, "read_tokens": 0, "queries": 0,
             "query_hit_tokens": 0, "revoked": 0, "reads_cut": 0, "read_tokens_cut": 0,
-            "toolkv_read_ops": 0, "toolkv_read_tokens": 0,
+            "toolkv_read_ops": 0, "toolkv_read_tokens": 0, "pin_write_tokens": 0,
         }  # fmt: skip
         self._queued: set[str] = set()  # page keys of writes in flight (not timed twice)
+        self.backend.io = self
+        self.now = 0.0
+
+    def charge_write(self, tokens: int) -> None:
+        """A write made outside sglang's backup thread (toolkv's pin upsert): it takes its time on
+        the write link (the link is busy for it; the caller does not wait)."""
+        self.wlink.schedule(self.now, tokens)
+        self.stats["pin_write_tokens"] += tokens
 
     # ---- the clock ---------------------------------------------------------------------------------
     def next_finish(self) -> float | None:
@@ -317,6 +451,9 @@ class TimedStorageIO:
 
     def pump(self, now: float) -> None:
         """Start what was queued since the last call, then finish every operation due by ``now``."""
+        self.now = now
+        store = self.backend.store
+        store.now = max(store.now, now)
         self._queries(now)
         self._start(now)
         while self.heap and self.heap[0].finish <= now + 1e-12:
@@ -413,6 +550,7 @@ class TimedStorageIO:
             **{k: (round(v, 3) if isinstance(v, float) else int(v)) for k, v in self.stats.items()},
             "stored_pages": len(self.backend.store),
             "refused_pages": self.backend.store.refused,
+            "evicted_pages": self.backend.store.evicted,
             "read_tokens_per_s": self.link.read_tokens_per_s,
             "write_tokens_per_s": self.link.write_tokens_per_s,
         }

@@ -105,8 +105,16 @@ class HiCacheStorage:
 
     def shared_tier(self) -> MooncakeTier | None:
         """Mooncake's soft pin and the session manifests, when the storage backend is Mooncake
-        (``spec/storage/SharedTier.tla``); None for a backend whose eviction toolkv sees (``file``)."""
-        if not self.storage_enabled() or not is_mooncake(self._storage()):
+        (``spec/storage/SharedTier.tla``); None for a backend whose eviction toolkv sees (``file``).
+        A backend with a ``toolkv_shared_tier`` of its own (the twin's store with Mooncake's
+        semantics) answers for itself."""
+        if not self.storage_enabled():
+            return None
+        own = getattr(self._storage(), "toolkv_shared_tier", None)
+        if own is not None:
+            tier: MooncakeTier | None = own(self.pin_ttl_ms)
+            return tier
+        if not is_mooncake(self._storage()):
             return None
         return MooncakeTier(self._storage(), self.pin_ttl_ms)
 
@@ -144,6 +152,7 @@ class HiCacheStorage:
             return False
         assert per_node is not None
         keys = [k for node_keys in per_node for k in node_keys]
+        self._forget_manifest(rec.session_id)  # an older epoch's, left by a failed remove
         have = self._stored_pages(keys)
         done = 0
         for m, node_keys in zip(path, per_node, strict=True):  # root-down, from the first page missing
@@ -202,8 +211,20 @@ class HiCacheStorage:
         host = torch.cat([m.host_value for m in path])
         if not tier.pin_pages(copy.keys, host[: copy.tokens]):
             return False
-        manifest = Manifest(rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key)
+        manifest = Manifest(
+            rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key,
+            tier.pin_deadline_ms(),
+        )  # fmt: skip
         return tier.put_manifest(manifest)
+
+    def _forget_manifest(self, session_id: str) -> None:
+        """SharedTier.tla's ``ArrivalRead`` on Mooncake: the session's manifest goes once its own
+        server takes it back from the tier (tool_end, a read back, close, TTL) or stores it anew,
+        so that only the copy of the session's current epoch can ever be adopted (mutant
+        ``ManifestKept``). Nothing on ``file``."""
+        tier = self.shared_tier()
+        if tier is not None:
+            tier.drop_manifest(session_id)
 
     def _store_whole(self, copy: StorageCopy) -> bool:
         """Every page of the copy is in storage (the check ``TrustShortAck`` leaves out)."""
@@ -225,6 +246,7 @@ class HiCacheStorage:
         if host_node is FROM_HOST:
             self._protect_host_path(rec, node)
             del self._l3[rec.session_id]
+            self._forget_manifest(rec.session_id)
             return "host"
         if not self._start_prefetch(rid, host_node, tokens, rec.extra_key):
             return "refused"
@@ -282,6 +304,7 @@ class HiCacheStorage:
         if not self._prefetch_done(copy):
             return None
         del self._l3[rec.session_id]
+        self._forget_manifest(rec.session_id)
         if copy.released:
             return False
         node, matched = self._lookup(rec.tokens[: copy.tokens], rec.extra_key)
@@ -356,6 +379,8 @@ class HiCacheStorage:
         copy = self._l3.get(rec.session_id)
         if copy is None:
             return
+        if copy.whole:
+            self._forget_manifest(rec.session_id)
         if copy.rid is not None:
             copy.released = True
         else:

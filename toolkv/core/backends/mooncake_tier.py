@@ -16,6 +16,7 @@ that never saw the session needs to adopt it (spec ``ToolEnd`` on a server with
 from __future__ import annotations
 
 import json
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,23 +34,34 @@ class MooncakeTierError(RuntimeError):
 
 @dataclass(frozen=True)
 class Manifest:
-    """A stored session as the tier knows it: enough for another server to adopt it."""
+    """A stored session as the tier knows it: enough for another server to adopt it.
+    ``pinned_until_ms`` (wall clock, ms since the epoch) is its soft pin's deadline, the same as its
+    pages': past it the master may have evicted a page while the manifest is still there, so an
+    adopter refuses it (SharedTier.tla's ``ToolEnd`` on ``owner = NoServer`` needs ``spin``)."""
 
     session_id: str
     epoch: int
     tokens: array[int]
     extra_key: str | None
+    pinned_until_ms: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(
             {"session_id": self.session_id, "epoch": self.epoch, "extra_key": self.extra_key,
-             "tokens": self.tokens.tobytes().hex()}
+             "tokens": self.tokens.tobytes().hex(), "pinned_until_ms": self.pinned_until_ms}
         ).encode()  # fmt: skip
 
     @classmethod
     def decode(cls, raw: bytes) -> Manifest:
         d = json.loads(raw.decode())
-        return cls(d["session_id"], int(d["epoch"]), array("q", bytes.fromhex(d["tokens"])), d["extra_key"])
+        return cls(
+            d["session_id"], int(d["epoch"]), array("q", bytes.fromhex(d["tokens"])), d["extra_key"],
+            int(d.get("pinned_until_ms", 0)),
+        )  # fmt: skip
+
+    def pinned(self, now_ms: float | None = None) -> bool:
+        """The pin's deadline is still ahead (``now_ms``: the wall clock by default)."""
+        return (time.time() * 1000 if now_ms is None else now_ms) < self.pinned_until_ms
 
 
 def is_mooncake(storage: Any) -> bool:
@@ -90,6 +102,11 @@ class MooncakeTier:
         codes = self.client.batch_upsert_from(key_strs, ptrs, sizes, self._pin_config())
         return all(int(c) == 0 for c in codes)
 
+    def pin_deadline_ms(self) -> int:
+        """The wall-clock deadline (ms) of a pin taken now, recorded in the manifest; a little
+        short of the master's (which counts from its own write, a moment later)."""
+        return int(time.time() * 1000) + self.pin_ttl_ms
+
     def put_manifest(self, m: Manifest) -> bool:
         """The session's manifest, pinned like its pages (upsert: a newer epoch replaces it)."""
         rc = self.client.upsert(MANIFEST_PREFIX + m.session_id, m.encode(), self._pin_config())
@@ -105,6 +122,9 @@ class MooncakeTier:
         return Manifest.decode(bytes(raw)) if raw else None
 
     def drop_manifest(self, session_id: str) -> None:
-        """The session is known again (arrival read) or over: its manifest goes. A remove the
-        master refuses (a lease from a read in flight) leaves it to lapse with its pin."""
+        """The session is known again (its tool_end accepted, on this server or by adoption), over
+        (close, TTL), or stored anew: its manifest goes (SharedTier.tla's ``ArrivalRead``; mutant
+        ``ManifestKept`` leaves it, and after a newer store dies with its server a stale tool_end
+        would adopt the older copy). A remove the master refuses (a lease from a read in flight)
+        leaves it to lapse with its pin; a newer store's upsert replaces it."""
         self.client.remove(MANIFEST_PREFIX + session_id)
