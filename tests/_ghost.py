@@ -101,7 +101,7 @@ def check_counts_recomputed_after_eviction(r: GhostRig) -> None:
     r.run(a + prompt(4, 32), "s1")
     # the 96 prompt tokens (6 blocks) were cached and evicted; the new tail never was
     assert r.recomputed == {"session": 96 - 96 % b, "other": 0}
-    r.run(o + [7], None)
+    r.run([*o, 7], None)
     assert r.recomputed == {"session": 96 - 96 % b, "other": 96 - 96 % b}
     r.run(prompt(5), None)  # never cached
     r.run(prompt(6), "s2")

@@ -617,9 +617,7 @@ class SchedulerToolKV:
         if span is None:
             return 0
         tokens, start = span
-        return self.ghost.admitted(
-            tokens, start, "session" if sid is not None else "other", namespace(req)
-        )
+        return self.ghost.admitted(tokens, start, "session" if sid is not None else "other", namespace(req))
 
     def on_cached(self, tokens: Sequence[int], extra_key: Any) -> None:
         """The tree just inserted ``tokens`` for a request (session or not): the ghost learns
