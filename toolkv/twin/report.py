@@ -13,7 +13,7 @@ from toolkv.twin.configs import GPU_LABEL
 from toolkv.twin.opt import opt_reuse
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.run import Outcome
-from toolkv.workload.metrics import Turn, occupancy, summarize
+from toolkv.workload.metrics import Turn, occupancy, recomputed_between, summarize
 from toolkv.workload.report import suite_table
 
 
@@ -43,9 +43,7 @@ def recomputed_after_evict(meta: dict[str, Any]) -> dict[str, int]:
     """``{session, other, total}`` of the server's eviction-harm count (``kv_meta``'s
     ``recomputed_after_evict_tokens``, the ``toolkv:kv_recomputed_after_evict_tokens_total``
     counter's source)."""
-    got = meta.get("recomputed_after_evict_tokens") or {}
-    out = {k: int(got.get(k, 0)) for k in ("session", "other")}
-    return out | {"total": out["session"] + out["other"]}
+    return recomputed_between(None, meta) or {"session": 0, "other": 0, "total": 0}
 
 
 def result(
