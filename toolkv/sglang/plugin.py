@@ -10,10 +10,10 @@ targets (sglang 0.5.16, verified against the installed source):
 | managers/scheduler.py:313 ``Scheduler.__init__`` | AFTER | refuse unsupported configs and unapplied hooks; build the rank's manager (rank/size from ``Scheduler.ps``, l.379) and its metrics; add ``ToolKVReqInput`` to ``_request_dispatcher`` (built at l.536); log the effective config and check the host pool size |
 | managers/scheduler.py:1663 ``Scheduler.process_input_requests`` | AFTER | the tick: once per iteration, every loop type, every rank |
 | managers/scheduler.py:2072 ``Scheduler.handle_generate_request`` | BEFORE | a session's next request restores its KV |
-| managers/scheduler.py:2829 ``Scheduler.get_new_batch_prefill`` | AFTER | the requests of the new prefill batch were admitted (prefix matched and locked by ``PrefillAdder``): their sessions' hand-overs end |
+| managers/scheduler.py:2829 ``Scheduler.get_new_batch_prefill`` | AFTER | the requests of the new prefill batch were admitted (prefix matched and locked by ``PrefillAdder``): their sessions' hand-overs end; what each recomputes of evicted KV is counted (:mod:`toolkv.sglang.ghost`) |
 | managers/scheduler.py:3876 ``Scheduler.get_internal_state`` | AFTER | handshake: ``internal_state["toolkv"]`` |
-| mem_cache/radix_cache.py:437 ``RadixCache.cache_finished_req`` | AROUND | record the finished turn's session leaf (HiRadixCache inherits it) |
-| mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780) |
+| mem_cache/radix_cache.py:437 ``RadixCache.cache_finished_req`` | AROUND | record the finished turn's session leaf (HiRadixCache inherits it); every request's inserted blocks enter the eviction-harm ghost |
+| mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780); the ghost is cleared |
 | entrypoints/http_server.py:2648 ``launch_server`` | BEFORE | main process only: refuse unsupported configs; add the HTTP routes |
 | entrypoints/openai/serving_chat.py:1437/1198 | AROUND | main process, TOOLKV_ZERO_CHANGE=1 only: see finish_reason "tool_calls" |
 | managers/tokenizer_manager.py:624 ``TokenizerManager.generate_request`` | BEFORE | main process, TOOLKV_SESSION_HEADER set only: a request whose body has no ``session_id`` is labelled from that header (:func:`label_from_header`) |
