@@ -365,7 +365,9 @@ class ToolKVMachine(RuleBasedStateMachine):
         if "Offloaded" in phases:
             out |= _NEED_OFFLOADED
         if "Restoring" in phases:
-            out |= {"tool_end", "admit"}  # a retried tool_end; a request admitted while it loads
+            out.add("tool_end")
+            if self._admits_while_loading():
+                out.add("admit")  # a request admitted while it loads
         if any(self.state["host"][n] for n in self._gpu_evictable()):
             out.add("gpu_evict")
         return frozenset(out)
@@ -422,7 +424,11 @@ class ToolKVMachine(RuleBasedStateMachine):
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
         # with TOOLKV_RESTORE_ON_REQUEST the request itself sent the restore: it may be admitted in
         # the next prefill batch while the load is still in flight
-        if self.state["phase"][s] == "Restoring" and data.draw(st.booleans(), label="admitted while loading"):
+        if (
+            self._admits_while_loading()
+            and self.state["phase"][s] == "Restoring"
+            and data.draw(st.booleans(), label="admitted while loading")
+        ):
             self._admit_loading(s)
 
     def promise(self, data: st.DataObject) -> None:
@@ -476,25 +482,29 @@ class ToolKVMachine(RuleBasedStateMachine):
         restore is still loading (Restoring): sglang matched the path being loaded and the batch
         waits for it; the spec has no step for that (``AdmitLoading``, a stutter), and the load ack
         must end the hand-over at once (spec ``LoadAck`` then ``Admit``; checked in :meth:`_do`)."""
-        s = data.draw(st.sampled_from(self._biased(("Handover", "Parked", "Restoring"))), label="session")
+        phases = (
+            ("Handover", "Parked", "Restoring") if self._admits_while_loading() else ("Handover", "Parked")
+        )
+        s = data.draw(st.sampled_from(self._biased(phases)), label="session")
         n = self.state["ref"][s]
         if n == NO_NODE or self.state["extLock"][n]:
             return
         phase = self.state["phase"][s]
         if phase in ("Handover", "Parked"):
             self._do(["Admit", s])
-        elif phase == "Restoring":
+        elif phase == "Restoring" and self._admits_while_loading():
             self._admit_loading(s)
+
+    def _admits_while_loading(self) -> bool:
+        """Whether this campaign draws admissions while loading: on a HiRadixCache without the
+        copy ring (the ring's machine keeps its own draws: its coverage of LoadAck rests on them)."""
+        return "AdmitLoading" in self.r.executors and self.r.b.ring == 0
 
     def _admit_loading(self, s: str) -> None:
         """``AdmitLoading`` of Restoring ``s`` (once; where the cache has the executor and the
         path is not held by another request)."""
         n = self.state["ref"][s]
-        if (
-            "AdmitLoading" in self.r.executors
-            and s not in self.r.pending_admits
-            and not self.state["extLock"][n]
-        ):
+        if self._admits_while_loading() and s not in self.r.pending_admits and not self.state["extLock"][n]:
             self._do(["AdmitLoading", s])
 
     def park(self, data: st.DataObject) -> None:
