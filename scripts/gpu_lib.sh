@@ -94,7 +94,8 @@ agent_bench_run() {
     $BENCH_ARGS) > "$dir/$cfg.log" 2>&1
 }
 
-# bench_outcome DIR CONFIG: one line on a finished bench (turns, errors, checks, decisions, calls) and a
+# bench_outcome DIR CONFIG: one line on a finished bench (turns, errors, checks, decisions, calls, the
+# eviction-harm count toolkv:kv_recomputed_after_evict_tokens_total over the run) and a
 # warning where the flush before it did not answer 200 (a cache it left would hand the next config the KV)
 bench_outcome() {
   local dir=$1 cfg=$2 what="no result" flush
@@ -105,8 +106,10 @@ s = r["summary"]
 ok = sum(1 for t in r["turns"] if t.get("status") == 200)
 bad = [k for k, v in r["checks"].items() if not v]
 dec = s.get("decisions") or {}
+harm = s.get("recomputed_after_evict_tokens")  # eviction harm over this run (toolkv bench agent)
 print(f"{ok} turns, {s.get('errors', 0)} errors, {'passed' if r['passed'] else 'FAILED ' + '; '.join(bad)}"
-      + (f", decisions {dec}" if dec else "") + f", calls {s.get('calls', {})}")
+      + (f", decisions {dec}" if dec else "") + f", calls {s.get('calls', {})}"
+      + (f", recomputed after evict session {harm['session']} other {harm['other']}" if harm else ""))
 if r.get("policy") == "auto" and set(dec) == {"offload"}:  # the offload policy answers "offload" every time
     print("    WARNING: every decision was offload: does this server apply tool_start's per-call policy?")
 PY

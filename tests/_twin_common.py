@@ -12,6 +12,7 @@ import random
 
 from toolkv.twin.configs import get
 from toolkv.twin.profile import TimeProfile, default_profile
+from toolkv.twin.report import recomputed_after_evict
 from toolkv.twin.run import Options, Outcome, simulate
 from toolkv.workload.plan import Plan, SessionPlan, Workload, make_plan
 
@@ -51,6 +52,11 @@ def check_conservation(o: Outcome, name: str) -> None:
         assert sum(v for k, v in a.calls.items() if k.startswith("tool_start")) > 0
     if name == "stock":
         assert not a.calls  # stock agents make no toolkv call
+    # the eviction-harm count: recomputed tokens are computed prompt tokens, paid by whoever sent
+    # them (stock agents send no session id: all of it is "other"; toolkv's agents all send one)
+    harm = recomputed_after_evict(o.meta_end)
+    assert 0 <= harm["total"] <= o.prefill_tokens
+    assert harm["session" if o.config.mode == "stock" else "other"] == 0, harm
 
 
 def check_same_seed_same_run() -> None:

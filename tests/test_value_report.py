@@ -260,3 +260,32 @@ def test_ttft_bins_counts_resumed_answered_turns_by_uncached_tokens() -> None:
     assert r["bins"][0]["ttft_median_s"] == pytest.approx(0.3)
     assert [b["n"] for b in r["bins"]] == [2, 0, 1, 1]
     assert r["bins"][2]["ttft_median_s"] == 2.0 and r["bins"][3]["ttft_median_s"] == 3.0
+
+
+def test_the_eviction_harm_is_each_runs_own_share_of_the_servers_counter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Runs share a server: a run's eviction harm is the counter at its end less at its start
+    (kv_meta's ``recomputed_after_evict_tokens``), printed as a table of its own; results recorded
+    before the count print no such table (the docs' recorded tables stay as they are)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    metas = {
+        "stock16": ({"session": 0, "other": 100}, {"session": 0, "other": 1100}),
+        "offload16": ({"session": 0, "other": 1100}, {"session": 300, "other": 1150}),
+    }
+    for cfg, (before, end) in metas.items():
+        res = _run(cfg, 1.0, 1.0, 1.0, 50)
+        res["server_meta"] = {
+            "before": {"recomputed_after_evict_tokens": before},
+            "end": {"recomputed_after_evict_tokens": end},
+        }
+        (d / f"{cfg}.json").write_text(json.dumps(res))
+    rows = {r["config"]: r for r in load([d])}
+    assert rows["stock16"]["recomputed_after_evict"] == {"session": 0, "other": 1000, "total": 1000}
+    assert rows["offload16"]["recomputed_after_evict"] == {"session": 300, "other": 50, "total": 350}
+    assert main([str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "| stock16 | 0 | 1,000 | 1,000 |" in out and "| offload16 | 300 | 50 | 350 |" in out
+    assert main([str(RUNS)]) == 0
+    assert "recomputed after evict" not in capsys.readouterr().out

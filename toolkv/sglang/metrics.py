@@ -26,6 +26,9 @@ Names (documented in docs/operations.md, "Metrics"):
   a refusal code (``host_memory_full``, ``stale_epoch``, ...) or ``skip:<reason>``
 * ``toolkv:events_total{event}`` counter: the manager's lifetime events (turns, expired, lost, ...)
 * ``toolkv:tokens_total{kind}`` counter: offloaded / freed / restored tokens
+* ``toolkv:kv_recomputed_after_evict_tokens_total{requester}`` counter: prompt tokens recomputed
+  whose KV the cache held earlier (upstream sglang's ``kv_recomputed_after_evict_tokens_total``),
+  ``requester`` ``session`` (requests with a session id) or ``other``; see :mod:`toolkv.sglang.ghost`
 * ``toolkv:offload_seconds``, ``toolkv:restore_seconds`` histograms: tool_start until the GPU copy
   is freed, tool_end until the session is runnable
 * ``toolkv:offload_bytes``, ``toolkv:restore_bytes`` histograms: KV bytes per offload / restore
@@ -46,6 +49,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from toolkv.core.lifecycle import SESSION_STATES
+from toolkv.sglang.ghost import REQUESTERS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 38, 2))  # 64 KiB .. 128 GiB
@@ -133,6 +137,13 @@ class ToolKVMetrics:
         )
         self.events = Counter("toolkv:events", "Manager lifetime events", [*names, "event"], registry=reg)
         self.tokens = Counter("toolkv:tokens", "Tokens moved, by kind", [*names, "kind"], registry=reg)
+        self.recomputed = Counter(
+            "toolkv:kv_recomputed_after_evict_tokens",
+            "Prompt tokens recomputed whose KV the cache held earlier (evicted), by requester",
+            [*names, "requester"],
+            registry=reg,
+        )
+        self._seen_recomputed: dict[str, int] = {}
         self.latency = {
             kind: Histogram(
                 f"toolkv:{kind}_seconds",
@@ -163,6 +174,8 @@ class ToolKVMetrics:
             self.events.labels(**self.labels, event=event)
         for kind in TOKEN_KINDS:
             self.tokens.labels(**self.labels, kind=kind)
+        for requester in REQUESTERS:
+            self.recomputed.labels(**self.labels, requester=requester)
         for family in (*self.latency.values(), *self.nbytes.values()):
             family.labels(**self.labels)
 
@@ -201,6 +214,12 @@ class ToolKVMetrics:
                 values[k] = int(meta[k])
         for k, v in values.items():
             self.gauges[k].labels(**self.labels).set(v)
+        recomputed: Mapping[str, int] = meta.get("recomputed_after_evict_tokens", {})
+        for requester, value in recomputed.items():
+            delta = int(value) - self._seen_recomputed.get(requester, 0)
+            if delta > 0:
+                self._seen_recomputed[requester] = int(value)
+                self.recomputed.labels(**self.labels, requester=requester).inc(delta)
         counters: Mapping[str, int] = meta.get("counters", {})
         for name, value in counters.items():
             delta = int(value) - self._seen_counters.get(name, 0)

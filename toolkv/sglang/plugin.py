@@ -10,10 +10,10 @@ targets (sglang 0.5.16, verified against the installed source):
 | managers/scheduler.py:313 ``Scheduler.__init__`` | AFTER | refuse unsupported configs and unapplied hooks; build the rank's manager (rank/size from ``Scheduler.ps``, l.379) and its metrics; add ``ToolKVReqInput`` to ``_request_dispatcher`` (built at l.536); log the effective config and check the host pool size |
 | managers/scheduler.py:1663 ``Scheduler.process_input_requests`` | AFTER | the tick: once per iteration, every loop type, every rank |
 | managers/scheduler.py:2072 ``Scheduler.handle_generate_request`` | BEFORE | a session's next request restores its KV |
-| managers/scheduler.py:2829 ``Scheduler.get_new_batch_prefill`` | AFTER | the requests of the new prefill batch were admitted (prefix matched and locked by ``PrefillAdder``): their sessions' hand-overs end |
+| managers/scheduler.py:2829 ``Scheduler.get_new_batch_prefill`` | AFTER | the requests of the new prefill batch were admitted (prefix matched and locked by ``PrefillAdder``): their sessions' hand-overs end; what each recomputes of evicted KV is counted (:mod:`toolkv.sglang.ghost`) |
 | managers/scheduler.py:3876 ``Scheduler.get_internal_state`` | AFTER | handshake: ``internal_state["toolkv"]`` |
-| mem_cache/radix_cache.py:437 ``RadixCache.cache_finished_req`` | AROUND | record the finished turn's session leaf (HiRadixCache inherits it) |
-| mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780) |
+| mem_cache/radix_cache.py:437 ``RadixCache.cache_finished_req`` | AROUND | record the finished turn's session leaf (HiRadixCache inherits it); every request's inserted blocks enter the eviction-harm ghost |
+| mem_cache/radix_cache.py:331 ``RadixCache.reset`` | AFTER | tree replaced (HiRadixCache.reset calls it last, hiradix_cache.py:780); the ghost is cleared |
 | entrypoints/http_server.py:2648 ``launch_server`` | BEFORE | main process only: refuse unsupported configs; add the HTTP routes |
 | entrypoints/openai/serving_chat.py:1437/1198 | AROUND | main process, TOOLKV_ZERO_CHANGE=1 only: see finish_reason "tool_calls" |
 | managers/tokenizer_manager.py:624 ``TokenizerManager.generate_request`` | BEFORE | main process, TOOLKV_SESSION_HEADER set only: a request whose body has no ``session_id`` is labelled from that header (:func:`label_from_header`) |
@@ -48,6 +48,7 @@ from typing import Any
 
 from toolkv.errors import StartupRefused, Unsupported
 from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.ghost import namespace
 from toolkv.sglang.startup import (
     SUPPORTED,
     check_dependencies,
@@ -361,6 +362,23 @@ def finished_turn(tree: Any, req: Any, is_insert: bool, kv_len: int | None) -> t
     return sid, tokens, getattr(req, "extra_key", None)
 
 
+def cached_tokens(tk: Any, tree: Any, req: Any, is_insert: bool, kv_len: int | None) -> None:
+    """Every request's inserted tokens (session or not) reach the eviction-harm ghost
+    (:mod:`toolkv.sglang.ghost`); the same key ``cache_finished_req`` inserts under."""
+    if not is_insert or getattr(tree, "disable", False) or getattr(tree, "disable_finished_insert", False):
+        return
+    on_cached = getattr(tk, "on_cached", None)
+    if on_cached is None:
+        return
+    tokens = req.origin_input_ids + req.output_ids
+    if kv_len is not None:
+        tokens = tokens[:kv_len]
+    try:
+        on_cached(tokens, namespace(req))
+    except Exception:  # a metric must never fail the request
+        log.exception("toolkv: recording cached tokens failed")
+
+
 def around_cache_finished_req(
     original: Callable[..., Any], tree: Any, req: Any, *args: Any, **kwargs: Any
 ) -> Any:
@@ -369,6 +387,7 @@ def around_cache_finished_req(
     if tk is None:
         return result
     is_insert = bool(args[0]) if args else bool(kwargs.get("is_insert", True))
+    cached_tokens(tk, tree, req, is_insert, kwargs.get("kv_len_to_handle"))
     turn = finished_turn(tree, req, is_insert, kwargs.get("kv_len_to_handle"))
     if turn is not None:
         try:
@@ -432,6 +451,12 @@ def after_checkpoint(_result: None, tree: Any, req: Any, *args: Any, **kwargs: A
     if tk is None:
         return
     up_to = kwargs.get("up_to", args[0] if args else None)
+    if not getattr(tree, "disable", False) and hasattr(tk, "on_cached"):
+        tokens = req.full_untruncated_fill_ids
+        try:  # every checkpoint inserts (finished or not): the eviction-harm ghost learns it
+            tk.on_cached(tokens[:up_to] if up_to is not None else tokens, namespace(req))
+        except Exception:  # a metric must never fail the request
+            log.exception("toolkv: recording cached tokens failed")
     turn = checkpointed_turn(tree, req, up_to)
     if turn is not None:
         try:

@@ -22,6 +22,7 @@ from toolkv.core.manager import ToolKVManager, make_backend
 from toolkv.core.treeops import Tree
 from toolkv.errors import BadRequest, DeviceMemoryFull, Draining, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
+from toolkv.sglang.ghost import EvictionGhost, block_size, computed_span, namespace
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.kv_hints import kv_hints_supported
 from toolkv.sglang.metrics import ToolKVMetrics
@@ -276,6 +277,8 @@ class SchedulerToolKV:
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.skipped: dict[str, int] = {}
+        # the eviction-harm count (toolkv.sglang.ghost): fed by the turn-capture and admission hooks
+        self.ghost = EvictionGhost(block_size(getattr(tree, "page_size", 1)))
         # The drain (POST /session/drain). Set and cleared only by a control request, which sglang
         # broadcasts to every TP rank like tool_start, so every rank holds the same flag at the
         # same iteration and refuses the same calls: no agreement (collective) is needed for it.
@@ -511,6 +514,9 @@ class SchedulerToolKV:
             # whether a finished offload leaves its GPU copy to sglang's eviction (the plugin's
             # default where the backend can) or frees it at the ack
             lazy_free=bool(self.config.lazy_free and m.caps.lazy_free is not None),
+            # tokens recomputed whose KV the cache held earlier, by requester (toolkv.sglang.ghost)
+            recomputed_after_evict_tokens=dict(self.ghost.recomputed),
+            ghost_blocks=len(self.ghost),
         )
         out["held_sessions"] = self._held_sessions(out.get("states"))
         b: Any = m.backend
@@ -596,9 +602,27 @@ class SchedulerToolKV:
             self.decisions.decided("admit", sid, None, "ok", "handover_ended")
 
     def on_batch(self, reqs: Sequence[Any]) -> None:
-        """Every request of a newly formed prefill batch (``get_new_batch_prefill``'s result)."""
+        """Every request of a newly formed prefill batch (``get_new_batch_prefill``'s result):
+        its hand-over ends, and what it recomputes of evicted KV is counted (:meth:`on_computed`)."""
         for req in reqs:
-            self.on_admitted(session_label(req))
+            sid = session_label(req)
+            self.on_computed(req, sid)
+            self.on_admitted(sid)
+
+    def on_computed(self, req: Any, sid: str | None) -> int:
+        """Count the tokens ``req`` recomputes in this extend whose KV the cache held earlier
+        (the ghost's blocks past its matched prefix), as ``session`` if it carries a session id,
+        else ``other``. Returns the tokens counted."""
+        span = computed_span(req)
+        if span is None:
+            return 0
+        tokens, start = span
+        return self.ghost.admitted(tokens, start, "session" if sid is not None else "other", namespace(req))
+
+    def on_cached(self, tokens: Sequence[int], extra_key: Any) -> None:
+        """The tree just inserted ``tokens`` for a request (session or not): the ghost learns
+        its blocks."""
+        self.ghost.cached(tokens, extra_key)
 
     def on_finished(self, sid: str, tokens: Sequence[int], extra_key: str | None) -> None:
         """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
@@ -630,6 +654,7 @@ class SchedulerToolKV:
         m.record_turn(sid, tokens, extra_key)
 
     def on_tree_reset(self) -> None:
+        self.ghost.reset()
         self.manager.on_tree_reset()
 
 

@@ -56,7 +56,7 @@ from toolkv.argtypes import (
     positive_int,
     seed,
 )
-from toolkv.workload.metrics import REFUSALS, Turn, occupancy, summarize, unexpected_5xx
+from toolkv.workload.metrics import REFUSALS, Turn, occupancy, recomputed_between, summarize, unexpected_5xx
 from toolkv.workload.plan import SHAPES, Plan, SessionPlan, Workload, make_plan
 
 MODES = ("stock", "explicit", "on-request")
@@ -489,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = twins(server, a.twins, w) if a.twins else []
     time.sleep(2)
     st2, meta2 = server.kv_meta()
+    # eviction harm over this run: tokens recomputed whose KV the cache held earlier, by requester
+    summary["recomputed_after_evict_tokens"] = recomputed_between(meta0, meta2) if st2 == 200 else None
     checks = {
         "server healthy": server.health() == 200,
         "no 5xx other than the documented refusals": summary["http_5xx"] == 0,
@@ -535,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in checks.items():
         print(("PASS " if v else "FAIL ") + k)
     print("calls", summary["calls"])
+    harm = summary["recomputed_after_evict_tokens"]
+    if harm is not None:
+        print(f"recomputed_after_evict_tokens session={harm['session']} other={harm['other']}")
     return 0 if res["passed"] else 1
 
 

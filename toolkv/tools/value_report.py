@@ -29,6 +29,12 @@ but not for the ratios). A file with no completed turn (a server that died) is l
 warning. A compact per-run table follows. ``--json`` then writes ``{"runs": {run: rows},
 "summary": rows}``.
 
+Eviction harm. Where the server reported it (a toolkv with the count), each run's
+``toolkv:kv_recomputed_after_evict_tokens_total`` over the run (``server_meta`` end less before:
+prompt tokens recomputed whose KV the cache held earlier, ``session`` / ``other``) follows as a table
+of its own: what toolkv saves its sessions (offload/auto against stock, whose agents send no
+session id, so all of its harm is ``other``) and what it costs other requests.
+
 Standard library only (with :mod:`toolkv.workload.metrics`, which computes each run's row).
 """
 
@@ -44,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 # one run's closed-load figures (a row of the table) are the workload's metrics, shared with the twin
-from toolkv.workload.metrics import EmptyRun
+from toolkv.workload.metrics import EmptyRun, recomputed_between
 from toolkv.workload.metrics import closed_stats as stats
 
 # a config's name: kind, host pool in GB, then a variant (``stock16``, ``offload64``, ``stock16l3``: stock
@@ -105,6 +111,27 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def harm_markdown(rows: list[dict[str, Any]], run: str | None = None) -> str:
+    """The eviction-harm table (``toolkv:kv_recomputed_after_evict_tokens_total`` over each run:
+    prompt tokens recomputed whose KV the cache held earlier, for requests with a session id and
+    for the others), or "" when no run reported it (results recorded before the count)."""
+    have = [r for r in rows if r.get("recomputed_after_evict") is not None]
+    if not have:
+        return ""
+    lines = [
+        ("| run " if run is not None else "")
+        + "| config | recomputed after evict: session | other | total |",
+        "|" + "---|" * (5 if run is not None else 4),
+    ]
+    for r in have:
+        h = r["recomputed_after_evict"]
+        lines.append(
+            (f"| {run} " if run is not None else "")
+            + f"| {r['config']} | {h['session']:,} | {h['other']:,} | {h['total']:,} |"
+        )
+    return "\n".join(lines)
+
+
 def answers_markdown(rows: list[dict[str, Any]]) -> str:
     """Resumed turns by toolkv's answers (configurations that call toolkv)."""
     lines = ["| config | tool_start / tool_end | resumed turns | with 0 cached tokens |", "|---|---|---|---|"]
@@ -132,11 +159,15 @@ def load(paths: list[Path], skip_empty: bool = False) -> list[dict[str, Any]]:
         if not isinstance(res, dict) or "turns" not in res or "config" not in res:
             raise ValueError(f"{f}: not a bench agent result (no turns)")
         try:
-            rows.append(stats(res))
+            row = stats(res)
         except EmptyRun as e:
             if not skip_empty:
                 raise ValueError(f"{f}: {e}") from e
             print(f"value_report: {f}: left out ({e})", file=sys.stderr)
+            continue
+        meta = res.get("server_meta") or {}
+        row["recomputed_after_evict"] = recomputed_between(meta.get("before"), meta.get("end"))
+        rows.append(row)
     rows.sort(key=lambda r: config_order(r["config"]))
     return compare(rows)
 
@@ -252,6 +283,9 @@ def runs_markdown(summary: list[dict[str, Any]], runs: dict[str, list[dict[str, 
                 f" {'-' if p50 is None else f'{p50:.2f}×'} / {'-' if p90 is None else f'{p90:.2f}×'} |"
                 f" {100 * r['reuse']:.0f} % |"
             )
+    harm = [t for run, rows in runs.items() if (t := harm_markdown(rows, run))]
+    if harm:  # one table: the first run's header, every run's rows
+        lines += ["", harm[0], *(row for t in harm[1:] for row in t.splitlines()[2:])]
     return "\n".join(lines)
 
 
@@ -286,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     print()
     print(answers_markdown(rows))
+    if harm := harm_markdown(rows):
+        print()
+        print(harm)
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
     return 0

@@ -14,7 +14,7 @@ from toolkv.twin.host_mix import mean_shares
 from toolkv.twin.opt import opt_reuse
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.run import Outcome
-from toolkv.workload.metrics import Turn, occupancy, summarize
+from toolkv.workload.metrics import Turn, occupancy, recomputed_between, summarize
 from toolkv.workload.report import suite_table
 
 
@@ -38,6 +38,13 @@ def capacity(o: Outcome) -> int:
         return o.host_tokens
     share = o.config.pin_budget_share
     return int(share * o.device_tokens) if share is not None else 0
+
+
+def recomputed_after_evict(meta: dict[str, Any]) -> dict[str, int]:
+    """``{session, other, total}`` of the server's eviction-harm count (``kv_meta``'s
+    ``recomputed_after_evict_tokens``, the ``toolkv:kv_recomputed_after_evict_tokens_total``
+    counter's source)."""
+    return recomputed_between(None, meta) or {"session": 0, "other": 0, "total": 0}
 
 
 def result(
@@ -73,6 +80,10 @@ def result(
         "copied_tokens": o.copied_tokens,
         "host_mix": mean_shares(o.samples, o.host_tokens),
         "drain_s": o.drain_s,
+        # eviction harm over the whole run (toolkv.sglang.ghost): prompt tokens recomputed whose KV
+        # the cache held earlier, for requests with a session id and for the others (a stock
+        # configuration's agents send none: all of its harm is "other")
+        "recomputed_after_evict_tokens": recomputed_after_evict(o.meta_end),
         "leaks": o.leaks,
         "crashed": o.crashed,
         "timeline": a.timeline,
@@ -108,7 +119,7 @@ def result(
 def twin_table(results: list[dict[str, Any]]) -> str:
     """What the benchmark table lacks: reuse as defined for the twin, the bound, leaks, speed."""
     head = ("config", "host GB", "reuse", "opt reuse", "of opt", "retractions", "copied h2d / d2h tokens",
-            "leaks", "sim s", "CPU s", "run")  # fmt: skip
+            "recomputed after evict: session / other", "leaks", "sim s", "CPU s", "run")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in results:
         t, s = r["twin"], r["summary"]
@@ -118,10 +129,18 @@ def twin_table(results: list[dict[str, Any]]) -> str:
             r["config"], f"{t['configuration']['host_gb']:g}" if r["twin"]["host_tokens"] else "-",
             f"{100 * s['reuse']['reuse']:.0f} %", f"{100 * opt['reuse']:.0f} %" if opt else "-",
             f"{100 * frac:.0f} %" if frac is not None else "-", str(t["retractions"]),
-            f"{t['copied_tokens']['h2d']:,.0f} / {t['copied_tokens']['d2h']:,.0f}", str(t["leaks"]["leaked"]),
+            f"{t['copied_tokens']['h2d']:,.0f} / {t['copied_tokens']['d2h']:,.0f}", harm_cell(t),
+            str(t["leaks"]["leaked"]),
             f"{t['sim_end_s']:.0f}", f"{t['wall_s']:.0f}", t["crashed"] or "completed",
         ]) + " |")  # fmt: skip
     return "\n".join(lines)
+
+
+def harm_cell(twin: dict[str, Any]) -> str:
+    """The eviction-harm cell: session / other recomputed tokens (``-`` in a result recorded
+    before the count existed)."""
+    harm = twin.get("recomputed_after_evict_tokens")
+    return f"{harm['session']:,} / {harm['other']:,}" if harm else "-"
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
@@ -157,6 +176,9 @@ COLUMNS = (
     ("reuse / opt reuse / of opt", "the twin's reuse of all resumed prompts; the best any retention could do "
      "(--opt); the share of that bound reached"),
     ("copied h2d / d2h tokens", "KV copied host to GPU (restores, load-backs) and GPU to host (write-backs)"),
+    ("recomputed after evict: session / other", "prompt tokens recomputed whose KV the cache held earlier "
+     "(toolkv:kv_recomputed_after_evict_tokens_total), for requests with a session id / the others, whole run; "
+     "stock's agents send no session id, so all of its harm is other"),
 )  # fmt: skip
 
 

@@ -58,6 +58,24 @@ class Turn:
         return self.turn > 0
 
 
+HARM_KEY = "recomputed_after_evict_tokens"  # kv_meta's eviction-harm count (toolkv.sglang.ghost)
+
+
+def recomputed_between(
+    before: Mapping[str, Any] | None, end: Mapping[str, Any] | None
+) -> dict[str, int] | None:
+    """The eviction-harm count of one run, ``{session, other, total}``: the server's
+    ``recomputed_after_evict_tokens`` (``toolkv:kv_recomputed_after_evict_tokens_total``) at the
+    end less at the start (runs share a server: the counter is the server's since it started).
+    None when the server did not report it (no toolkv, or a toolkv before the count)."""
+    got = (end or {}).get(HARM_KEY)
+    if not isinstance(got, Mapping):
+        return None
+    was = (before or {}).get(HARM_KEY) or {}
+    out = {k: int(got.get(k, 0)) - int(was.get(k, 0)) for k in ("session", "other")}
+    return out | {"total": out["session"] + out["other"]}
+
+
 def pct(xs: Iterable[float], p: float) -> float:
     """Nearest-rank percentile of the finite values; NaN when there are none."""
     v = sorted(x for x in xs if not math.isnan(x))

@@ -135,6 +135,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             keep_ttl=self.keep_ttl,
         )
         unit = 4 * max(16, self.page_size)
+        self._pending_before: dict[str, str] = {}  # AdmitLoading admissions before the step (_do)
         self.r = Replayer(
             self.bounds,
             caveats=self.caveats,
@@ -176,6 +177,7 @@ class ToolKVMachine(RuleBasedStateMachine):
     def _do(self, act: list[Any]) -> StepResult | None:
         pre = self.state
         room = self._room()
+        self._pending_before = dict(getattr(self.r, "pending_admits", {}))
         try:
             res = self.r.apply(act, pre)
         except Unrealizable:  # sglang's world refused the step (e.g. no memory for the turn)
@@ -193,7 +195,15 @@ class ToolKVMachine(RuleBasedStateMachine):
         self.counts[key] = self.counts.get(key, 0) + 1
         if res.violations:
             self._fail(f"{act}: spec properties violated on the refinement mapping: {res.violations}")
+        for x in self._pending_before:
+            if pre["phase"][x] == "Restoring" and self.state["phase"][x] == "Handover":
+                self._fail(
+                    f"{act}: {x}'s request was admitted while its load was in flight, yet the load ack "
+                    "left the hand-over's pin in place (it ends only at a later request or the TTL)"
+                )
         steps = self._spec_steps(pre, act)
+        if not steps and self.state != pre:
+            self._fail(f"{act} is no spec step, yet it changed {self._changed(pre)}")
         mid = pre
         for i, a in enumerate(steps):
             last = i == len(steps) - 1
@@ -206,7 +216,22 @@ class ToolKVMachine(RuleBasedStateMachine):
             mid = want
         return res
 
+    def _changed(self, pre: dict[str, Any]) -> list[str]:
+        return sorted(k for k, v in self.state.items() if pre.get(k) != v)
+
     def _spec_steps(self, pre: dict[str, Any], act: list[Any]) -> list[list[Any]]:
+        """:meth:`_spec_steps_of`, then the spec's ``Admit`` of each session whose request was
+        admitted while its load was in flight (``AdmitLoading``, a stutter itself) and whose
+        load ack in this step ended the hand-over at once: ``LoadAck``, then ``Admit``."""
+        if act[0] == "AdmitLoading":
+            return []
+        admits = [
+            ["Admit", x] for x in sorted(self._pending_before)
+            if pre["phase"][x] == "Restoring" and self.state["phase"][x] == "Runnable"
+        ]  # fmt: skip
+        return [*self._spec_steps_of(pre, act), *admits]
+
+    def _spec_steps_of(self, pre: dict[str, Any], act: list[Any]) -> list[list[Any]]:
         """The spec steps one implementation step stands for. sglang starts every queued load in
         one transfer (``start_loading`` merges the queue), so one load ack can complete the loads
         of several keys at once: that is the spec's ``LoadAck`` of each of them, in a row (they
@@ -333,7 +358,7 @@ class ToolKVMachine(RuleBasedStateMachine):
         """Actions four times as likely in this state: the ones whose interesting case needs a
         short-lived state that exists now. An offloaded session (the next tool_end restores it) is
         what every policy call and a refused restore need; a restoring one (until its load ack) is
-        what a retried tool_end needs (caveat 2); a backed-up, unlocked device leaf is what a GPU
+        what a retried tool_end needs (caveat 2) and an admission while loading; a backed-up, unlocked device leaf is what a GPU
         eviction needs to leave a host copy behind (caveat 3)."""
         out: set[str] = set()
         phases = set(self.state["phase"].values())
@@ -341,6 +366,8 @@ class ToolKVMachine(RuleBasedStateMachine):
             out |= _NEED_OFFLOADED
         if "Restoring" in phases:
             out.add("tool_end")
+            if self._admits_while_loading():
+                out.add("admit")  # a request admitted while it loads
         if any(self.state["host"][n] for n in self._gpu_evictable()):
             out.add("gpu_evict")
         return frozenset(out)
@@ -395,6 +422,14 @@ class ToolKVMachine(RuleBasedStateMachine):
             self._promised(s)
             return
         self._do(["ToolEnd", s, max(0, self.state["epoch"][s] + delta)])
+        # with TOOLKV_RESTORE_ON_REQUEST the request itself sent the restore: it may be admitted in
+        # the next prefill batch while the load is still in flight
+        if (
+            self._admits_while_loading()
+            and self.state["phase"][s] == "Restoring"
+            and data.draw(st.booleans(), label="admitted while loading")
+        ):
+            self._admit_loading(s)
 
     def promise(self, data: st.DataObject) -> None:
         """sglang admits a request and promises it device tokens it will allocate without asking
@@ -443,11 +478,34 @@ class ToolKVMachine(RuleBasedStateMachine):
 
     def admit(self, data: st.DataObject) -> None:
         """The next request of a handed-over or parked session is admitted (it locks the prefix; a
-        parked one's request loads it back through sglang's own load_back)."""
-        s = data.draw(st.sampled_from(self._biased(("Handover", "Parked"))), label="session")
+        parked one's request loads it back through sglang's own load_back). Or of a session whose
+        restore is still loading (Restoring): sglang matched the path being loaded and the batch
+        waits for it; the spec has no step for that (``AdmitLoading``, a stutter), and the load ack
+        must end the hand-over at once (spec ``LoadAck`` then ``Admit``; checked in :meth:`_do`)."""
+        phases = (
+            ("Handover", "Parked", "Restoring") if self._admits_while_loading() else ("Handover", "Parked")
+        )
+        s = data.draw(st.sampled_from(self._biased(phases)), label="session")
         n = self.state["ref"][s]
-        if self.state["phase"][s] in ("Handover", "Parked") and n != NO_NODE and not self.state["extLock"][n]:
+        if n == NO_NODE or self.state["extLock"][n]:
+            return
+        phase = self.state["phase"][s]
+        if phase in ("Handover", "Parked"):
             self._do(["Admit", s])
+        elif phase == "Restoring" and self._admits_while_loading():
+            self._admit_loading(s)
+
+    def _admits_while_loading(self) -> bool:
+        """Whether this campaign draws admissions while loading: on a HiRadixCache without the
+        copy ring (the ring's machine keeps its own draws: its coverage of LoadAck rests on them)."""
+        return "AdmitLoading" in self.r.executors and self.r.b.ring == 0
+
+    def _admit_loading(self, s: str) -> None:
+        """``AdmitLoading`` of Restoring ``s`` (once; where the cache has the executor and the
+        path is not held by another request)."""
+        n = self.state["ref"][s]
+        if self._admits_while_loading() and s not in self.r.pending_admits and not self.state["extLock"][n]:
+            self._do(["AdmitLoading", s])
 
     def park(self, data: st.DataObject) -> None:
         """tool_end of an offloaded session whose request would wait (spec Park): nothing loaded."""
@@ -485,7 +543,12 @@ class ToolKVMachine(RuleBasedStateMachine):
     # ---- rules: the rest of sglang ------------------------------------------------------------------
     def lock(self, data: st.DataObject) -> None:
         """Another request matches a prefix and holds it while it runs."""
-        c = [n for n in self._in_tree() if not self.state["extLock"][n] and self._path_valid(n)]
+        held = set(self.r.pending_admits.values())  # an admitted request's path is its own
+        c = [
+            n
+            for n in self._in_tree()
+            if not self.state["extLock"][n] and self._path_valid(n) and n not in held
+        ]
         if c:
             self._do(["Lock", data.draw(st.sampled_from(c), label="node")])
 

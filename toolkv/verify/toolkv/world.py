@@ -240,6 +240,9 @@ class Replayer:
         self.nodes = NodeMap()
         self.tokens: dict[str, list[int]] = {}  # spec node -> tokens from the root to its end
         self.ext: set[str] = set()
+        # the fuzz campaign's admissions of Restoring sessions (AdmitLoading): session -> its node;
+        # the request's own lock is taken at the load ack, the spec's Admit then
+        self.pending_admits: dict[str, str] = {}
         self.resets = 0
         self._ballast_dev: torch.Tensor | None = None
         self._ballast_host: torch.Tensor | None = None
@@ -447,6 +450,7 @@ class Replayer:
             error = exc.code
         finally:
             self._release_ballast()
+        self._take_pending_admits()
         if not check:
             return StepResult(tuple(act), error, [])
         post = self.abstract()
@@ -456,6 +460,23 @@ class Replayer:
             check_invariants(post, self.b) + check_step(pre, post, self.b, tuple(act)),
             post,
         )
+
+    def _take_pending_admits(self) -> None:
+        """A request admitted while its session's load was in flight (``AdmitLoading``) holds the
+        path from the load ack on: once the manager has ended the hand-over (Runnable), the
+        request's lock is taken, as the spec's ``Admit`` that the campaign takes right after the
+        ``LoadAck`` puts it (``extLock``). A session that left Restoring otherwise (expired,
+        closed, the tree reset) has no request to lock for."""
+        for s, n in list(self.pending_admits.items()):
+            rec = self.mgr.sessions.get(s)
+            state = None if rec is None else rec.state
+            if state == "Restoring":
+                continue
+            del self.pending_admits[s]
+            o = self.resolve(n) if state == "Runnable" else None
+            if o is not None and n not in self.ext:
+                self.h.tree.inc_lock_ref(o)
+                self.ext.add(n)
 
     # ---- helpers shared by executors ---------------------------------------------------------------
     def insert(self, s: str, p: str, n: str) -> None:
@@ -683,6 +704,18 @@ def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.h.tree.inc_lock_ref(o)
     r.ext.add(n)
     r.mgr.admitted(a[0])
+
+
+def admit_loading(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
+    """The fuzz campaign's admission of a Restoring session's next request while its load is in
+    flight (sglang matched the path being loaded; the batch's forward waits for the load). The
+    spec has no step for it (a stutter: the manager only notes it); the load ack then ends the
+    hand-over at once, the spec's ``LoadAck`` and ``Admit`` in a row
+    (:meth:`Replayer._take_pending_admits` takes the request's lock there)."""
+    if pre["phase"][a[0]] != "Restoring":
+        raise NotApplicable("only a session whose load is in flight")
+    assert r.mgr.admitted(a[0]) is False, "an admission while loading ends no hand-over yet"
+    r.pending_admits[a[0]] = pre["ref"][a[0]]
 
 
 def hi_write_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -962,6 +995,7 @@ HIRADIX: dict[str, Executor] = {
     "HostEvict": hi_host_evict,
     "HostRoom": hi_host_room,
     "Admit": admit,
+    "AdmitLoading": admit_loading,  # the fuzz campaign's only: no spec action (a stutter)
     "WriteThrough": hi_write_through,
     "Split": split,
     "TreeReset": hi_tree_reset,
