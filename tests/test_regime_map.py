@@ -92,6 +92,21 @@ def test_the_committed_map_is_the_table_in_the_docs() -> None:
     )
 
 
+def test_the_docs_facts_of_the_map_are_computed_from_it() -> None:
+    """The prose numbers about the map (its margins, misses, auto against offload) are the
+    ``facts`` block, rendered from the same JSON: a re-run map with stale prose fails here."""
+    import re
+
+    from toolkv.twin.regime_map import facts
+
+    data = json.loads(MAP.read_text())
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = re.search(r"<!-- BEGIN twin-map-facts -->\n(.*?)\n<!-- END twin-map-facts -->", doc, re.S)
+    assert block is not None and block.group(1).strip() == facts(data).strip(), (
+        "regenerate: python -m toolkv.twin.regime_map --doc-table docs/results/twin/map.json --facts"
+    )
+
+
 def test_the_committed_map_is_whole_and_its_cells_match_its_runs() -> None:
     """map.json holds every run of its axes (one per cell, seed and config) and its cells are what
     ``cells`` makes of those runs now, so the summary cannot drift from the runs it came from."""
