@@ -32,12 +32,13 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from toolkv.core.settings import BY_FIELD, SETTINGS, PolicyName
 from toolkv.errors import (
     SchedulerTimeout,
     ToolKVError,
@@ -83,10 +84,11 @@ class ToolStartBody(BaseModel):
         "since then (its reply was lost) is answered with the session's record, marked replayed, "
         "instead of 409 wrong_state",
     )
-    policy: Literal["offload", "auto"] | None = Field(
+    policy: PolicyName | None = Field(
         default=None,
-        description="The policy of this call (optional), overriding the server's TOOLKV_POLICY: offload "
-        "(always offload) or auto (keep, offload or let go per call)",
+        strict=False,  # a JSON string names the member
+        description="The policy of this call (optional), overriding the server's TOOLKV_POLICY: "
+        + BY_FIELD["policy"].reason,
     )
 
 
@@ -160,6 +162,21 @@ class HeldSession(SessionMeta):
     )
 
 
+def _settings_model() -> type[BaseModel]:
+    """``settings`` of ``GET /session/status``: one field per declared ``TOOLKV_*`` setting, its
+    description the declaration's reason (``toolkv.core.settings``)."""
+    fields: dict[str, Any] = {
+        s.field: (s.kind | None, Field(default=None, description=f"{s.name}: {s.reason}")) for s in SETTINGS
+    }
+    model: type[BaseModel] = create_model(
+        "Settings", __config__=ConfigDict(extra="allow"), __doc__="Every TOOLKV_* setting in force", **fields
+    )
+    return model
+
+
+Settings = _settings_model()
+
+
 class StatusMeta(DrainMeta):
     """The operator's view (``toolkv doctor``): everything of the server-wide kv_meta, and more."""
 
@@ -169,7 +186,7 @@ class StatusMeta(DrainMeta):
     tp_size: int
     sessions: int
     counters: dict[str, int]
-    settings: dict[str, Any] = Field(description="every TOOLKV_* setting in force, by field name")
+    settings: Settings = Field(description="every TOOLKV_* setting in force, by field name")  # type: ignore[valid-type]
     held: list[HeldSession] = Field(description="sessions holding KV, soonest expiry first, at most limit")
 
 

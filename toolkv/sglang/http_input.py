@@ -123,7 +123,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> dict[str, Any]
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     try:
-        return model.model_validate(data).model_dump()
+        return model.model_validate(data).model_dump(mode="json")
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
     except ValidationError as e:
