@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkv.core.manager import ToolKVManager
+from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.testing.harness import CacheHarness, HarnessConfig
 from toolkv.tools.fuzz_cli import campaign
 
@@ -32,7 +32,8 @@ def test_offload_restore_round_trip_on_cuda(page_size: int) -> None:
     with CacheHarness(cfg) as h:
         h.tree.write_through_threshold = 10**9
         initial = h.accounting()
-        m = ToolKVManager(h.tree)
+        # the eager path (the base spec): the offload frees the device copy, so the restore loads it
+        m = ToolKVManager(h.tree, config=ManagerConfig(adaptive=False, lazy_free=False))
         tokens = list(range(1, 1025))
         idx = h.allocator.alloc(1024)
         assert idx is not None

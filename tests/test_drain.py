@@ -333,7 +333,9 @@ def test_doctor_reports_toolkv_on(live: tuple[LiveApp, Server], capsys: pytest.C
     assert f"on sglang {installed_sglang_version()}, backend hiradix, tp_size 1" in out
     assert "drain:     off" in out and "holding:   1 session, 65 tokens" in out
     assert re.search(r"\n +a +Offloading +BackingUp +65 +10\.0 min\n", out), out
-    assert "ttl_s=600.0" in out and "Traceback" not in out
+    # the settings that differ from their declared defaults, by variable name (ttl_s=600 is the default)
+    assert "TOOLKV_SWEEP_EVERY=1 (default 64)" in out and "TOOLKV_LAZY_FREE=0 (default 1)" in out
+    assert "TOOLKV_TTL_S" not in out and "Traceback" not in out
     assert main(["doctor", app.url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["on"] is True and doc["status"]["held"][0]["session_id"] == "a"

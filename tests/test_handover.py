@@ -40,7 +40,7 @@ def test_a_restored_session_keeps_its_kv_until_its_request_is_admitted(
     h: CacheHarness, caveats: frozenset[str]
 ) -> None:
     initial = h.accounting()
-    m = mutant_manager(h.tree, caveats=caveats, config=ManagerConfig(handover_ttl_s=30.0))
+    m = mutant_manager(h.tree, caveats=caveats, config=ManagerConfig.eager(handover_ttl_s=30.0))
     a = list(range(1, 301))
     kv = turn(h, m, "a", a)
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
@@ -82,7 +82,7 @@ def test_a_kept_session_stays_pinned_after_tool_end(h: CacheHarness, caveats: fr
 
 def test_a_request_admitted_during_the_load_ends_the_hand_over_at_the_ack(h: CacheHarness) -> None:
     initial = h.accounting()
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     a = list(range(1, 201))
     turn(h, m, "a", a)
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
@@ -99,7 +99,7 @@ def test_a_request_admitted_during_the_load_ends_the_hand_over_at_the_ack(h: Cac
 
 def test_the_hand_over_ttl_ends_a_wait_for_a_request_that_never_comes(h: CacheHarness) -> None:
     initial = h.accounting()
-    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=600.0, handover_ttl_s=5.0))
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=600.0, handover_ttl_s=5.0))
     a = list(range(1, 201))
     turn(h, m, "a", a)
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]

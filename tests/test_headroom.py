@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkv.core.manager import ToolKVManager
+from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.errors import DeviceMemoryFull
 from toolkv.sglang.scheduler_side import CLIP_MAX_NEW_TOKENS, promised_tokens
 from toolkv.testing.harness import CacheHarness, HarnessConfig
@@ -58,7 +58,7 @@ def test_promised_tokens_counts_the_chunked_rest_and_the_decode_growth() -> None
 @pytest.mark.parametrize("promised", [0, 200])
 def test_restore_fits_next_to_promised_tokens_or_changes_nothing(promised: int) -> None:
     with CacheHarness(HarnessConfig(device_tokens=512)) as h:
-        m = ToolKVManager(h.tree)
+        m = ToolKVManager(h.tree, config=ManagerConfig.eager())
         toks = list(range(1, 129))
         idx = h.alloc(len(toks))
         assert idx is not None

@@ -125,12 +125,14 @@ DEEP = 100_000
     ],
     ids=["array", "session_id", "object"],
 )
-def test_deeply_nested_bodies_are_400_not_500(srv: Server, raw: bytes) -> None:
+def test_deeply_nested_bodies_are_refused_not_500(srv: Server, raw: bytes) -> None:
+    """These bodies are over the size limit too: refused as they are read, never parsed (the
+    nesting under the limit: the next test)."""
     before = srv.snapshot()
     for path in ("/session/tool_start", "/session/tool_end", "/session/close"):
         r = srv.client.post(path, content=raw, headers={"content-type": "application/json"})
-        assert r.status_code == 400, (path, r.status_code, r.text[:200])
-        assert r.json()["error"] == "bad_request"
+        assert r.status_code == 413, (path, r.status_code, r.text[:200])
+        assert r.json()["error"] == "payload_too_large"
     assert srv.snapshot() == before
 
 
@@ -167,10 +169,82 @@ def test_non_json_bodies_are_415_and_do_not_act(srv: Server, content_type: str |
     assert ok.status_code == 200
 
 
-def test_oversized_body_is_400(srv: Server) -> None:
+def test_oversized_body_is_413(srv: Server) -> None:
+    before = srv.snapshot()
     raw = json.dumps({"session_id": "s1", "pad": "x" * 5000}).encode()
-    r = srv.client.post("/session/tool_start", content=raw, headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "larger than 4096 bytes" in r.json()["message"]
+    for path in ("/session/tool_start", "/session/tool_end", "/session/close", "/session/drain"):
+        r = srv.client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 413, (path, r.status_code, r.text[:200])
+        assert r.json()["error"] == "payload_too_large" and "larger than 4096 bytes" in r.json()["message"]
+    assert srv.snapshot() == before
+
+
+CHUNK = 65536
+HOSTILE = 256 << 20  # a 256 MiB body
+
+
+def _asgi_post(app: Any, path: str, *, declared: int | None, total: int) -> tuple[int, dict[str, Any], int]:
+    """POST ``total`` bytes to ``app`` straight through ASGI, ``CHUNK`` bytes per receive() (as a
+    server hands a body on), with ``Content-Length: declared`` or, for None, chunked (no length).
+    Returns the status, the JSON body and how many body bytes the app pulled."""
+    headers = [(b"content-type", b"application/json")]
+    if declared is not None:
+        headers.append((b"content-length", str(declared).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    pulled = 0
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal pulled
+        n = min(CHUNK, total - pulled)
+        pulled += n
+        return {"type": "http.request", "body": b" " * n, "more_body": pulled < total}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body), pulled
+
+
+@pytest.mark.parametrize(
+    "path", ["/session/tool_start", "/session/tool_end", "/session/close", "/session/drain"]
+)
+def test_a_declared_length_over_the_limit_is_refused_before_any_byte_is_read(srv: Server, path: str) -> None:
+    before = srv.snapshot()
+    status, body, pulled = _asgi_post(
+        build_app(LoopbackChannel(srv.tk)), path, declared=HOSTILE, total=HOSTILE
+    )
+    assert status == 413 and body["error"] == "payload_too_large" and body["message"], body
+    assert pulled == 0
+    assert srv.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    "path", ["/session/tool_start", "/session/tool_end", "/session/close", "/session/drain"]
+)
+def test_a_chunked_body_is_cut_at_the_limit(srv: Server, path: str) -> None:
+    """No length declared (chunked transfer): reading stops at the first chunk past 4,096 bytes."""
+    before = srv.snapshot()
+    status, body, pulled = _asgi_post(build_app(LoopbackChannel(srv.tk)), path, declared=None, total=HOSTILE)
+    assert status == 413 and body["error"] == "payload_too_large", body
+    assert pulled <= 4096 + CHUNK
+    assert srv.snapshot() == before
+    # a declared length that lies (more bytes than declared) is cut at the limit too
+    status, body, pulled = _asgi_post(build_app(LoopbackChannel(srv.tk)), path, declared=100, total=HOSTILE)
+    assert status == 413 and pulled <= 4096 + CHUNK
+
+
+@pytest.mark.parametrize("value", ["1" * 4301, "1" * 60_000, "0" * 5000, "1" * 17])
+def test_a_long_limit_is_400_not_500(srv: Server, value: str) -> None:
+    """Python refuses int() of 4,301+ digits (ValueError): the length is bounded before conversion."""
+    r = srv.client.get(f"/session/status?limit={value}")
+    assert r.status_code == 400, (r.status_code, r.text[:200])
+    assert r.json()["error"] == "bad_request" and r.json()["field"] == "limit"
 
 
 def test_kv_meta_query_is_capped_as_documented(srv: Server) -> None:

@@ -39,9 +39,12 @@ POLICY = PolicyConfig(l3_store_margin_s=5.0, l3_write_tokens_per_s=1_000.0)
 
 def manager(h: StorageCacheHarness, *, l3: bool = True, budget: int | None = BUDGET) -> ToolKVManager:
     """A manager over the harness's tree with the host budget (one session fits, two do not)."""
-    cfg = ManagerConfig(
-        ttl_s=TTL, host_budget_tokens=budget, l3=l3, l3_read_tokens_per_s=READ, policy_config=POLICY
-    )
+    # spec/storage/StorageCapacity.tla's machine: toolkv reads the L3 copy back ahead of the
+    # predicted return, the offload frees the GPU copy at its ack (no LazyFree, no Park)
+    cfg = ManagerConfig.eager(
+        ttl_s=TTL, host_budget_tokens=budget, l3=l3, l3_read_tokens_per_s=READ, policy_config=POLICY,
+        l3_read_at_arrival=False,
+    )  # fmt: skip
     return ToolKVManager(h.tree, HiRadixBackend(h.tree, host_budget_tokens=budget), config=cfg)
 
 

@@ -33,7 +33,7 @@ import torch
 from _cycle import step, turn
 
 from toolkv.core.backends.hiradix import HiRadixBackend
-from toolkv.core.manager import ToolKVManager
+from toolkv.core.manager import ManagerConfig, ToolKVManager
 from toolkv.core.session import SessionRecord
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
@@ -41,6 +41,10 @@ from toolkv.verify.toolkv.mutants import ReleaseDropsPinBackend, TrustShortAckBa
 
 CFG = HarnessConfig(device_tokens=256, host_ratio=2.0, page_size=4)
 TOKENS = list(range(1, 97))  # 96 tokens: 24 pages of 4
+
+# spec/storage/StorageTier.tla's machine, which these tests check: toolkv reads an L3 copy back itself
+# at tool_end, the offload frees the GPU copy at its ack and a tool_end restores (no LazyFree, no Park)
+STORAGE_SPEC = ManagerConfig.eager(l3_read_at_arrival=False)
 
 
 @pytest.fixture
@@ -58,7 +62,7 @@ def offload_to_storage(storage_dir: Path, tokens: list[int]) -> torch.Tensor:
     reference and slot. Returns the session's KV bytes as computed on A."""
     with StorageCacheHarness(CFG, storage_dir) as a:
         initial = a.accounting()
-        m = ToolKVManager(a.tree)
+        m = ToolKVManager(a.tree, config=STORAGE_SPEC)
         kv = turn(a, m, "s", tokens)
         m.tool_start("s")
         step(a, m, 0.0, writes=True)
@@ -139,7 +143,7 @@ def offloaded(
     HiCache's own write of that host copy to storage acknowledged. Returns the manager, its
     HiRadix backend (``backend``: the fixed one or a mutant), the session's record and its KV."""
     be = backend(h.tree)
-    m = ToolKVManager(h.tree, be)
+    m = ToolKVManager(h.tree, be, config=STORAGE_SPEC)
     kv = turn(h, m, sid, TOKENS)
     m.tool_start(sid)
     step(h, m, 0.0, writes=True)

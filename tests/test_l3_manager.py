@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,13 +52,20 @@ def until(
         time.sleep(0.001)
 
 
+def storage_spec(**kw: Any) -> ManagerConfig:
+    """spec/storage/StorageTier.tla's machine, which these tests check: toolkv reads an L3 copy back
+    itself at tool_end (not sglang at the request's arrival), the offload frees the GPU copy at its
+    ack and a tool_end restores (no LazyFree, no Park)."""
+    return ManagerConfig.eager(l3_read_at_arrival=False, **kw)
+
+
 def setup(
     h: StorageCacheHarness, backend: type[HiRadixBackend] = HiRadixBackend
 ) -> tuple[ToolKVManager, HiRadixBackend, int, torch.Tensor]:
     """Session ``a`` offloaded to host (its write and HiCache's own write to storage acked), then
     session ``b``'s turn. Returns the manager, its backend, ``a``'s epoch and its KV."""
     be = backend(h.tree, host_budget_tokens=BUDGET)
-    m = ToolKVManager(h.tree, be, config=ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET))
+    m = ToolKVManager(h.tree, be, config=storage_spec(ttl_s=TTL, host_budget_tokens=BUDGET))
     kv = turn(h, m, "a", A)
     epoch = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
     step(h, m, 0.0, writes=True)
@@ -278,7 +286,7 @@ def test_the_predicted_return_restores_an_l3_session_early(tmp_path: Path) -> No
     and reads storage → host → GPU before the tool_end."""
     with StorageCacheHarness(CFG, tmp_path / "l3") as h:
         initial = h.accounting()
-        cfg = ManagerConfig(
+        cfg = storage_spec(
             ttl_s=TTL,
             host_budget_tokens=BUDGET,
             policy="auto",
@@ -316,7 +324,7 @@ def test_a_tool_end_before_the_predicted_return_takes_over_the_early_restore(tmp
     and the early restore's due time passing while it reads does nothing."""
     with StorageCacheHarness(CFG, tmp_path / "l3") as h:
         initial = h.accounting()
-        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto", policy_config=VICTIMS_ONLY)
+        cfg = storage_spec(ttl_s=TTL, host_budget_tokens=BUDGET, policy="auto", policy_config=VICTIMS_ONLY)
         m = ToolKVManager(h.tree, HiRadixBackend(h.tree, host_budget_tokens=BUDGET), config=cfg)
         kv = turn(h, m, "a", A)
         epoch = int(m.tool_start("a", tool="crawl", expected_s=60.0)["epoch"])  # type: ignore[call-overload]
@@ -468,7 +476,9 @@ def test_read_at_arrival_leaves_a_stored_sessions_read_to_sglang(tmp_path: Path)
         initial = h.accounting()
         be = HiRadixBackend(h.tree, host_budget_tokens=BUDGET)
         m = ToolKVManager(
-            h.tree, be, config=ManagerConfig(ttl_s=TTL, host_budget_tokens=BUDGET, l3_read_at_arrival=True)
+            h.tree,
+            be,
+            config=ManagerConfig.eager(ttl_s=TTL, host_budget_tokens=BUDGET, l3_read_at_arrival=True),
         )
         kv = turn(h, m, "a", A)
         epoch = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]

@@ -55,7 +55,7 @@ def hh(request: pytest.FixtureRequest) -> Iterator[CacheHarness]:
 def test_full_cycle_restores_identical_bytes_and_returns_everything(hh: CacheHarness) -> None:
     h = hh
     initial = h.accounting()
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     a = SHARED + list(range(100, 132))
     b = SHARED + list(range(200, 232))
     kv_a = turn(h, m, "a", a)
@@ -175,7 +175,7 @@ def test_host_budget_refuses_without_changes(hh: CacheHarness) -> None:
 def test_restore_without_device_memory_stays_offloaded_and_protected(hh: CacheHarness) -> None:
     h = hh
     initial = h.accounting()
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     turn(h, m, "a", list(range(1, 65)))
     step(h, m, 1, writes=True)
     m.tool_start("a")
@@ -198,7 +198,7 @@ def test_restore_without_device_memory_stays_offloaded_and_protected(hh: CacheHa
 def test_ttl_releases_an_abandoned_protection(hh: CacheHarness) -> None:
     h = hh
     initial = h.accounting()
-    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=10))
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=10))
     turn(h, m, "a", list(range(1, 65)))
     m.tool_start("a")
     step(h, m, 5, writes=True)
@@ -219,7 +219,7 @@ def test_ttl_releases_an_abandoned_protection(hh: CacheHarness) -> None:
 def test_close_releases_in_every_protecting_state(hh: CacheHarness, when: str) -> None:
     h = hh
     initial = h.accounting()
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     turn(h, m, "a", list(range(1, 65)))
     m.tool_start("a")
     if when != "Offloading":

@@ -61,7 +61,7 @@ def test_auto_gives_a_waiting_queue_the_room_a_short_tool_would_keep(
     bug: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if bug:  # the keep rule reads the device as if nothing waited
-        monkeypatch.setattr("toolkv.core.calls.with_queued", lambda p, queued: p)
+        monkeypatch.setattr("toolkv.core.session.core.with_queued", lambda p, queued: p)
     stack = build(
         TwinConfig("auto", "hiradix", "explicit", policy="auto"),
         device_tokens=DEVICE_TOKENS, kv_bytes_per_token=1024, now=lambda: 0.0,

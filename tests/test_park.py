@@ -71,7 +71,7 @@ def admit(h: CacheHarness, m: ToolKVManager, sid: str, now: float = 3.0) -> tupl
 
 
 def test_tool_end_parks_when_queued_requests_need_the_room(h: CacheHarness) -> None:
-    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True))
+    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False))
     m.queued_demand = lambda: 10**6  # the waiting requests need more than the whole device
     before = h.accounting()
     meta = m.tool_end("a", ep)
@@ -94,7 +94,7 @@ def test_tool_end_parks_when_queued_requests_need_the_room(h: CacheHarness) -> N
 
 def test_without_queued_demand_tool_end_restores_and_hands_over(h: CacheHarness) -> None:
     """The same call on an idle server is the plain restore: load now, pin until admission."""
-    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True))
+    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False))
     assert m.tool_end("a", ep)["state"] == "Restoring"
     m.tick(2.5)  # spec StartLoads
     h.complete("load")
@@ -106,7 +106,7 @@ def test_without_queued_demand_tool_end_restores_and_hands_over(h: CacheHarness)
 def test_without_adaptive_a_full_device_is_a_503_that_changes_nothing(h: CacheHarness) -> None:
     from toolkv.errors import DeviceMemoryFull
 
-    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=False))
+    m, ep, _kv = offloaded(h, ManagerConfig.eager())
     hog = h.alloc(h.allocator.available_size())
     before = h.accounting()
     with pytest.raises(DeviceMemoryFull):
@@ -116,7 +116,7 @@ def test_without_adaptive_a_full_device_is_a_503_that_changes_nothing(h: CacheHa
 
 
 def test_a_parked_session_whose_request_never_comes_is_released_by_the_ttl(h: CacheHarness) -> None:
-    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, ttl_s=5.0))
+    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False, ttl_s=5.0))
     m.queued_demand = lambda: 10**6
     assert m.tool_end("a", ep)["state"] == "Parked"
     m.tick(2 + 5.0)
@@ -126,7 +126,7 @@ def test_a_parked_session_whose_request_never_comes_is_released_by_the_ttl(h: Ca
 
 
 def test_a_hand_over_gives_its_pin_up_when_queued_requests_need_the_room(h: CacheHarness) -> None:
-    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True))
+    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False))
     m.tool_end("a", ep)
     m.tick(2.5)  # spec StartLoads
     h.complete("load")

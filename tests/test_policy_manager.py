@@ -102,7 +102,7 @@ def test_a_small_kv_is_let_go_and_tool_end_just_resumes(h: CacheHarness) -> None
 
 def test_a_long_tool_is_offloaded_and_restored_early(h: CacheHarness) -> None:
     initial = h.accounting()
-    m = auto(h, restore_tokens_per_s=1000.0)  # 300 tokens restore in 0.3 s
+    m = auto(h, adaptive=False, lazy_free=False, restore_tokens_per_s=1000.0)  # 300 tokens restore in 0.3 s
     a = list(range(1, 301))
     kv = turn(h, m, "a", a)
     r = m.tool_start("a", tool="build", expected_s=10.0)
@@ -132,7 +132,7 @@ def test_a_long_tool_is_offloaded_and_restored_early(h: CacheHarness) -> None:
 
 def test_tool_end_during_an_early_restore_takes_it_over(h: CacheHarness) -> None:
     initial = h.accounting()
-    m = auto(h, restore_tokens_per_s=1000.0)
+    m = auto(h, adaptive=False, lazy_free=False, restore_tokens_per_s=1000.0)
     a = list(range(1, 301))
     kv = turn(h, m, "a", a)
     m.tool_start("a", expected_s=10.0)
@@ -154,7 +154,7 @@ def test_a_gpu_pin_waits_at_most_the_keep_ttl(h: CacheHarness) -> None:
     """A client that crashed mid-call must not pin the GPU for the whole TTL: the policy's pins
     (kept, or restored early) expire after keep_ttl_s; the KV stays in the cache, unpinned."""
     initial = h.accounting()
-    m = auto(h, ttl_s=600.0, keep_ttl_s=20.0, restore_tokens_per_s=1000.0)
+    m = auto(h, adaptive=False, lazy_free=False, ttl_s=600.0, keep_ttl_s=20.0, restore_tokens_per_s=1000.0)
     a, b = list(range(1, 301)), list(range(1000, 1300))
     turn(h, m, "a", a)
     turn(h, m, "b", b)
@@ -183,7 +183,7 @@ def test_every_gpu_pin_waiting_for_its_tool_end_is_due_within_the_keep_ttl(h: Ca
     one whose load was acknowledged. Before, the first two kept the full TTL of a host protection
     and the third was re-armed only under ``policy="auto"``."""
     initial = h.accounting()
-    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=600.0, keep_ttl_s=20.0))
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=600.0, keep_ttl_s=20.0))
     a, b, c = list(range(1, 201)), list(range(1000, 1200)), list(range(3000, 3200))
     for sid, toks in (("a", a), ("b", b), ("c", c)):
         turn(h, m, sid, toks)
@@ -215,7 +215,7 @@ def test_every_gpu_pin_waiting_for_its_tool_end_is_due_within_the_keep_ttl(h: Ca
 
 def test_the_ttl_bounds_a_kept_and_a_prefetching_session(h: CacheHarness) -> None:
     initial = h.accounting()
-    m = auto(h, ttl_s=5.0, restore_tokens_per_s=1000.0)
+    m = auto(h, adaptive=False, lazy_free=False, ttl_s=5.0, restore_tokens_per_s=1000.0)
     a, b = list(range(1, 301)), list(range(1000, 1300))
     turn(h, m, "a", a)
     turn(h, m, "b", b)

@@ -97,7 +97,7 @@ def test_the_docs_facts_of_the_map_are_computed_from_it() -> None:
     ``facts`` block, rendered from the same JSON: a re-run map with stale prose fails here."""
     import re
 
-    from toolkv.twin.regime_map import facts
+    from toolkv.twin.map_facts import facts
 
     data = json.loads(MAP.read_text())
     doc = (ROOT / "docs" / "benchmarks.md").read_text()

@@ -42,7 +42,7 @@ def h() -> Iterator[CacheHarness]:
 
 
 def test_restore_evicts_unlocked_cache_but_not_locked_kv_nor_promised_tokens(h: CacheHarness) -> None:
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     shared = list(range(1, 65))
     kv_a = turn(h, m, "a", [*shared, *range(100, 228)])  # 64 shared + 128 exclusive
     turn(h, m, "b", [*shared, *range(300, 364)])  # keeps the shared prefix on device
@@ -82,7 +82,7 @@ def test_restore_evicts_unlocked_cache_but_not_locked_kv_nor_promised_tokens(h: 
 
 
 def test_restore_that_eviction_cannot_fit_is_refused_with_nothing_evicted(h: CacheHarness) -> None:
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     turn(h, m, "a", list(range(1, 129)))
     ep = offloaded(h, m, "a", 1)
     assert h.run_request(list(range(2000, 2064)))  # 64 evictable tokens of another request
@@ -102,7 +102,7 @@ def test_restore_that_eviction_cannot_fit_is_refused_with_nothing_evicted(h: Cac
 
 
 def test_a_suffix_below_the_load_back_threshold_is_left_to_recompute(h: CacheHarness) -> None:
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     shared = list(range(1, 101))
     turn(h, m, "a", [*shared, *range(500, 508)])  # an 8-token exclusive suffix: under sglang's 10
     turn(h, m, "b", [*shared, *range(600, 664)])  # keeps the shared prefix on device
@@ -166,7 +166,7 @@ def test_the_ttl_stops_once_tool_end_is_accepted(h: CacheHarness) -> None:
     """A session whose tool_end was accepted is Restoring until its load is acknowledged, however
     long that takes: the client came back, nothing is abandoned (spec ``Expiring``). A session
     still Offloaded past its deadline expires as before."""
-    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=10.0))
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=10.0))
     kv = turn(h, m, "back", list(range(1, 129)))
     turn(h, m, "gone", list(range(500, 628)))
     ep = offloaded(h, m, "back", 1)

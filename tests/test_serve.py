@@ -42,6 +42,16 @@ def server() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     if url is None:
         proc.kill()
         pytest.fail(f"toolkv serve did not start: {proc.communicate()[1][-2000:]}")
+    # the port is bound before uvicorn listens on it: wait until it accepts a connection
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
     yield url, proc
     if proc.poll() is None:
         proc.kill()
@@ -128,6 +138,78 @@ def test_nonsense_is_a_typed_4xx(server: tuple[str, subprocess.Popen[str]]) -> N
     ]:
         status, out = post(url + route, body)
         assert status == 400 and out["error"] == "bad_request" and out["message"], (route, body, out)
+
+
+def _vm(pid: int, field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` (peak RSS) of a process, in bytes, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+HOSTILE = 256 << 20  # a 256 MiB body
+
+
+def _hostile_post(url: str, *, chunked: bool) -> bytes:
+    """POST 256 MiB of JSON-typed bytes to ``/session/tool_start`` over a raw socket, with its
+    ``Content-Length`` declared or chunked, sending from a thread while the answer is read, so the
+    answer is seen however early the server gives it. The sender reuses one 1 MiB buffer."""
+    import socket
+    import threading
+
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {HOSTILE}"
+    head = f"POST /session/tool_start HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{length}\r\n\r\n"
+    piece = b" " * (1 << 20)
+    frame = b"%x\r\n" % len(piece) + piece + b"\r\n" if chunked else piece
+
+    def send() -> None:
+        try:
+            sock.sendall(head.encode())
+            for _ in range(HOSTILE // len(piece)):
+                sock.sendall(frame)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed the connection: what a refusal does
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    answer = b""
+    try:
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            got = sock.recv(65536)
+            if not got:
+                break
+            answer += got
+    finally:
+        sock.close()
+        sender.join(timeout=60)
+    return answer
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_256_mib_post_is_refused_without_the_memory_to_hold_it(
+    server: tuple[str, subprocess.Popen[str]], chunked: bool
+) -> None:
+    """The session routes' 4,096-byte limit holds while the body is read: the server's peak RSS
+    (``VmHWM``, reset to its current RSS first) grows by a few MB, not by the body."""
+    url, proc = server
+    _hostile_post(url, chunked=chunked)  # a first one warms what the refusal path imports
+    Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = _vm(proc.pid, "VmHWM")
+    answer = _hostile_post(url, chunked=chunked)
+    grew = _vm(proc.pid, "VmHWM") - before
+    print(
+        f"peak RSS growth under a 256 MiB POST ({'chunked' if chunked else 'content-length'}): {grew / 2**20:.2f} MiB"
+    )
+    assert grew < 8 << 20, f"peak RSS grew by {grew / 2**20:.1f} MiB under a 256 MiB POST"
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b'"error":"payload_too_large"' in answer
+    status, out = post(f"{url}/session/tool_start", {"session_id": "never-seen"})
+    assert status == 404 and out["error"] == "unknown_session"  # the server still answers
 
 
 def test_ctrl_c_stops_it_cleanly(server: tuple[str, subprocess.Popen[str]]) -> None:

@@ -299,7 +299,7 @@ def test_toolkv_free_set_and_host_evictable_agree_with_sglangs_own_leaf_sets(
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     ins = Inspector(h.tree.tree_core)
-    m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=60.0))
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=60.0))
     for sid, toks in (("a", A), ("b", B), ("c", SHARED + list(range(3000, 3024)))):
         fill(h, toks)
         m.record_turn(sid, toks)

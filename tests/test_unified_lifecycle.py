@@ -35,7 +35,8 @@ def h(request: pytest.FixtureRequest) -> Iterator[UnifiedCacheHarness]:
 
 
 def make(h: UnifiedCacheHarness, ttl: float = 60.0) -> ToolKVManager:
-    return ToolKVManager(h.tree, config=ManagerConfig(ttl_s=ttl))
+    # the base spec's eager path: the offload frees the GPU copy at its ack, tool_end restores it
+    return ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=ttl))
 
 
 def turn(h: UnifiedCacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> None:

@@ -189,7 +189,7 @@ def test_a_parked_session_is_loaded_by_sglangs_own_admission_with_the_offloaded_
     h: UnifiedCacheHarness,
 ) -> None:
     initial = h.accounting()
-    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True))
+    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False))
     m.queued_demand = lambda: 10**6  # the waiting requests need more than the whole device
     before = h.accounting()
     meta = m.tool_end("a", ep)
@@ -223,7 +223,7 @@ def test_a_parked_session_is_loaded_by_sglangs_own_admission_with_the_offloaded_
 
 def test_without_queued_requests_the_same_tool_end_restores(h: UnifiedCacheHarness) -> None:
     """On an idle server the adaptive tool_end is the plain restore: load now, pin until admission."""
-    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True))
+    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False))
     restored_and_handed_over(h, m, ep, 2.5)
     assert m.counters["parked"] == 0 and m.counters["unpinned_parked"] == 0
     req = admit_through_prefill_adder(h, m, "a", TOKS + NEXT)
@@ -235,7 +235,7 @@ def test_without_queued_requests_the_same_tool_end_restores(h: UnifiedCacheHarne
 
 def test_a_hand_over_gives_its_pin_up_to_queued_requests_and_is_parked(h: UnifiedCacheHarness) -> None:
     initial = h.accounting()
-    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True))
+    m, ep, kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False))
     restored_and_handed_over(h, m, ep, 2.5)
     leaf = m.sessions["a"].node
     assert all(full(n).lock_ref == 1 and full(n).host_lock_ref == 0 for n in path_to(h.tree, leaf))
@@ -273,7 +273,7 @@ def test_an_unpin_the_host_budget_cannot_take_is_runnable(h: UnifiedCacheHarness
     """Reprotecting counts against ``host_budget_tokens`` like an offload: when another session's
     copy fills it, the unpinned session is Runnable and holds nothing (its next request recomputes
     whatever sglang evicts meanwhile)."""
-    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, host_budget_tokens=200))
+    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False, host_budget_tokens=200))
     b = list(range(3000, 3128))
     idx = h.allocator.alloc(len(b))
     assert idx is not None
@@ -302,7 +302,7 @@ def test_a_reprotect_any_rank_refuses_changes_nothing(h: UnifiedCacheHarness) ->
     """The reprotect's answer (is every node backed up, does the budget take it) is local; it is
     agreed across ranks before any rank takes a host lock, or the ranks' trees would differ."""
     agree = OtherRankSaysNo()
-    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True), agree=agree)
+    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False), agree=agree)
     restored_and_handed_over(h, m, ep, 2.5)
     agree.veto = 1  # the other rank says no to the one vote the explicit unpin takes
     m.unpin("a")
@@ -312,7 +312,7 @@ def test_a_reprotect_any_rank_refuses_changes_nothing(h: UnifiedCacheHarness) ->
 
 
 def test_a_parked_session_whose_request_never_comes_is_released_by_the_ttl(h: UnifiedCacheHarness) -> None:
-    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, ttl_s=5.0))
+    m, ep, _kv = offloaded(h, ManagerConfig(adaptive=True, lazy_free=False, ttl_s=5.0))
     m.queued_demand = lambda: 10**6
     assert m.tool_end("a", ep)["state"] == "Parked"
     m.tick(2.0 + 5.0)
@@ -334,7 +334,7 @@ class UnifiedParkMachine(UnifiedManagerMachine):
         # no session exists yet: the manager can be replaced without leaving anything behind
         self.queued = 0
         self.mgr = mutant_manager(
-            self.h.tree, config=ManagerConfig(ttl_s=8.0, adaptive=True), caveats=self.caveats
+            self.h.tree, config=ManagerConfig(ttl_s=8.0, adaptive=True, lazy_free=False), caveats=self.caveats
         )
         self.mgr.queued_demand = lambda: self.queued
         self.admitted_parked = 0

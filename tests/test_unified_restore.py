@@ -85,7 +85,7 @@ def fill_with_other_requests(h: UnifiedCacheHarness) -> None:
 
 
 def test_restore_evicts_unlocked_cache_to_make_room(h: UnifiedCacheHarness) -> None:
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     a = list(range(100, 228))
     turn(h, m, "a", a)
     before = path_kv(h, m, "a").clone()
@@ -100,7 +100,7 @@ def test_restore_evicts_unlocked_cache_to_make_room(h: UnifiedCacheHarness) -> N
 
 
 def test_restore_that_eviction_cannot_fit_is_refused_with_nothing_changed(h: UnifiedCacheHarness) -> None:
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     turn(h, m, "a", list(range(100, 228)))
     ep = offloaded(h, m, "a", 1.0)
     hog = h.allocator.alloc(h.allocator.available_size() - 30)  # 30 free, nothing evictable
@@ -113,7 +113,7 @@ def test_restore_that_eviction_cannot_fit_is_refused_with_nothing_changed(h: Uni
 
 
 def test_a_suffix_below_the_load_threshold_is_left_to_recompute(h: UnifiedCacheHarness) -> None:
-    m = ToolKVManager(h.tree)
+    m = ToolKVManager(h.tree, config=ManagerConfig.eager())
     turn(h, m, "b", SHARED + list(range(500, 540)))  # keeps the shared prefix on the device
     turn(h, m, "a", [*SHARED, 7, 8, 9, 10, 11, 12])  # a 6-token exclusive suffix
     ep = offloaded(h, m, "a", 1.0)
@@ -138,7 +138,7 @@ def test_the_host_budget_counts_a_shared_prefix_once(h: UnifiedCacheHarness) -> 
 def test_the_policy_keeps_and_restores_early_on_the_unified_tree(h: UnifiedCacheHarness) -> None:
     m = ToolKVManager(
         h.tree,
-        config=ManagerConfig(
+        config=ManagerConfig.eager(
             policy="auto", policy_config=PolicyConfig(min_offload_tokens=64), restore_tokens_per_s=1000.0
         ),
     )

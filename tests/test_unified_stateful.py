@@ -57,7 +57,7 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
         self.h = UnifiedCacheHarness(
             UnifiedHarnessConfig(page_size=self.page_size, device_tokens=12 * UNIT, host_ratio=1.5)
         )
-        self.mgr = mutant_manager(self.h.tree, config=ManagerConfig(ttl_s=8.0), caveats=self.caveats)
+        self.mgr = mutant_manager(self.h.tree, config=ManagerConfig.eager(ttl_s=8.0), caveats=self.caveats)
         self.initial = self.h.accounting()
         self.fresh = 1
         self.now = 0.0

@@ -88,6 +88,7 @@ _BY_CODE: dict[str, type[errors.ToolKVError]] = {
     for cls in (
         errors.BadRequest,
         errors.UnsupportedMediaType,
+        errors.PayloadTooLarge,
         errors.UnknownSession,
         errors.StaleEpoch,
         errors.WrongState,

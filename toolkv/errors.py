@@ -33,6 +33,15 @@ class UnsupportedMediaType(BadRequest):
     code = "unsupported_media_type"
 
 
+class PayloadTooLarge(BadRequest):
+    """The body is over the route's size limit. Refused while it is read: a declared
+    ``Content-Length`` over the limit before any byte, a chunked body at the first chunk past it,
+    so a hostile body costs the server no more memory than the limit."""
+
+    http_status = 413
+    code = "payload_too_large"
+
+
 class UnknownSession(ToolKVError):
     http_status = 404
     code = "unknown_session"

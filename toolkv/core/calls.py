@@ -28,6 +28,7 @@ from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
 from toolkv.core.session.phases import OFFLOADED, Phase
 from toolkv.core.session.record import SessionRecord
+from toolkv.core.settings import PolicyName
 from toolkv.core.treeops import path_to
 from toolkv.errors import HostMemoryFull, WrongState
 
@@ -37,7 +38,7 @@ log = logging.getLogger("toolkv")
 class CallPolicy(Protocol):
     """Decides and takes one tool call's ``tool_start`` on the session machine."""
 
-    name: str
+    name: PolicyName
 
     def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
         """``tool``/``expected_s`` are validated hints (the tool's name, the client's estimate)."""
@@ -47,7 +48,7 @@ class CallPolicy(Protocol):
 class _Calls:
     """What both policies share: noting the call on the record, and the keep rule's inputs."""
 
-    name = ""
+    name: PolicyName
 
     def __init__(self, machine: SessionMachine) -> None:
         self.m = machine
@@ -108,7 +109,7 @@ def demote_for_room(m: SessionMachine, rec: SessionRecord) -> bool:
 class Offload(_Calls):
     """Every tool call offloads (spec ``ToolStart``)."""
 
-    name = "offload"
+    name = PolicyName.OFFLOAD
 
     def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
         m = self.m
@@ -127,7 +128,7 @@ class Offload(_Calls):
 class Auto(_Calls):
     """The per-call policy: keep, offload or let go, by ``policy.decide``."""
 
-    name = "auto"
+    name = PolicyName.AUTO
 
     def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
         m = self.m
@@ -195,4 +196,6 @@ class Auto(_Calls):
 def call_policies(machine: SessionMachine) -> dict[str, CallPolicy]:
     """Every call policy over ``machine``, by the name ``ManagerConfig.policy`` and a call's
     ``policy`` use."""
-    return {p.name: p for p in (Offload(machine), Auto(machine))}
+    policies: dict[str, CallPolicy] = {p.name: p for p in (Offload(machine), Auto(machine))}
+    assert set(policies) == set(PolicyName), "one call policy per PolicyName"
+    return policies

@@ -36,16 +36,9 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Literal
 
+from toolkv.core.settings import MAX_DURATION_S, MIN_DURATION_S, default
+
 Action = Literal["keep", "offload", "let_go"]
-
-MIN_DURATION_S = 1e-3
-"""Observations below this (including 0) are clamped to it: the log of a duration must be finite,
-and sub-millisecond tool calls are indistinguishable for every decision made here."""
-
-MAX_DURATION_S = 1e6
-"""Observations and quantiles above this (~11.6 days) are clamped to it, so that one absurd sample
-cannot push ``exp`` of a quantile out of the float range; nothing here distinguishes durations
-that long."""
 
 _LOG_MIN = math.log(MIN_DURATION_S)
 _LOG_MAX = math.log(MAX_DURATION_S)
@@ -70,25 +63,29 @@ def _check_quantile(name: str, q: float) -> None:
 class PolicyConfig:
     """Tunables of the tool-call policy; every field is validated on construction."""
 
-    prior_median_s: float = 0.6  # prior for an unseen tool (log-normal median)
-    prior_sigma: float = 1.5  # prior log-space sigma (heavy tail)
-    prior_weight: float = 2.0  # pseudo-observations the prior counts for
-    keep_max_s: float = 2.0  # keep only if the expected duration (at keep_quantile) is below this
-    keep_quantile: float = 0.75
-    device_reserve: float = (
-        0.10  # keep only if, after keeping, this fraction of the device pool stays free or evictable
-    )
-    min_offload_tokens: int = 256  # below this, let go (recompute is cheaper than two transfers)
-    prefetch_quantile: float = 0.5
-    prefetch_margin_s: float = 0.05
-    max_tools: int = 4096  # bound on per-tool statistics kept (LRU beyond)
+    prior_median_s: float = default("prior_median_s")  # prior for an unseen tool (log-normal median)
+    prior_sigma: float = default("prior_sigma")  # prior log-space sigma (heavy tail)
+    prior_weight: float = default("prior_weight")  # pseudo-observations the prior counts for
+    keep_max_s: float = default(
+        "keep_max_s"
+    )  # keep only if the expected duration (at keep_quantile) is below this
+    keep_quantile: float = default("keep_quantile")
+    device_reserve: float = default(
+        "device_reserve"
+    )  # keep only if, after keeping, this fraction of the device pool stays free or evictable
+    min_offload_tokens: int = default(
+        "min_offload_tokens"
+    )  # below this, let go (recompute is cheaper than two transfers)
+    prefetch_quantile: float = default("prefetch_quantile")
+    prefetch_margin_s: float = default("prefetch_margin_s")
+    max_tools: int = default("max_tools")  # bound on per-tool statistics kept (LRU beyond)
     # L3 as capacity (with a storage tier, ManagerConfig.l3): an offloaded session predicted to stay
     # away longer than writing it to L3 and reading it back takes, plus this margin, is stored to
     # L3 as soon as it is offloaded (its host copy then counts as host room), not only when the
     # host is full; a large value (1e9) stores only victims of a full host
-    l3_store_margin_s: float = 10.0
+    l3_store_margin_s: float = default("l3_store_margin_s")
     # the L3 write rate that horizon assumes (tokens per second)
-    l3_write_tokens_per_s: float = 100_000.0
+    l3_write_tokens_per_s: float = default("l3_write_tokens_per_s")
 
     def __post_init__(self) -> None:
         """Reject any value that would make a decision meaningless, naming the field and the value.

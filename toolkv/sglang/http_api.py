@@ -12,7 +12,7 @@ Routes (added to sglang's own FastAPI ``app``, so sglang's API-key middleware co
 * ``POST /session/drain`` ``{"drain": true|false}`` -> the drain's state: while draining,
   ``tool_start`` answers 503 ``draining``; calls in flight finish or expire as usual
 
-Status codes: 400 malformed body, 415 a body not declared ``application/json``, 404 unknown session, 409 stale epoch / wrong state / KV lost,
+Status codes: 400 malformed body or query, 413 a body over 4,096 bytes (refused while it is read), 415 a body not declared ``application/json``, 404 unknown session, 409 stale epoch / wrong state / KV lost,
 507 host budget or pool exhausted, 503 device memory full, toolkv not loaded in the scheduler, or
 the server draining (tool_start),
 504 scheduler did not answer in time, 401 without the server's ``--api-key`` (sglang's
@@ -27,24 +27,29 @@ depend on the host app's exception handlers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import uuid
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from toolkv.core.settings import BY_FIELD, POLICY_NAMES, SETTINGS
 from toolkv.errors import (
-    BadRequest,
     SchedulerTimeout,
     ToolKVError,
     ToolKVUnavailable,
-    UnsupportedMediaType,
+)
+from toolkv.sglang.http_input import (
+    MAX_SESSION_ID,
+    STATUS_LIMIT_MAX,
+    QueryParam,
+    parse_body,
+    parse_query,
 )
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 
@@ -52,6 +57,11 @@ log = logging.getLogger("toolkv")
 
 
 # ---- schemas (validation and OpenAPI) ---------------------------------------------------------------
+if TYPE_CHECKING:
+    PolicyNames = str
+else:  # the enum's values inline in the schema (a $ref'd enum leaves schemathesis no invalid body to make)
+    PolicyNames = Literal[POLICY_NAMES]
+
 SessionId = Field(
     min_length=1, max_length=512, description="The session label used on generate/chat requests"
 )
@@ -79,10 +89,10 @@ class ToolStartBody(BaseModel):
         "since then (its reply was lost) is answered with the session's record, marked replayed, "
         "instead of 409 wrong_state",
     )
-    policy: Literal["offload", "auto"] | None = Field(
+    policy: PolicyNames | None = Field(
         default=None,
-        description="The policy of this call (optional), overriding the server's TOOLKV_POLICY: offload "
-        "(always offload) or auto (keep, offload or let go per call)",
+        description="The policy of this call (optional), overriding the server's TOOLKV_POLICY: "
+        + BY_FIELD["policy"].reason,
     )
 
 
@@ -156,6 +166,21 @@ class HeldSession(SessionMeta):
     )
 
 
+def _settings_model() -> type[BaseModel]:
+    """``settings`` of ``GET /session/status``: one field per declared ``TOOLKV_*`` setting, its
+    description the declaration's reason (``toolkv.core.settings``)."""
+    fields: dict[str, Any] = {
+        s.field: (s.kind | None, Field(default=None, description=f"{s.name}: {s.reason}")) for s in SETTINGS
+    }
+    model: type[BaseModel] = create_model(
+        "Settings", __config__=ConfigDict(extra="allow"), __doc__="Every TOOLKV_* setting in force", **fields
+    )
+    return model
+
+
+Settings = _settings_model()
+
+
 class StatusMeta(DrainMeta):
     """The operator's view (``toolkv doctor``): everything of the server-wide kv_meta, and more."""
 
@@ -165,7 +190,7 @@ class StatusMeta(DrainMeta):
     tp_size: int
     sessions: int
     counters: dict[str, int]
-    settings: dict[str, Any] = Field(description="every TOOLKV_* setting in force, by field name")
+    settings: Settings = Field(description="every TOOLKV_* setting in force, by field name")  # type: ignore[valid-type]
     held: list[HeldSession] = Field(description="sessions holding KV, soonest expiry first, at most limit")
 
 
@@ -177,6 +202,7 @@ class ErrorBody(BaseModel):
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "Malformed body or parameter"},
+    413: {"model": ErrorBody, "description": "Body over 4,096 bytes (refused as it is read)"},
     415: {"model": ErrorBody, "description": "Body not declared as application/json"},
     401: {"description": "Missing or wrong API key (sglang --api-key)"},
     404: {"model": ErrorBody, "description": "Unknown session"},
@@ -209,30 +235,22 @@ _OPERATOR_ERRORS[503] = {
     "description": "toolkv unavailable (not loaded in the scheduler)",
 }
 
-STATUS_LIMIT_MAX = 1000  # toolkv.sglang.scheduler_side.STATUS_LIMIT_MAX (that module needs sglang)
-_STATUS_QUERY: dict[str, Any] = {
-    "parameters": [
-        {
-            "name": "limit",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "integer", "minimum": 0, "maximum": STATUS_LIMIT_MAX, "default": 20},
-            "description": "How many of the sessions that hold KV to list (soonest expiry first)",
-        }
-    ]
-}
 
-_KV_META_QUERY: dict[str, Any] = {
-    "parameters": [
-        {
-            "name": "session_id",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "string", "minLength": 1, "maxLength": 512},
-            "description": "Omit for server-wide metrics",
-        }
-    ]
-}
+STATUS_LIMIT = QueryParam(
+    "limit", int, "How many of the sessions that hold KV to list (soonest expiry first)",
+    max_length=16, minimum=0, maximum=STATUS_LIMIT_MAX, default=20,
+)  # fmt: skip
+KV_META_SESSION_ID = QueryParam(
+    "session_id", str, "Omit for server-wide metrics", max_length=MAX_SESSION_ID
+)  # fmt: skip
+
+
+def _query_spec(*params: QueryParam) -> dict[str, Any]:
+    return {"parameters": [p.openapi() for p in params]}
+
+
+_STATUS_QUERY = _query_spec(STATUS_LIMIT)
+_KV_META_QUERY = _query_spec(KV_META_SESSION_ID)
 
 
 # ---- reply registry and transports ------------------------------------------------------------------
@@ -358,78 +376,6 @@ def _error(e: ToolKVError) -> JSONResponse:
     return JSONResponse(status_code=e.http_status, content=e.to_dict())
 
 
-MAX_BODY_BYTES = 4096  # the largest valid body is a 512-character session id and an epoch
-MAX_SESSION_ID = 512
-
-
-def _require_json(request: Request) -> None:
-    """Only ``application/json`` (or ``application/*+json``) bodies are read. FastAPI's own body
-    binding refuses other types too; this routes parses by hand, so it must refuse them itself:
-    a ``text/plain`` POST is what a browser sends cross-site without a preflight."""
-    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise UnsupportedMediaType(
-            f"the body must be sent as application/json, not {media or 'without a content type'!r}",
-            content_type=media,
-        )
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> dict[str, Any]:
-    _require_json(request)
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes")
-    try:
-        data = json.loads(raw) if raw else None
-    except RecursionError:  # deeply nested arrays/objects: the decoder recurses per level
-        raise BadRequest("request body is nested too deeply") from None
-    except ValueError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        return model.model_validate(data).model_dump()
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        raise BadRequest(f"{where}: {first.get('msg', 'invalid')}", field=where) from None
-
-
-def _query_session_id(request: Request) -> str | None:
-    q = request.query_params
-    extra = set(q) - {"session_id"}
-    if extra:
-        raise BadRequest(f"unknown query parameter(s) {sorted(extra)}")
-    values = q.getlist("session_id")
-    if not values:
-        return None
-    if len(values) > 1:
-        raise BadRequest("session_id given more than once", field="session_id")
-    sid = values[0]
-    if not sid or len(sid) > MAX_SESSION_ID:
-        raise BadRequest(f"session_id must be 1 to {MAX_SESSION_ID} characters", field="session_id")
-    return sid
-
-
-def _query_limit(request: Request) -> int | None:
-    """``GET /session/status``'s only parameter: ``limit``, an integer from 0 to the cap."""
-    q = request.query_params
-    extra = set(q) - {"limit"}
-    if extra:
-        raise BadRequest(f"unknown query parameter(s) {sorted(extra)}")
-    values = q.getlist("limit")
-    if not values:
-        return None
-    if len(values) > 1:
-        raise BadRequest("limit given more than once", field="limit")
-    raw = values[0]
-    if not raw.isascii() or not raw.isdigit() or int(raw) > STATUS_LIMIT_MAX:
-        raise BadRequest(f"limit must be an integer from 0 to {STATUS_LIMIT_MAX}", field="limit")
-    return int(raw)
-
-
 async def _forward(transport: Transport, op: str, body: Mapping[str, Any]) -> JSONResponse:
     try:
         status, out = await transport.call(op, body)
@@ -445,7 +391,7 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
         """Offload (or, with the per-call policy, keep or let go) the session's KV for the duration
         of a tool call. Returns the new epoch and, with the policy, the decision and its reason."""
         try:
-            body = await _parse(request, ToolStartBody)
+            body = await parse_body(request, ToolStartBody)
         except ToolKVError as e:
             return _error(e)
         return await _forward(transport, "tool_start", body)
@@ -453,7 +399,7 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
     async def tool_end(request: Request) -> JSONResponse:
         """Bring the session's KV back; ``epoch`` must be the one tool_start returned."""
         try:
-            body = await _parse(request, ToolEndBody)
+            body = await parse_body(request, ToolEndBody)
         except ToolKVError as e:
             return _error(e)
         return await _forward(transport, "tool_end", body)
@@ -461,7 +407,7 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
     async def close(request: Request) -> JSONResponse:
         """Forget the session and release everything toolkv holds for it."""
         try:
-            body = await _parse(request, CloseBody)
+            body = await parse_body(request, CloseBody)
         except ToolKVError as e:
             return _error(e)
         return await _forward(transport, "close", body)
@@ -469,24 +415,24 @@ def install_routes(app: FastAPI, transport: Transport) -> None:
     async def kv_meta(request: Request) -> JSONResponse:
         """One session's record (with ``session_id``), else server-wide metrics."""
         try:
-            session_id = _query_session_id(request)
+            query = parse_query(request, KV_META_SESSION_ID)
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "kv_meta", {} if session_id is None else {"session_id": session_id})
+        return await _forward(transport, "kv_meta", query)
 
     async def status(request: Request) -> JSONResponse:
         """The operator's view of toolkv on this server (``toolkv doctor``). Read-only."""
         try:
-            limit = _query_limit(request)
+            query = parse_query(request, STATUS_LIMIT)
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "server_status", {} if limit is None else {"limit": limit})
+        return await _forward(transport, "server_status", query)
 
     async def drain(request: Request) -> JSONResponse:
         """Start (``{"drain": true}``, the default) or end (``{"drain": false}``) the drain; answers
         the drain's state. Idempotent: poll it, or ``GET /session/status``, until ``drained``."""
         try:
-            body = await _parse(request, DrainBody)
+            body = await parse_body(request, DrainBody)
         except ToolKVError as e:
             return _error(e)
         return await _forward(transport, "drain", body)

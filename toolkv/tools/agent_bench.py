@@ -56,11 +56,12 @@ from toolkv.argtypes import (
     positive_int,
     seed,
 )
+from toolkv.core.settings import POLICY_NAMES
 from toolkv.workload.metrics import REFUSALS, Turn, occupancy, recomputed_between, summarize, unexpected_5xx
 from toolkv.workload.plan import SHAPES, Plan, SessionPlan, Workload, make_plan
 
 MODES = ("stock", "explicit", "on-request")
-POLICIES = ("offload", "auto")  # what --policy may ask for in tool_start (toolkv's TOOLKV_POLICY values)
+POLICIES = POLICY_NAMES  # what --policy may ask for in tool_start (toolkv's TOOLKV_POLICY values)
 __all__ = ["MODES", "POLICIES", "REFUSALS", "HttpServer", "main", "run_plan", "unexpected_5xx"]
 
 

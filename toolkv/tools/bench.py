@@ -139,7 +139,7 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
     )
     h = CacheHarness(cfg)
     try:
-        m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=1e9))
+        m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=1e9, adaptive=False, lazy_free=False))
         import torch
 
         t0 = time.perf_counter()
@@ -281,7 +281,7 @@ def transfer(args: argparse.Namespace) -> int:
             torch.cuda.synchronize()
 
     try:
-        m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=1e9))
+        m = ToolKVManager(h.tree, config=ManagerConfig(ttl_s=1e9, adaptive=False, lazy_free=False))
         h.tree.write_through_threshold = 10**9  # the offload itself does the writes
         now = 0.0
         # Warm-up: the first transfer JIT-compiles sglang's copy kernels; time only warm calls.

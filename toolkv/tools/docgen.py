@@ -31,6 +31,7 @@ from toolkv.errors import InputError
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SPEC_JSON = DOCS / "spec-check.json"
 SPEC_MD = DOCS / "spec.md"
+OPS_MD = DOCS / "operations.md"
 ARCH_MD = DOCS / "architecture.md"
 BEGIN, END = "<!-- BEGIN spec-check (generated: toolkv docs) -->", "<!-- END spec-check -->"
 MACHINE_FIELDS = ("spec_dir",)
@@ -120,6 +121,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="rewrite the layout measures (file sizes, import cycles, upward imports) in docs/architecture.md",
     )
     p.add_argument(
+        "--settings",
+        action="store_true",
+        help="rewrite the TOOLKV_* settings table in docs/operations.md (from toolkv/core/settings.py)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help='print {"source", "written", "changed"} as JSON: what was read and which files were written',
@@ -161,8 +167,38 @@ def run_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def replace_settings_block(text: str) -> str:
+    from toolkv.core.settings import BEGIN as S_BEGIN
+    from toolkv.core.settings import END as S_END
+    from toolkv.core.settings import table
+
+    pattern = re.compile(re.escape(S_BEGIN) + r".*?" + re.escape(S_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated block ({S_BEGIN}) in the document")
+    return pattern.sub(lambda _: table(), text, count=1)
+
+
+def run_settings(args: argparse.Namespace) -> int:
+    if not OPS_MD.is_file():
+        raise InputError(
+            f"no {OPS_MD}: `toolkv docs --settings` rewrites the docs/ of a toolkv checkout; run it there"
+        )
+    before = OPS_MD.read_text()
+    text = replace_settings_block(before)
+    OPS_MD.write_text(text)
+    if args.json:
+        print(json.dumps({"source": "toolkv", "written": [str(OPS_MD)], "changed": text != before}, indent=2))
+    else:
+        print(f"{OPS_MD.name}: settings table regenerated")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     add = getattr(args, "spec_check_add", None)
+    if getattr(args, "settings", False):
+        if args.spec_check is not None or add is not None or getattr(args, "layout", False):
+            raise InputError("--settings is a separate run: give it alone")
+        return run_settings(args)
     if getattr(args, "layout", False):
         if args.spec_check is not None or add is not None:
             raise InputError("--layout and --spec-check are separate runs: give one")

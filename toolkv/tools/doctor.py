@@ -150,12 +150,44 @@ def render(url: str, st: Any) -> str:
             f"{int(raw.get('device_evictable_tokens') or 0):,} evictable, "
             f"{int(raw.get('device_locked_tokens') or 0):,} locked"
         )
-    settings = " ".join(f"{k}={v}" for k, v in st.settings.items() if k != "enable")
-    lines.append(
-        textwrap.fill(settings, width=100, initial_indent="  settings:  ", subsequent_indent=" " * 13,
-                      break_long_words=False, break_on_hyphens=False)
-    )  # fmt: skip
+    lines += settings_lines(st.settings)
     return "\n".join(lines)
+
+
+def _env_text(value: Any) -> str:
+    """A setting's value as its variable would be written (``TOOLKV_LAZY_FREE=0``)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value is None or value == "":
+        return "unset"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def settings_lines(settings: dict[str, Any]) -> list[str]:
+    """The settings in force, by their ``TOOLKV_*`` names (``toolkv.core.settings``): those that
+    differ from the declared default, each with its default and its one-line reason; the rest
+    counted. A name this toolkv does not declare (a newer server's) is listed as the server said it."""
+    from toolkv.core.settings import SETTINGS
+
+    declared = {s.field for s in SETTINGS}
+    changed = [
+        f"{s.name}={_env_text(settings[s.field])} (default {_env_text(s.default)}): {s.reason}"
+        for s in SETTINGS
+        if s.field != "enable" and s.field in settings and settings[s.field] != s.default
+    ]
+    other = [f"{k}={v}" for k, v in settings.items() if k not in declared]
+    same = sum(1 for s in SETTINGS if s.field != "enable" and s.field in settings) - len(changed)
+    head = f"  settings:  {len(changed)} changed, {same} at the default"
+    out = [head + (":" if changed or other else "")]
+    out += [f"    {line}" for line in changed]
+    if other:
+        out.append(
+            textwrap.fill(" ".join(other), width=100, initial_indent="    not known here: ",
+                          subsequent_indent=" " * 6, break_long_words=False, break_on_hyphens=False)
+        )  # fmt: skip
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "toolkv.errors": set(),
     "toolkv.argtypes": set(),  # bounded values of the command lines and the TOOLKV_* settings
     "toolkv.workload": set(),
-    "toolkv.core": {"toolkv", "toolkv.errors"},
+    "toolkv.core": {"toolkv", "toolkv.errors", "toolkv.argtypes"},
     "toolkv.client": {"toolkv", "toolkv.errors"},
     "toolkv.testing": {"toolkv"},
     "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.argtypes", "toolkv.core"},

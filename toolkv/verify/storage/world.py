@@ -211,6 +211,9 @@ class StorageWorld:
             idle_ttl_s=float("inf"),
             policy_config=PolicyConfig(l3_store_margin_s=1e9),
             l3_read_at_arrival=self.b.read_at_arrival,
+            # the storage spec's tool_end restores (no Park) and frees on the write's ack (no LazyFree)
+            adaptive=False,
+            lazy_free=False,
         )
         self.mgr: ToolKVManager = mcls(self.h.tree, self.be, config=cfg)
         self.epoch: dict[str, int] = {s: 0 for s in self.b.sessions}

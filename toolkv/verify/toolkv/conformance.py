@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkv.core.settings import POLICY_NAMES
 from toolkv.core.treeops import attached, walk
 from toolkv.errors import ToolKVError
 from toolkv.verify.tla.pathcover import Cover, Edge
@@ -575,7 +576,7 @@ def load_conformance(spec_dir: Path) -> tuple[list[GraphConfig], dict[str, str]]
             raise ValueError(f"conformance {raw['name']}: unknown backends {sorted(unknown)}")
         consts = tuple((str(k), str(v)) for k, v in raw.get("constants", {}).items())
         policies = tuple(str(x) for x in raw.get("policies", ["offload"]))
-        if set(policies) - {"offload", "auto"}:
+        if set(policies) - set(POLICY_NAMES):
             raise ValueError(f"conformance {raw['name']}: unknown policies {sorted(set(policies))}")
         out.append(GraphConfig(str(raw["name"]), str(raw["cfg"]), consts, backends, policies))
     pending = {str(k): str(v) for k, v in data.get("conformance_pending", {}).items()}
