@@ -4,6 +4,7 @@ the prose around the map's table cannot drift from the map."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from toolkv.twin.regime_map import LIVE_SHARE, MAX_P90, MIN_TPS, TOOLKV, WIN_P90, WIN_TPS
@@ -57,7 +58,9 @@ def facts(data: dict[str, Any]) -> str:
         f"{WIN_P90:g}× p90) **is missed in {len(short)} cells and configurations** "
         f"({', '.join(f'{n} `{c}`' for c, n in by_cfg.items())}).",
         f"- **The offline bound where the host binds**: of the {len(binding)} cells and configurations whose live "
-        f"KV is ≥ {LIVE_SHARE:g}× the host, toolkv reaches ≥ 90 % of the bound's reuse in {reach}.",
+        f"KV is ≥ {LIVE_SHARE:g}× the host, toolkv reaches ≥ 90 % of the bound's reuse in {reach} (median "
+        f"{100 * statistics.median(r['reuse_of_opt']['median'] for r in binding):.0f} %, lowest "
+        f"{100 * min(r['reuse_of_opt']['median'] for r in binding):.0f} %).",
         f"- **`auto` against `offload`**: `auto` has the lower p90 median in {auto_lower} cells, `offload` in "
         f"{off_lower}; their throughputs are within 1 % of each other in {close} of {len(both)} cells.",
     ]
