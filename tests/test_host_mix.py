@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hiradix_cache")
 
-from tests._twin_common import SMALL, run
+from _twin_common import SMALL, run
+
 from toolkv.twin.host_mix import KINDS, mean_shares, table
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import torch
 from _cycle import step, turn
 
 from toolkv.core.backends.hiradix import HiRadixBackend
-from toolkv.core.backends.mooncake_tier import MANIFEST_PREFIX
+from toolkv.core.backends.mooncake_tier import MANIFEST_PREFIX, soft_pin_config
 from toolkv.core.config import ManagerConfig
 from toolkv.core.manager import ToolKVManager
 from toolkv.errors import HostMemoryFull, UnknownSession
@@ -82,11 +82,7 @@ def fill_pinned(h: MooncakeCacheHarness) -> int:
     """Fill the store to the brim with soft-pinned objects (the master may evict none of them):
     large ones, then smaller ones into what is left, down to less than a page of KV. Returns how
     many puts were refused."""
-    from mooncake.store import ReplicateConfig, SoftPinAction
-
-    config = ReplicateConfig()
-    config.soft_pin_action = SoftPinAction.ENABLE
-    config.soft_pin_ttl_ms = 60_000
+    config = soft_pin_config(60_000)
     refused = 0
     for size in (BLOB, 4 << 10, 512):
         in_a_row = 0

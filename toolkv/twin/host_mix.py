@@ -34,7 +34,10 @@ KINDS = ("mirror_locked", "mirror_unlocked", "host_only_protected", "host_only_u
 def host_mix(tree: Any) -> dict[str, int] | None:
     """The host tokens of ``tree`` (a ``HiRadixCache``) by kind; None for a cache without node
     objects with a host copy (a plain ``RadixCache``, 0.5.23's tree cores)."""
-    root = getattr(tree, "root_node", None)
+    try:
+        root = getattr(tree, "root_node", None)
+    except NotImplementedError:  # 0.5.23's Rust core: "root_node: not yet ported"
+        return None
     if root is None or not all(
         hasattr(root, a) for a in ("host_value", "host_ref_counter", "lock_ref", "value")
     ):

@@ -28,6 +28,17 @@ import torch
 MANIFEST_PREFIX = "toolkv-session:"
 
 
+def soft_pin_config(ttl_ms: int) -> Any:
+    """Mooncake's ``ReplicateConfig`` of a put that soft-pins its object for ``ttl_ms``: the master's
+    eviction skips it until then (the store's own protection primitive)."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    config = ReplicateConfig()
+    config.soft_pin_action = SoftPinAction.ENABLE
+    config.soft_pin_ttl_ms = int(ttl_ms)
+    return config
+
+
 class MooncakeTierError(RuntimeError):
     """Mooncake refused an operation toolkv needs (its error code is in the message)."""
 
@@ -81,12 +92,7 @@ class MooncakeTier:
         self.pin_ttl_ms = int(pin_ttl_ms)
 
     def _pin_config(self) -> Any:
-        from mooncake.store import ReplicateConfig, SoftPinAction
-
-        config = ReplicateConfig()
-        config.soft_pin_action = SoftPinAction.ENABLE
-        config.soft_pin_ttl_ms = self.pin_ttl_ms
-        return config
+        return soft_pin_config(self.pin_ttl_ms)
 
     def pin_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> bool:
         """Spec ``StoreAck``'s pin: one upsert of every page of ``keys`` (sglang's page hashes,
