@@ -163,15 +163,12 @@ def hiradix_host_evictable(m: TreeNode) -> bool:
     return m.value is None and m.host_value is not None and m.lock_ref == 0 and m.host_ref_counter == 0
 
 
-def host_evictable_tokens(
-    root: TreeNode, node_ok: Callable[[TreeNode], bool] = hiradix_host_evictable
-) -> int:
-    """Spec ``HostEvictable``, in tokens: the host copies ``evict_host`` can free on demand. A
-    node counts when ``node_ok`` holds for it and for every node of its subtree: ``evict_host``
-    frees leaves, so a descendant on the device, locked or protected keeps its ancestors. One
-    post-order walk, no recursion."""
-    total = 0
-    free_below: dict[int, bool] = {}  # id(node) -> its whole subtree is evictable
+def closed_subtrees(root: TreeNode, node_ok: Callable[[TreeNode], bool]) -> list[TreeNode]:
+    """The nodes below ``root`` for which ``node_ok`` holds, and for every node of their subtree:
+    the sets sglang frees leaf by leaf (a descendant that may not go keeps its ancestors). One
+    post-order walk, no recursion; parents after their children."""
+    out: list[TreeNode] = []
+    free_below: dict[int, bool] = {}  # id(node) -> its whole subtree is ok
     stack: list[tuple[TreeNode, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
@@ -185,8 +182,17 @@ def host_evictable_tokens(
             del free_below[id(c)]
         free_below[id(node)] = ok
         if ok:
-            total += len(node.key)
-    return total
+            out.append(node)
+    return out
+
+
+def host_evictable_tokens(
+    root: TreeNode, node_ok: Callable[[TreeNode], bool] = hiradix_host_evictable
+) -> int:
+    """Spec ``HostEvictable``, in tokens: the host copies ``evict_host`` can free on demand. A
+    node counts when ``node_ok`` holds for it and for every node of its subtree: ``evict_host``
+    frees leaves, so a descendant on the device, locked or protected keeps its ancestors."""
+    return sum(len(n.key) for n in closed_subtrees(root, node_ok))
 
 
 def host_full(

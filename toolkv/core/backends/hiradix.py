@@ -111,9 +111,8 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         unmirror = self._unmirrors()
         mirrors = mirror_room(tree, path, self._mirror_ok) if unmirror and need > host_free + room else []
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
-        fits = need <= host_free + room + mirror_tokens(mirrors) and (
-            budget is None or self._ledger.tokens + extra <= budget
-        )
+        room += mirror_tokens(mirrors)
+        fits = need <= host_free + room and (budget is None or self._ledger.tokens + extra <= budget)
         if not self.agree.all_true(fits):
             raise host_full(
                 rec,
@@ -122,7 +121,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
                 extra=extra,
                 protected=self._ledger.tokens,
                 budget=budget,
-                evictable=room + mirror_tokens(mirrors),
+                evictable=room,
             )
         # spec HostRoom, repeated: evict_host frees LRU unprotected leaves. Every rank evicts the
         # largest shortfall of any rank (an all-reduce MAX, on every rank: a rank whose own free

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Collection, Iterator
 
+from toolkv.core.backends.base import closed_subtrees
 from toolkv.core.treeops import Tree, TreeNode
 
 
@@ -50,29 +51,10 @@ def mirror_room(
 ) -> list[TreeNode]:
     """Spec ``MirrorRoom``: the nodes whose host copies may be dropped for a ``tool_start`` of
     ``own_path``, each with every host copy of its subtree droppable (``ok`` for each: a seeded
-    defect replaces it). One post-order walk."""
+    defect replaces it); a node without a host copy stands in nobody's way."""
     own = {id(m) for m in own_path}
-    out: list[TreeNode] = []
-    # id(node) -> (its subtree holds a host copy, every host copy in its subtree may go)
-    below: dict[int, tuple[bool, bool]] = {}
-    stack: list[tuple[TreeNode, bool]] = [(tree.root_node, False)]
-    while stack:
-        node, done = stack.pop()
-        kids = list(node.children.values())
-        if not done:
-            stack.append((node, True))
-            stack.extend((c, False) for c in kids)
-            continue
-        has, fine = node.host_value is not None, True
-        for c in kids:
-            c_has, c_fine = below.pop(id(c))
-            has, fine = has or c_has, fine and c_fine
-        mine = node is not tree.root_node and node.host_value is not None
-        fine = fine and (not mine or ok(node, tree, own))
-        below[id(node)] = (has, fine)
-        if mine and fine:
-            out.append(node)
-    return out
+    below = closed_subtrees(tree.root_node, lambda m: m.host_value is None or ok(m, tree, own))
+    return [m for m in below if m.host_value is not None]
 
 
 def mirror_tokens(nodes: Collection[TreeNode]) -> int:
