@@ -53,6 +53,14 @@ class _Calls:
     def __init__(self, machine: SessionMachine) -> None:
         self.m = machine
 
+    def record(self, session_id: str) -> SessionRecord:
+        """The open session's record, looked up and not checked: the id came in a
+        ``toolkv.core.requests.ToolStart``, checked when it was built, and the machine's action
+        checks its own argument. An id with no open record goes through the machine's ``_get``,
+        which answers the refusal (unknown, or the closed session's record for its guard)."""
+        rec = self.m.sessions.get(session_id)
+        return rec if rec is not None else self.m._get(session_id)
+
     def note(self, rec: SessionRecord, tool: str | None, d: Decision) -> None:
         """Remember the tool call (for the duration model at tool_end) and the decision taken; arm
         the early restore an offload decision asked for (policy ``auto``, ``prefetch`` on)."""
@@ -113,7 +121,7 @@ class Offload(_Calls):
 
     def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
         m = self.m
-        rec = m._get(session_id)
+        rec = self.record(session_id)
         hint = None if expected_s is None else float(expected_s)
         expected = hint if hint is not None else m.durations.median(tool)
         # a full host demotes offloaded sessions predicted back after this one, not a 507 -- but
@@ -132,7 +140,7 @@ class Auto(_Calls):
 
     def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
         m = self.m
-        rec = m._get(session_id)
+        rec = self.record(session_id)
         if rec.state != Phase.RUNNING:
             raise WrongState(
                 f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state

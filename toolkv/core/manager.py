@@ -34,12 +34,12 @@ from toolkv.core.calls import CallPolicy, call_policies, keep_fits_now
 from toolkv.core.capabilities import Capabilities
 from toolkv.core.config import POLICIES, ManagerConfig
 from toolkv.core.policy import DurationModel
+from toolkv.core.requests import ToolStart
 from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
 from toolkv.core.session.phases import IDLE
 from toolkv.core.session.record import SessionRecord
 from toolkv.core.treeops import Tree
-from toolkv.errors import BadRequest
 
 __all__ = ["IDLE", "POLICIES", "ManagerConfig", "SessionView", "ToolKVManager", "make_backend"]
 
@@ -181,19 +181,15 @@ class ToolKVManager:
         """The HTTP tool_start. ``tool`` (the tool's name) and ``expected_s`` (the client's own
         estimate) are optional hints the policy learns from and uses; with ``policy="offload"``
         every call offloads. ``policy`` overrides the configured policy for this call (one server
-        can serve agents of both policies, e.g. to compare them interleaved on one load)."""
-        if policy is not None and policy not in POLICIES:
-            raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-        policy = policy or self.config.policy
-        if tool is not None and (not isinstance(tool, str) or not tool or len(tool) > 256):
-            raise BadRequest("tool must be a non-empty string of at most 256 characters")
-        if expected_s is not None and (
-            isinstance(expected_s, bool)
-            or not isinstance(expected_s, (int, float))
-            or not 0 <= expected_s < float("inf")
-        ):
-            raise BadRequest("expected_s must be a finite number of seconds >= 0")
-        return self.calls[policy].tool_start(session_id, tool, expected_s).as_dict()
+        can serve agents of both policies, e.g. to compare them interleaved on one load). The
+        arguments are checked once, as the :class:`~toolkv.core.requests.ToolStart` they make."""
+        return self.start(ToolStart(session_id, tool=tool, expected_s=expected_s, policy=policy))  # type: ignore[arg-type]
+
+    def start(self, req: ToolStart) -> dict[str, object]:
+        """Run the tool_start ``req`` under its call policy (the server's when it names none).
+        Checks nothing: the request checked itself when it was built."""
+        policy = req.policy or self.config.policy
+        return self.calls[policy].tool_start(req.session_id, req.tool, req.expected_s).as_dict()
 
     def keep_fits(self, kv_tokens: int) -> bool:
         """The keep rule on the device as it is now: whether pinning ``kv_tokens`` more leaves the

@@ -13,9 +13,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
-from toolkv.core.lifecycle import EXPIRING
+from toolkv.core.lifecycle import EXPIRING, TIER_STATES
 from toolkv.core.session.phases import Phase
 from toolkv.core.session.record import SessionRecord
+
+#: the tier a session's record reports once its copy lives in the storage tier (L3)
+L3_TIER = "l3"
+#: the tiers a session's record can report: a node's tiers (``lifecycle.TIER_STATES``, but the
+#: spec-only ``Unborn``), and ``l3``
+TIERS: tuple[str, ...] = (*(t for t in TIER_STATES if t != "Unborn"), L3_TIER)
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,7 @@ class SessionView(Mapping[str, object]):
         if self.l3:  # an Offloaded session's L3 sub-phase; its tier is l3 once the copy lives there
             out["l3"] = self.l3
             if self.l3 != "storing":
-                out["tier"] = "l3"
+                out["tier"] = L3_TIER
         if self.call is not None:
             out.update(
                 decision=self.call.decision,

@@ -30,81 +30,72 @@ import asyncio
 import logging
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from toolkv.core.settings import BY_FIELD, POLICY_NAMES, SETTINGS
+from toolkv.core.l3 import L3
+from toolkv.core.requests import (
+    Arg,
+    Close,
+    Drain,
+    KvMetaQuery,
+    Request,
+    StatusQuery,
+    ToolEnd,
+    ToolStart,
+)
+from toolkv.core.result import TIERS
+from toolkv.core.session.phases import Phase
+from toolkv.core.settings import POLICY_NAMES, SETTINGS, PolicyName
 from toolkv.errors import (
     SchedulerTimeout,
     ToolKVError,
     ToolKVUnavailable,
 )
-from toolkv.sglang.http_input import (
-    MAX_SESSION_ID,
-    STATUS_LIMIT_MAX,
-    QueryParam,
-    parse_body,
-    parse_query,
-)
+from toolkv.sglang.http_input import QueryParam, parse_body, parse_query
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 
 log = logging.getLogger("toolkv")
 
 
-# ---- schemas (validation and OpenAPI) ---------------------------------------------------------------
-if TYPE_CHECKING:
-    PolicyNames = str
-else:  # the enum's values inline in the schema (a $ref'd enum leaves schemathesis no invalid body to make)
-    PolicyNames = Literal[POLICY_NAMES]
+# ---- schemas (OpenAPI), generated from the request types ---------------------------------------------
+def _annotation(a: Arg) -> tuple[Any, dict[str, Any]]:
+    """The pydantic annotation and ``Field`` bounds of a request field's declaration."""
+    bounds = {k: v for k, v in (("min_length", a.min_length), ("max_length", a.max_length),
+                                ("ge", a.ge), ("le", a.le)) if v is not None}  # fmt: skip
+    if a.kind is PolicyName:  # the enum's values inline (a $ref'd enum leaves schemathesis no invalid body)
+        ann: Any = Literal[POLICY_NAMES]
+    else:
+        ann = a.kind
+    if a.kind is float:
+        bounds["allow_inf_nan"] = False
+    return (ann | None if a.nullable else ann), bounds
 
-SessionId = Field(
-    min_length=1, max_length=512, description="The session label used on generate/chat requests"
-)
 
-
-class ToolStartBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    session_id: str = SessionId
-    tool: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=256,
-        description="The tool's name (optional): the per-call policy learns its durations",
+def body_model(kind: type[Request]) -> type[BaseModel]:
+    """The pydantic model of ``kind``'s JSON body, from its declared fields (the published schema;
+    the check itself is the request's own, :meth:`Request.from_body`)."""
+    fields: dict[str, Any] = {
+        name: (ann, Field(default=default if a.optional else ..., description=a.description, **bounds))
+        for name, a, default in kind.args()
+        for ann, bounds in (_annotation(a),)
+    }
+    model: type[BaseModel] = create_model(
+        f"{kind.__name__}Body", __config__=ConfigDict(extra="forbid", strict=True), **fields
     )
-    expected_s: float | None = Field(
-        default=None,
-        ge=0,
-        allow_inf_nan=False,
-        description="The client's own estimate of the tool's duration",
-    )
-    prior_epoch: int | None = Field(
-        default=None,
-        ge=0,
-        description="The session's epoch the client last saw (optional). A tool_start already applied "
-        "since then (its reply was lost) is answered with the session's record, marked replayed, "
-        "instead of 409 wrong_state",
-    )
-    policy: PolicyNames | None = Field(
-        default=None,
-        description="The policy of this call (optional), overriding the server's TOOLKV_POLICY: "
-        + BY_FIELD["policy"].reason,
-    )
+    return model
 
 
-class ToolEndBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    session_id: str = SessionId
-    epoch: int = Field(ge=0, description="The epoch returned by the matching tool_start")
-
-
-class CloseBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    session_id: str = SessionId
+ToolStartBody = body_model(ToolStart)
+ToolEndBody = body_model(ToolEnd)
+CloseBody = body_model(Close)
+DrainBody = body_model(Drain)
 
 
 class SessionMeta(BaseModel):
@@ -112,14 +103,17 @@ class SessionMeta(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     session_id: str
-    state: str = Field(
-        description="New|Running|Offloading|Offloaded|Restoring|Runnable|Expired|Lost|Closed|Kept|Prefetching|Released"
-    )
+    state: str = Field(description="|".join(Phase))
     epoch: int
     backend: str = Field(description="hiradix (host offload), pin or shadow")
     protected: bool
     deadline: float | None = Field(description="TTL deadline (agreed server clock) while protected")
-    tier: str = Field(description="GPU|BackingUp|Loading|CpuProtected|CpuUnprotected|Evicted")
+    tier: str = Field(description="|".join(TIERS))
+    l3: str | None = Field(
+        default=None,
+        description="An offloaded session's copy relative to the storage tier (L3): "
+        + "|".join(p for p in L3 if p),
+    )
     tokens: int
     device_tokens: int
     host_tokens: int
@@ -134,14 +128,6 @@ class ServerMeta(BaseModel):
     states: dict[str, int]
     counters: dict[str, int]
     now: float
-
-
-class DrainBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    drain: bool = Field(
-        default=True,
-        description="true (the default): refuse new tool_start calls until the drain ends; false: end it",
-    )
 
 
 class DrainMeta(BaseModel):
@@ -236,13 +222,8 @@ _OPERATOR_ERRORS[503] = {
 }
 
 
-STATUS_LIMIT = QueryParam(
-    "limit", int, "How many of the sessions that hold KV to list (soonest expiry first)",
-    max_length=16, minimum=0, maximum=STATUS_LIMIT_MAX, default=20,
-)  # fmt: skip
-KV_META_SESSION_ID = QueryParam(
-    "session_id", str, "Omit for server-wide metrics", max_length=MAX_SESSION_ID
-)  # fmt: skip
+STATUS_LIMIT = QueryParam.of(StatusQuery, "limit")
+KV_META_SESSION_ID = QueryParam.of(KvMetaQuery, "session_id")
 
 
 def _query_spec(*params: QueryParam) -> dict[str, Any]:
@@ -282,13 +263,15 @@ class ReplyRegistry:
 
 
 class Transport(Protocol):
-    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]: ...
+    async def call(self, req: Request) -> tuple[int, dict[str, Any]]: ...
 
-    async def send_nowait(self, op: str, body: Mapping[str, Any]) -> None: ...
+    async def send_nowait(self, req: Request) -> None: ...
 
 
 class ChannelTransport:
-    """rid-keyed request/reply over a one-way send; subclasses provide ``_send``."""
+    """rid-keyed request/reply over a one-way send; subclasses provide ``_send``. The channel
+    carries a request as its ``op`` and :meth:`Request.to_body` (a plain dict: either of sglang's
+    wire formats encodes it); the scheduler rebuilds it (``Request.from_wire``)."""
 
     def __init__(self, *, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
@@ -300,25 +283,25 @@ class ChannelTransport:
     def _send(self, req: ToolKVReqInput) -> None:
         raise NotImplementedError
 
-    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def call(self, req: Request) -> tuple[int, dict[str, Any]]:
         await self.ensure_ready()
         rid = f"toolkv-{uuid.uuid4().hex}"
         fut = self.replies.expect(rid)
         try:
-            self._send(ToolKVReqInput(rid=rid, op=op, body=dict(body)))
+            self._send(ToolKVReqInput(rid=rid, op=req.op, body=req.to_body()))
             out = await asyncio.wait_for(fut, self.timeout_s)
         except TimeoutError:
             raise SchedulerTimeout(
-                f"scheduler did not answer {op} within {self.timeout_s}s; it may still apply (check kv_meta)"
+                f"scheduler did not answer {req.op} within {self.timeout_s}s; it may still apply (check kv_meta)"
             ) from None
         finally:
             self.replies.drop(rid)
         return int(out.status), dict(out.body)
 
-    async def send_nowait(self, op: str, body: Mapping[str, Any]) -> None:
+    async def send_nowait(self, req: Request) -> None:
         """Send without waiting for the reply (its rid is not registered, so it is dropped)."""
         await self.ensure_ready()
-        self._send(ToolKVReqInput(rid=f"toolkv-nowait-{uuid.uuid4().hex}", op=op, body=dict(body)))
+        self._send(ToolKVReqInput(rid=f"toolkv-nowait-{uuid.uuid4().hex}", op=req.op, body=req.to_body()))
 
 
 class TokenizerManagerTransport(ChannelTransport):
@@ -376,66 +359,68 @@ def _error(e: ToolKVError) -> JSONResponse:
     return JSONResponse(status_code=e.http_status, content=e.to_dict())
 
 
-async def _forward(transport: Transport, op: str, body: Mapping[str, Any]) -> JSONResponse:
+async def _forward(transport: Transport, req: Request) -> JSONResponse:
     try:
-        status, out = await transport.call(op, body)
+        status, out = await transport.call(req)
     except ToolKVError as e:
         return _error(e)
     return JSONResponse(status_code=status, content=out)
 
 
 def install_routes(app: FastAPI, transport: Transport) -> None:
-    """Add the toolkv routes to ``app`` (sglang's, or a bare one in tests / for OpenAPI)."""
+    """Add the toolkv routes to ``app`` (sglang's, or a bare one in tests / for OpenAPI). Each
+    route builds its request (:mod:`toolkv.core.requests`) from the body or the query, the one
+    check at the edge, and forwards it."""
 
-    async def tool_start(request: Request) -> JSONResponse:
+    async def tool_start(request: HTTPRequest) -> JSONResponse:
         """Offload (or, with the per-call policy, keep or let go) the session's KV for the duration
         of a tool call. Returns the new epoch and, with the policy, the decision and its reason."""
         try:
-            body = await parse_body(request, ToolStartBody)
+            req = ToolStart.from_body(await parse_body(request))
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "tool_start", body)
+        return await _forward(transport, req)
 
-    async def tool_end(request: Request) -> JSONResponse:
+    async def tool_end(request: HTTPRequest) -> JSONResponse:
         """Bring the session's KV back; ``epoch`` must be the one tool_start returned."""
         try:
-            body = await parse_body(request, ToolEndBody)
+            req = ToolEnd.from_body(await parse_body(request))
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "tool_end", body)
+        return await _forward(transport, req)
 
-    async def close(request: Request) -> JSONResponse:
+    async def close(request: HTTPRequest) -> JSONResponse:
         """Forget the session and release everything toolkv holds for it."""
         try:
-            body = await parse_body(request, CloseBody)
+            req = Close.from_body(await parse_body(request))
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "close", body)
+        return await _forward(transport, req)
 
-    async def kv_meta(request: Request) -> JSONResponse:
+    async def kv_meta(request: HTTPRequest) -> JSONResponse:
         """One session's record (with ``session_id``), else server-wide metrics."""
         try:
-            query = parse_query(request, KV_META_SESSION_ID)
+            req = KvMetaQuery.from_body(parse_query(request, KV_META_SESSION_ID))
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "kv_meta", query)
+        return await _forward(transport, req)
 
-    async def status(request: Request) -> JSONResponse:
+    async def status(request: HTTPRequest) -> JSONResponse:
         """The operator's view of toolkv on this server (``toolkv doctor``). Read-only."""
         try:
-            query = parse_query(request, STATUS_LIMIT)
+            req = StatusQuery.from_body(parse_query(request, STATUS_LIMIT))
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "server_status", query)
+        return await _forward(transport, req)
 
-    async def drain(request: Request) -> JSONResponse:
+    async def drain(request: HTTPRequest) -> JSONResponse:
         """Start (``{"drain": true}``, the default) or end (``{"drain": false}``) the drain; answers
         the drain's state. Idempotent: poll it, or ``GET /session/status``, until ``drained``."""
         try:
-            body = await parse_body(request, DrainBody)
+            req = Drain.from_body(await parse_body(request))
         except ToolKVError as e:
             return _error(e)
-        return await _forward(transport, "drain", body)
+        return await _forward(transport, req)
 
     tags: list[str | Enum] = ["toolkv"]
     app.add_api_route(
@@ -476,10 +461,10 @@ def build_app(transport: Transport) -> FastAPI:
 
 
 class _NoTransport:
-    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def call(self, req: Request) -> tuple[int, dict[str, Any]]:
         raise ToolKVUnavailable("documentation-only app")
 
-    async def send_nowait(self, op: str, body: Mapping[str, Any]) -> None:
+    async def send_nowait(self, req: Request) -> None:
         raise ToolKVUnavailable("documentation-only app")
 
 

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
 
+from toolkv.core.requests import MAX_SESSION_ID, STATUS_LIMIT_MAX
+from toolkv.core.requests import Request as SessionRequest
 from toolkv.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 
-STATUS_LIMIT_MAX = 1000  # toolkv.sglang.scheduler_side.STATUS_LIMIT_MAX (that module needs sglang)
-MAX_SESSION_ID = 512
+__all__ = ["MAX_SESSION_ID", "STATUS_LIMIT_MAX", "QueryParam", "parse_body", "parse_query"]
+
+# an integer query value is never longer than this many characters when it reaches ``int()``
+MAX_INT_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,17 @@ class QueryParam:
     minimum: int | None = None
     maximum: int | None = None
     default: int | None = None
+
+    @classmethod
+    def of(cls, kind: type[SessionRequest], name: str) -> QueryParam:
+        """The query parameter of the request ``kind``'s field ``name``, from its declaration (the
+        request checks the value again once it is converted: the bounds here keep ``int()`` safe)."""
+        _, a, default = next(x for x in kind.args() if x[0] == name)
+        if a.kind is int:
+            return cls(name, int, a.description, max_length=MAX_INT_CHARS, minimum=int(a.ge or 0),
+                       maximum=None if a.le is None else int(a.le), default=default)  # type: ignore[arg-type]  # fmt: skip
+        assert a.kind is str and a.max_length is not None, f"{kind.__name__}.{name}: a string or an integer"
+        return cls(name, str, a.description, max_length=a.max_length, min_length=a.min_length or 0)
 
     def schema(self) -> dict[str, Any]:
         if self.kind is int:
@@ -111,7 +125,9 @@ async def read_body(request: Request) -> bytes:
     return bytes(buf)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> dict[str, Any]:
+async def parse_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, read within the limits (the route's request type checks its
+    fields: ``toolkv.core.requests.Request.from_body``)."""
     require_json(request)
     raw = await read_body(request)
     try:
@@ -122,14 +138,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> dict[str, Any]
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
-    try:
-        return model.model_validate(data).model_dump(mode="json")
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        raise BadRequest(f"{where}: {first.get('msg', 'invalid')}", field=where) from None
+    return data
 
 
 def parse_query(request: Request, *params: QueryParam) -> dict[str, Any]:

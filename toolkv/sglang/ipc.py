@@ -5,8 +5,9 @@ format: pickle (the default, ``SGLANG_USE_PICKLE_IPC``) needs the classes import
 module path in both processes — the plugin imports this module in both — and msgpack needs them in
 the decoder's tagged union, which :func:`register_wire_types` adds via ``hook_custom_types``.
 
-The payload is a plain ``dict`` on purpose: msgspec encodes it in both formats, and the schema is
-validated at the edges (the HTTP routes and the manager), not in the transport.
+A request travels as its ``op`` and ``body``, a plain ``dict`` on purpose: msgspec encodes it in
+both formats. The body is ``Request.to_body()`` of a request the HTTP side built, so checked
+(``toolkv.core.requests``); the scheduler rebuilds it by ``op`` without checking it again.
 """
 
 from typing import Any
@@ -14,12 +15,10 @@ from typing import Any
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
-# Operations the scheduler side understands. "auto_offload" is the zero-change trigger: like
-# tool_start, but a no-op (not an error) for sessions toolkv does not track or that are busy.
-# "drain" starts or ends the drain; "server_status" is the operator's read (toolkv doctor).
-OPS = frozenset(
-    {"tool_start", "tool_end", "kv_meta", "close", "auto_offload", "status", "drain", "server_status"}
-)
+from toolkv.core.requests import REQUESTS
+
+# Operations the scheduler side understands: one per request type (toolkv.core.requests).
+OPS = frozenset(REQUESTS)
 
 
 class ToolKVReqInput(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]

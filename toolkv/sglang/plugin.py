@@ -573,11 +573,10 @@ async def _notify_tool_calls(sid: str | None, tool: str | None = None) -> None:
     """Send the zero-change offload, naming the (first) tool the model called: the per-call
     policy learns its durations by name."""
     if _transport is not None and sid:
-        body: dict[str, Any] = {"session_id": sid}
-        if tool is not None:
-            body["tool"] = tool
+        from toolkv.core.requests import AutoOffload
+
         try:
-            await _transport.send_nowait("auto_offload", body)
+            await _transport.send_nowait(AutoOffload(sid, tool=tool))
         except Exception:
             log.exception("toolkv: zero-change offload of session %s not sent", sid)
 

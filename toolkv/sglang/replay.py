@@ -14,25 +14,13 @@ its spec are untouched, and every other case goes to ``ToolKVManager.tool_start`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from toolkv.errors import BadRequest
+from toolkv.core.session.phases import Phase
 
 # Phases where a tool_start at the session's current epoch cannot be the call being re-sent:
 # Running/New have not started it (the manager's tool_start runs), Closed is final.
-_NOT_STARTED = frozenset({"New", "Running", "Closed"})
-
-
-def prior_epoch(body: Mapping[str, Any]) -> int | None:
-    """The optional ``prior_epoch`` of a tool_start body (validated: the HTTP side does too, but
-    the scheduler is reached by other callers, e.g. tests and the IPC channel)."""
-    v = body.get("prior_epoch")
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise BadRequest("prior_epoch must be an integer >= 0", field="prior_epoch")
-    return v
+_NOT_STARTED = frozenset({Phase.NEW, Phase.RUNNING, Phase.CLOSED})
 
 
 def replayed_tool_start(manager: Any, session_id: str, prior: int | None) -> dict[str, object] | None:

@@ -12,22 +12,23 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from toolkv import __version__
+from toolkv.core import requests
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.lifecycle import EXPIRING, HOLDING
 from toolkv.core.manager import ToolKVManager, make_backend
 from toolkv.core.treeops import Tree
-from toolkv.errors import BadRequest, DeviceMemoryFull, Draining, ToolKVError, Unsupported
+from toolkv.errors import DeviceMemoryFull, Draining, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.ghost import EvictionGhost, block_size, computed_span, namespace
 from toolkv.sglang.ipc import ToolKVReqInput, ToolKVReqOutput
 from toolkv.sglang.kv_hints import kv_hints_supported
 from toolkv.sglang.metrics import ToolKVMetrics
 from toolkv.sglang.observe import DecisionLog
-from toolkv.sglang.replay import prior_epoch, replayed_tool_start
+from toolkv.sglang.replay import replayed_tool_start
 from toolkv.sglang.sizing import host_pool, kv_bytes_per_token
 from toolkv.sglang.startup import (
     SUPPORTED,
@@ -184,31 +185,10 @@ def decide_on_request(state: str | None, *, restore_on_request: bool) -> str:
     return "none"
 
 
-# operations that can change something: each is one decision line and one decisions_total sample
-_DECISIONS = frozenset({"tool_start", "tool_end", "close", "auto_offload"})
-
-
-def _need_str(body: Mapping[str, Any], key: str) -> str:
-    v = body.get(key)
-    if not isinstance(v, str) or not v:
-        raise BadRequest(f"{key} must be a non-empty string")
-    return v
-
-
-# GET /session/status lists at most this many of the sessions that hold KV (soonest expiry first):
-# the reply travels through sglang's ZMQ channel, and an operator at a terminal reads the first few.
-STATUS_LIMIT_DEFAULT = 20
-STATUS_LIMIT_MAX = 1000
-
-
-def _limit(value: Any) -> int:
-    """The status read's ``limit``: an integer from 0 to :data:`STATUS_LIMIT_MAX` (the HTTP side
-    checks it too; the scheduler checks again because it is the last line before the tree)."""
-    if value is None:
-        return STATUS_LIMIT_DEFAULT
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= STATUS_LIMIT_MAX:
-        raise BadRequest(f"limit must be an integer from 0 to {STATUS_LIMIT_MAX}", field="limit")
-    return value
+# GET /session/status lists at most this many of the sessions that hold KV (declared with the
+# request, toolkv.core.requests.StatusQuery)
+STATUS_LIMIT_DEFAULT = requests.STATUS_LIMIT_DEFAULT
+STATUS_LIMIT_MAX = requests.STATUS_LIMIT_MAX
 
 
 CLIP_MAX_NEW_TOKENS = 4096  # sglang's schedule_policy clips a request's decode budget here
@@ -331,70 +311,91 @@ class SchedulerToolKV:
 
     # ---- IPC ----------------------------------------------------------------------------------------
     def handle(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Run one control operation. Returns (http status, JSON body). Typed errors become their
-        status; anything else is a 500 whose message names the exception (and is logged). Every
-        call that can change something is one decision line (see :mod:`toolkv.sglang.observe`)."""
-        sid = body.get("session_id")
-        sid = sid if isinstance(sid, str) else None
-        logged = op in _DECISIONS
-        extra = {"asked": body.get("epoch")} if op == "tool_end" else None  # the epoch the call carried
+        """Run one control operation given as its name and JSON body (the in-process callers: the
+        twin, ``kv_hints``, the tests): the request is built, so checked, here. Returns (http
+        status, JSON body), as :meth:`answer`."""
         try:
-            out = self._dispatch(op, body)
+            req = requests.parse(op, body)
         except ToolKVError as e:
-            if logged:
-                self.decisions.decided(op, sid, None, "refused", e.code, extra)
-            return e.http_status, _jsonable(e.to_dict())
+            sid = body.get("session_id") if isinstance(body, Mapping) else None
+            asked = body.get("epoch") if isinstance(body, Mapping) else None
+            return self._refused(op, sid if isinstance(sid, str) else None, asked, e)
+        return self.answer(req)
+
+    def answer(self, req: requests.Request) -> tuple[int, dict[str, Any]]:
+        """Run one request through its handler (:attr:`_handlers`, by type). Typed errors become
+        their status; anything else is a 500 whose message names the exception (and is logged).
+        Every call that can change something is one decision line (see
+        :mod:`toolkv.sglang.observe`)."""
+        sid = getattr(req, "session_id", None)
+        asked = req.epoch if isinstance(req, requests.ToolEnd) else None
+        try:
+            out = self._handlers[type(req)](req)
+        except ToolKVError as e:
+            return self._refused(req.op, sid, asked, e)
         except Exception as e:  # never take the scheduler loop down for a control call
-            log.exception("toolkv op %s failed", op)
-            if logged:
-                self.decisions.decided(op, sid, None, "refused", "internal", extra)
+            log.exception("toolkv op %s failed", req.op)
+            if req.decides:
+                self.decisions.decided(req.op, sid, None, "refused", "internal", self._asked(req.op, asked))
             return 500, {"error": "internal", "message": f"{type(e).__name__}: {e}"}
-        if logged:
+        if req.decides:
             skipped = out.get("skipped")
+            extra = self._asked(req.op, asked)
             if isinstance(skipped, str):
-                self.decisions.decided(op, sid, None, "skipped", skipped, extra)
+                self.decisions.decided(req.op, sid, None, "skipped", skipped, extra)
             else:
-                self.decisions.decided(op, sid, out, "ok", "", extra)
+                self.decisions.decided(req.op, sid, out, "ok", "", extra)
         return 200, out
 
-    def _dispatch(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        m = self.manager
-        if op == "tool_start":
-            tool, expected, policy = body.get("tool"), body.get("expected_s"), body.get("policy")
-            sid = _need_str(body, "session_id")
-            if policy is not None and not isinstance(policy, str):
-                raise BadRequest("policy must be a string: offload or auto")
-            # a re-sent tool_start already applied: its record, unchanged (logged as skipped)
-            replay = replayed_tool_start(m, sid, prior_epoch(body))
-            if replay is not None:
-                return _jsonable(replay)
-            self._refuse_while_draining(sid)
-            return _jsonable(m.tool_start(sid, tool=tool, expected_s=expected, policy=policy))
-        if op == "tool_end":
-            sid = _need_str(body, "session_id")
-            return _jsonable(m.tool_end(sid, body.get("epoch")))  # type: ignore[arg-type]
-        if op == "kv_meta":
-            if body.get("session_id") is None:
-                return self.metrics()
-            return _jsonable(m.kv_meta(_need_str(body, "session_id")))
-        if op == "close":
-            return _jsonable(m.close(_need_str(body, "session_id")))
-        if op == "auto_offload":
-            tool = body.get("tool")
-            return self.on_tool_calls(_need_str(body, "session_id"), tool if isinstance(tool, str) else None)
-        if op == "status":
-            return self.status()
-        if op == "server_status":
-            return self.server_status(_limit(body.get("limit")))
-        if op == "drain":
-            return self.set_drain(body.get("drain", True))
-        raise BadRequest(f"unknown toolkv operation {op!r}")
+    @staticmethod
+    def _asked(op: str, epoch: object) -> dict[str, Any] | None:
+        """A tool_end's decision line carries the epoch the call asked for."""
+        return {"asked": epoch} if op == requests.ToolEnd.op else None
+
+    def _refused(self, op: str, sid: str | None, asked: object, e: ToolKVError) -> tuple[int, dict[str, Any]]:
+        if op in requests.DECIDING:
+            self.decisions.decided(op, sid, None, "refused", e.code, self._asked(op, asked))
+        return e.http_status, _jsonable(e.to_dict())
+
+    @property
+    def _handlers(self) -> Mapping[type[requests.Request], Callable[[Any], dict[str, Any]]]:
+        """The handler of each request type: the one dispatch (every type of
+        ``toolkv.core.requests.REQUESTS`` has one)."""
+        return {
+            requests.ToolStart: self._tool_start,
+            requests.ToolEnd: lambda r: _jsonable(self.manager.tool_end(r.session_id, r.epoch)),
+            requests.KvMetaQuery: self._kv_meta,
+            requests.Close: lambda r: _jsonable(self.manager.close(r.session_id)),
+            requests.AutoOffload: lambda r: self.on_tool_calls(r.session_id, r.tool),
+            requests.Handshake: lambda r: self.status(),
+            requests.StatusQuery: lambda r: self.server_status(r.limit),
+            requests.Drain: lambda r: self.set_drain(r.drain),
+        }
+
+    def _tool_start(self, req: requests.ToolStart) -> dict[str, Any]:
+        # a re-sent tool_start already applied: its record, unchanged (logged as skipped)
+        replay = replayed_tool_start(self.manager, req.session_id, req.prior_epoch)
+        if replay is not None:
+            return _jsonable(replay)
+        self._refuse_while_draining(req.session_id)
+        return _jsonable(self.manager.start(req))
+
+    def _kv_meta(self, req: requests.KvMetaQuery) -> dict[str, Any]:
+        if req.session_id is None:
+            return self.metrics()
+        return _jsonable(self.manager.kv_meta(req.session_id))
 
     def ipc_handler(self, req: ToolKVReqInput) -> ToolKVReqOutput:
         """What the scheduler's ``_request_dispatcher`` calls for a :class:`ToolKVReqInput`; the
-        returned output is sent to the tokenizer manager by ``process_input_requests`` (rank 0)."""
+        returned output is sent to the tokenizer manager by ``process_input_requests`` (rank 0).
+        The request was built, so checked, by the HTTP side: it is rebuilt, not checked again."""
         body = req.body if isinstance(req.body, Mapping) else {}
-        status, out = self.handle(req.op, body)
+        try:
+            request = requests.from_wire(req.op, body)
+        except ToolKVError as e:
+            status, out = self._refused(req.op, None, None, e)
+        else:
+            status, out = self.answer(request)
         return ToolKVReqOutput(rid=req.rid, ok=status == 200, status=status, body=out)
 
     def status(self) -> dict[str, Any]:
@@ -435,13 +436,11 @@ class SchedulerToolKV:
             int(getattr(b, a)) for a in ("protected_tokens", "pinned_tokens", "host_tokens") if hasattr(b, a)
         )
 
-    def set_drain(self, on: Any) -> dict[str, Any]:
+    def set_drain(self, on: bool) -> dict[str, Any]:
         """Start (``on``) or end the drain; idempotent. While draining, ``tool_start`` (and the
         zero-change and ``kv_hints`` offloads) is refused with 503 ``draining``; every call already
         in flight (offloading, offloaded, restoring, parked, handed over, kept) finishes or expires
         by its TTL as usual. Returns :meth:`drain_status`."""
-        if not isinstance(on, bool):
-            raise BadRequest("drain must be true or false", field="drain")
         if on and not self.draining:
             self.draining, self.drain_since, self.drain_refused = True, self.manager.now, 0
             log.log(

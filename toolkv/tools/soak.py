@@ -60,6 +60,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from toolkv.core import requests
+from toolkv.errors import ToolKVError
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.http_api import ChannelTransport, build_app
@@ -308,7 +310,10 @@ class Soak:
                 status, body = r.status_code, r.json()
                 self.result.http_requests += 1
             else:
-                status, body = await self.channel.call(op, json)
+                try:  # the request the route would build (and check), sent on its channel
+                    status, body = await self.channel.call(requests.parse(op, json))
+                except ToolKVError as e:
+                    status, body = e.http_status, e.to_dict()
                 self.result.channel_requests += 1
         finally:
             self.in_http -= 1
@@ -361,7 +366,7 @@ class Soak:
                 asyncio.get_running_loop().create_task(self._flush())
             if rng.random() < cfg.disconnect_p:
                 # the reply is lost (connection dropped); the agent re-sends with the epoch it knew
-                await self.channel.send_nowait("tool_start", {"session_id": sid})
+                await self.channel.send_nowait(requests.ToolStart(sid))
                 await self.sleep(cfg.tick_s * 2)
                 st, body = await self.http(
                     "POST",

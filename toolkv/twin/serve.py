@@ -42,6 +42,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from toolkv.core.requests import MAX_SESSION_ID, AutoOffload
+from toolkv.core.requests import Request as SessionRequest
 from toolkv.errors import BadRequest, SchedulerTimeout, ToolKVError
 from toolkv.sglang.config import ToolKVConfig
 from toolkv.sglang.http_api import ChannelTransport, install_routes
@@ -51,7 +53,6 @@ from toolkv.twin import stand_in_model as model
 log = logging.getLogger("toolkv.serve")
 
 IDLE_WAIT_S = 0.02  # an idle scheduler waits this long for a request, then ticks (TTLs run on)
-MAX_SESSION_ID = 512
 
 
 @dataclass(frozen=True)
@@ -269,9 +270,9 @@ class QueueTransport(ChannelTransport):
 
         self.loop.submit(_Control(pickle.loads(pickle.dumps(req)), reply))
 
-    async def call(self, op: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        status, out = await super().call(op, body)
-        _log_control(op, body, status, out)
+    async def call(self, req: SessionRequest) -> tuple[int, dict[str, Any]]:
+        status, out = await super().call(req)
+        _log_control(req.op, req.to_body(), status, out)
         return status, out
 
 
@@ -402,7 +403,7 @@ def build_app(loop: SchedulerLoop, cfg: ServeConfig) -> FastAPI:
             return error(e)
         if name is not None and sid is not None and loop.tk_config.zero_change:
             # the plugin's zero-change hook: finish_reason "tool_calls" offloads the session
-            await transport.send_nowait("auto_offload", {"session_id": sid, "tool": name})
+            await transport.send_nowait(AutoOffload(sid, tool=name))
         said = f"a tool call to {name}" if name else "text"
         log.info(
             "session %s: chat turn, %s; the stand-in model answered with %s", sid or "-", _reuse(r), said
