@@ -33,14 +33,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import httpx
 
 from toolkv import errors
+from toolkv.core.requests import Close, Drain, KvMetaQuery, Request, StatusQuery, ToolEnd, ToolStart
+from toolkv.core.result import OPEN_CALL, RECORD_KEYS
+from toolkv.core.session.phases import Phase
 
 # the server answers these too (toolkv.sglang.http_api); re-exported here for agents
 from toolkv.errors import SchedulerTimeout, ToolKVUnavailable
@@ -204,12 +207,10 @@ def transport_error(exc: Exception, what: str) -> TransportError:
     return err
 
 
-# A tool call waiting for its tool_end: what a tool_start leads to.
-OPEN_CALL = frozenset({"Offloading", "Offloaded", "Kept", "Prefetching", "Released"})
 # Where no tool_end was applied at the session's epoch (a tool_end there is refused).
-_NOT_ENDED = OPEN_CALL | {"New", "Expired", "Lost", "Closed"}
-_MUTATING = frozenset({"tool_start", "tool_end", "close"})
-ALL_OPS = frozenset({"tool_start", "tool_end", "kv_meta", "close"})
+_NOT_ENDED = OPEN_CALL | {Phase.NEW, Phase.EXPIRED, Phase.LOST, Phase.CLOSED}
+_MUTATING = frozenset({ToolStart.op, ToolEnd.op, Close.op})
+ALL_OPS = frozenset({*_MUTATING, KvMetaQuery.op})
 # Refusal codes: an answer about the session, not a fault; the tool_call helper logs them at DEBUG.
 REFUSALS = frozenset(
     {
@@ -222,19 +223,6 @@ REFUSALS = frozenset(
         errors.Draining.code,  # the operator drains the server: the tool runs without toolkv
     }
 )
-
-
-def _start_body(
-    session_id: str, tool: str | None, expected_s: float | None, prior_epoch: int | None = None
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"session_id": session_id}
-    if tool is not None:
-        body["tool"] = tool
-    if expected_s is not None:
-        body["expected_s"] = expected_s
-    if prior_epoch is not None:
-        body["prior_epoch"] = prior_epoch
-    return body
 
 
 @dataclass(frozen=True)
@@ -270,6 +258,10 @@ class KVMeta:
             host_tokens=int(d.get("host_tokens") or 0),
             extra={k: v for k, v in d.items() if k not in known},
         )
+
+    def json(self) -> dict[str, Any]:
+        """The record as the server sent it (its fixed keys over the rest)."""
+        return {**self.extra, **{k: getattr(self, k) for k in RECORD_KEYS}}
 
     @property
     def replayed(self) -> bool:
@@ -500,11 +492,11 @@ def _applied(op: str, meta: KVMeta, epoch: int | None, prior: int | None = None)
     if op == "tool_start":
         if prior is None:
             return meta.state in OPEN_CALL
-        return meta.epoch == prior + 1 and meta.state not in ("New", "Running", "Closed")
+        return meta.epoch == prior + 1 and meta.state not in (Phase.NEW, Phase.RUNNING, Phase.CLOSED)
     if op == "tool_end":
         return meta.epoch == epoch and meta.state not in _NOT_ENDED
     if op == "close":
-        return meta.state == "Closed"
+        return meta.state == Phase.CLOSED
     return False
 
 
@@ -616,7 +608,7 @@ class _Plan:
             return False
         if _applied(self.op, meta, self.epoch, self.prior):
             return True
-        if self.op == "tool_start" and meta.state == "Running":
+        if self.op == "tool_start" and meta.state == Phase.RUNNING:
             self.prior = meta.epoch  # a re-send carries it: the server recognises it if the first lands
         return False
 
@@ -636,10 +628,15 @@ class _Base:
         """Remember the latest epoch per session (tool_start's ``prior_epoch``)."""
         sid, epoch = data.get("session_id"), data.get("epoch")
         if isinstance(sid, str) and isinstance(epoch, int) and not isinstance(epoch, bool):
-            if data.get("state") == "Closed":
+            if data.get("state") == Phase.CLOSED:
                 self._epochs.pop(sid, None)
             else:
                 self._epochs[sid] = epoch
+
+    def _tool_call(self, session_id: str, tool: str | None, deadline_s: float | None) -> ToolCall:
+        """The record of one ``tool_call``, with the deadline each side of it has."""
+        limit = self.tool_call_deadline_s if deadline_s is None else _deadline_s(deadline_s)
+        return ToolCall(session_id, tool, deadline_s=limit)
 
     def _quiet(self, err: errors.ToolKVError) -> bool:
         """Whether :meth:`ToolCall._failed` logs ``err`` at DEBUG instead of WARNING: a server
@@ -682,7 +679,7 @@ class ToolCall:
 
     @property
     def offloaded(self) -> bool:
-        return self.start is not None and self.start.state in ("Offloading", "Offloaded")
+        return self.start is not None and self.start.state in (Phase.OFFLOADING, Phase.OFFLOADED)
 
     @property
     def deadline_exceeded(self) -> bool:
@@ -714,6 +711,140 @@ class ToolCall:
         )
 
 
+# ---- the calls, sans I/O: what both clients send and how they retry, in one place -----------------
+@dataclass(frozen=True)
+class _Call(Generic[_T]):
+    """One call of the session API as both clients send it: the operation (for the retry policy),
+    the request, built from ``toolkv.core.requests`` (so checked before it is sent: a bad argument
+    is refused here, as the server would), and how the answer's JSON object is read."""
+
+    op: str
+    method: str
+    path: str
+    read: Callable[[dict[str, Any]], _T]
+    session_id: str | None = None
+    body: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+
+    @classmethod
+    def post(cls, req: Request, read: Callable[[dict[str, Any]], _T]) -> _Call[_T]:
+        return cls(req.op, "POST", req.path, read, getattr(req, "session_id", None), req.to_body())
+
+    @classmethod
+    def get(cls, req: Request, read: Callable[[dict[str, Any]], _T], params: bool = True) -> _Call[_T]:
+        """A read (retried as ``kv_meta``); ``params``: the request's fields go in the query."""
+        return cls(KvMetaQuery.op, "GET", req.path, read, params=(req.to_body() or None) if params else None)
+
+
+def _tool_start(session_id: str, tool: str | None, expected_s: float | None) -> _Call[KVMeta]:
+    return _Call.post(ToolStart(session_id, tool=tool, expected_s=expected_s), _as_meta)
+
+
+def _server_status(limit: int | None) -> _Call[ServerStatus]:
+    return _Call.get(StatusQuery(20 if limit is None else limit), ServerStatus.from_json, limit is not None)
+
+
+@dataclass(frozen=True)
+class _Send:
+    """An effect of :func:`_exchange`: send this request (its answer, or the typed error of a
+    request that got none, goes back into the exchange)."""
+
+    method: str
+    path: str
+    json: dict[str, Any] | None
+    params: dict[str, Any] | None
+    extensions: dict[str, Any] | None  # the deadline's clipped timeouts (None: the client's own)
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    """An effect of :func:`_exchange`: wait this long before the next attempt."""
+
+    seconds: float
+
+
+_Effect = _Send | _Sleep
+_Exchange = Generator[_Effect, Any, _T]
+
+
+def _exchange(
+    client: _Base, call: _Call[Any], deadline: float | None, timeout: httpx.Timeout
+) -> _Exchange[dict[str, Any]]:
+    """One call with its retries and its error mapping, without I/O: it yields what to send (or how
+    long to sleep) and is sent the answer (or thrown the :class:`TransportError` of a request that
+    got none). The sync and the async client each drive it (:class:`_Steps`) with their httpx client.
+    A deadline with nothing left raises :class:`DeadlineExceeded` before anything is sent."""
+    epoch = None if call.body is None else call.body.get("epoch")
+    plan = _Plan(client, call.op, call.session_id, epoch, deadline)
+    while True:
+        response: httpx.Response | None = None
+        try:
+            extensions = plan.extensions(timeout) or None
+            response = yield _Send(call.method, call.path, plan.body(call.body), call.params, extensions)
+            assert response is not None
+            if response.status_code == 200:
+                data = _body(response)
+                client._note(data)
+                return data
+            err = error_from_response(response)
+        except DeadlineExceeded:
+            raise
+        except errors.ToolKVError as e:
+            err = plan.settle(e)
+            if isinstance(err, DeadlineExceeded):
+                raise err from e
+        if plan.must_probe(err) and call.session_id is not None:
+            meta = yield from _probe(call.session_id, plan, timeout)
+            if plan.settled(meta):
+                assert meta is not None
+                data = meta.json()
+                client._note(data)
+                return data
+        if not plan.again(err):
+            raise err
+        yield _Sleep(plan.wait(response, err))
+        plan.attempt += 1
+        plan.resent = plan.resent or call.op in _MUTATING
+
+
+def _probe(session_id: str, plan: _Plan, timeout: httpx.Timeout) -> _Exchange[KVMeta | None]:
+    """One kv_meta read, no retry; None when it fails (the caller's error stands)."""
+    try:
+        extensions = plan.extensions(timeout) or None
+        r = yield _Send("GET", KvMetaQuery.path, None, {"session_id": session_id}, extensions)
+        return _as_meta(_body(r)) if r.status_code == 200 else None
+    except errors.ToolKVError:
+        return None
+
+
+class _Steps(Generic[_T]):
+    """Drives :func:`_exchange` for a client: iterate for the effects, set :attr:`answer` inside
+    :meth:`answering` (which maps a failed send to its :class:`TransportError`), read :attr:`value`."""
+
+    def __init__(
+        self, client: ToolKVClient | AsyncToolKVClient, call: _Call[_T], deadline: float | None
+    ) -> None:
+        self.call = call
+        self.answer: httpx.Response | None = None
+        self._steps = _exchange(client, call, deadline, client._http.timeout)
+        self._failed: errors.ToolKVError | None = None
+
+    def __iter__(self) -> Iterator[_Effect]:
+        try:
+            while True:
+                failed, answer, self._failed, self.answer = self._failed, self.answer, None, None
+                yield self._steps.send(answer) if failed is None else self._steps.throw(failed)
+        except StopIteration as done:
+            self.value: _T = self.call.read(done.value)
+
+    @contextlib.contextmanager
+    def answering(self, send: _Send) -> Iterator[None]:
+        try:
+            yield
+        except httpx.TransportError as e:
+            self._failed = transport_error(e, f"{send.method} {send.path}")
+
+
 class ToolKVClient(_Base):
     """Blocking client. ``base_url`` is the sglang server (e.g. ``http://127.0.0.1:30000``).
 
@@ -741,60 +872,22 @@ class ToolKVClient(_Base):
         self._sleep = sleep
         self._epochs = {}
 
-    def _once(self, method: str, path: str, plan: _Plan | None = None, **kw: Any) -> httpx.Response:
-        extensions = {} if plan is None else plan.extensions(self._http.timeout)
-        try:
-            return self._http.request(method, path, extensions=extensions or None, **kw)
-        except httpx.TransportError as e:
-            raise transport_error(e, f"{method} {path}") from e
-
-    def _probe(self, session_id: str, plan: _Plan | None = None) -> KVMeta | None:
-        """One kv_meta read, no retry; None when it fails (the caller's error stands)."""
-        try:
-            r = self._once("GET", "/session/kv_meta", plan, params={"session_id": session_id})
-            return _as_meta(_body(r)) if r.status_code == 200 else None
-        except errors.ToolKVError:
-            return None
-
-    def _call(
-        self,
-        op: str,
-        method: str,
-        path: str,
-        *,
-        session_id: str | None = None,
-        body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
-        deadline: float | None = None,
-    ) -> dict[str, Any]:
-        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"), deadline)
-        while True:
-            response: httpx.Response | None = None
-            try:
-                response = self._once(method, path, plan, json=plan.body(body), params=params)
-                if response.status_code == 200:
-                    data = _body(response)
-                    self._note(data)
-                    return data
-                err = error_from_response(response)
-            except DeadlineExceeded:
-                raise
-            except errors.ToolKVError as e:
-                err = plan.settle(e)
-                if isinstance(err, DeadlineExceeded):
-                    raise err from e
-            if plan.must_probe(err) and session_id is not None:
-                meta = self._probe(session_id, plan)
-                if plan.settled(meta):
-                    assert meta is not None
-                    data = {**meta.extra, **_meta_json(meta)}
-                    self._note(data)
-                    return data
-            if not plan.again(err):
-                raise err
-            self._sleep(plan.wait(response, err))
-            plan.attempt += 1
-            plan.resent = plan.resent or op in _MUTATING
+    def _run(self, call: _Call[_T], deadline: float | None = None) -> _T:
+        """The call, sent with this client's httpx client, retried with its sleep."""
+        steps = _Steps(self, call, deadline)
+        for effect in steps:
+            if isinstance(effect, _Sleep):
+                self._sleep(effect.seconds)
+                continue
+            with steps.answering(effect):
+                steps.answer = self._http.request(
+                    effect.method,
+                    effect.path,
+                    json=effect.json,
+                    params=effect.params,
+                    extensions=effect.extensions,
+                )
+        return steps.value
 
     def tool_start(
         self,
@@ -809,43 +902,33 @@ class ToolKVClient(_Base):
         this client last saw for the session, so a re-send is recognised (``.replayed``).
         ``deadline_s``: every attempt, check and wait of this call ends within it
         (:class:`DeadlineExceeded` after); None: only each HTTP wait is bounded (``timeout_s``)."""
-        return _as_meta(
-            self._call("tool_start", "POST", "/session/tool_start", session_id=session_id,
-                       body=_start_body(session_id, tool, expected_s), deadline=_at(deadline_s))
-        )  # fmt: skip
+        return self._run(_tool_start(session_id, tool, expected_s), _at(deadline_s))
 
     def tool_end(self, session_id: str, epoch: int, *, deadline_s: float | None = None) -> KVMeta:
         """Restore the session's KV. Not retried by default: ``DeviceMemoryFull`` means the
         session stays offloaded and its next request restores it (sglang loads it back).
         ``deadline_s`` as in :meth:`tool_start`."""
-        return _as_meta(
-            self._call("tool_end", "POST", "/session/tool_end", session_id=session_id,
-                       body={"session_id": session_id, "epoch": epoch}, deadline=_at(deadline_s))
-        )  # fmt: skip
+        return self._run(_Call.post(ToolEnd(session_id, epoch), _as_meta), _at(deadline_s))
 
     def kv_meta(self, session_id: str) -> KVMeta:
-        return _as_meta(self._call("kv_meta", "GET", "/session/kv_meta", params={"session_id": session_id}))
+        return self._run(_Call.get(KvMetaQuery(session_id), _as_meta))
 
     def server_meta(self) -> ServerMeta:
-        return ServerMeta.from_json(self._call("kv_meta", "GET", "/session/kv_meta"))
+        return self._run(_Call.get(KvMetaQuery(), ServerMeta.from_json))
 
     def server_status(self, *, limit: int | None = None) -> ServerStatus:
         """The operator's view (``GET /session/status``): read-only, retried like ``kv_meta``.
         ``limit``: how many of the sessions that hold KV to list (server default 20, at most 1000)."""
-        params = None if limit is None else {"limit": limit}
-        return ServerStatus.from_json(self._call("kv_meta", "GET", "/session/status", params=params))
+        return self._run(_server_status(limit))
 
     def drain(self, on: bool = True) -> DrainStatus:
         """Start (``on``) or end the drain (``POST /session/drain``); idempotent, so an operator
         sends it again rather than have it retried. While draining the server refuses new tool
         calls with :class:`toolkv.errors.Draining` (``tool_call`` runs the tool anyway)."""
-        return DrainStatus.from_json(self._call("drain", "POST", "/session/drain", body={"drain": on}))
+        return self._run(_Call.post(Drain(on), DrainStatus.from_json))
 
     def close_session(self, session_id: str) -> KVMeta:
-        return _as_meta(
-            self._call("close", "POST", "/session/close", session_id=session_id,
-                       body={"session_id": session_id})
-        )  # fmt: skip
+        return self._run(_Call.post(Close(session_id), _as_meta))
 
     @contextlib.contextmanager
     def tool_call(
@@ -870,11 +953,11 @@ class ToolKVClient(_Base):
         the block has a deadline of the same length. The one thing a deadline cannot clip is a
         server that sends its answer a few bytes at a time: each read waits at most the time that
         was left when the answer began (the async client's bound is exact)."""
-        limit = self.tool_call_deadline_s if deadline_s is None else _deadline_s(deadline_s)
-        call = ToolCall(session_id, tool, deadline_s=limit)
+        call = self._tool_call(session_id, tool, deadline_s)
         try:
             call._answered(
-                "tool_start", self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=limit)
+                "tool_start",
+                self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=call.deadline_s),
             )
         except errors.ToolKVError as e:
             call._failed("tool_start", e, quiet=self._quiet(e))
@@ -883,7 +966,9 @@ class ToolKVClient(_Base):
         finally:
             if call.start is not None:
                 try:
-                    call._answered("tool_end", self.tool_end(session_id, call.start.epoch, deadline_s=limit))
+                    call._answered(
+                        "tool_end", self.tool_end(session_id, call.start.epoch, deadline_s=call.deadline_s)
+                    )
                 except errors.ToolKVError as e:
                     call._failed("tool_end", e)
 
@@ -897,10 +982,6 @@ class ToolKVClient(_Base):
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _meta_json(meta: KVMeta) -> dict[str, Any]:
-    return {k: getattr(meta, k) for k in KVMeta.__dataclass_fields__ if k != "extra"}
 
 
 class AsyncToolKVClient(_Base):
@@ -926,72 +1007,35 @@ class AsyncToolKVClient(_Base):
         self._sleep = sleep
         self._epochs = {}
 
-    async def _once(self, method: str, path: str, plan: _Plan | None = None, **kw: Any) -> httpx.Response:
-        extensions = {} if plan is None else plan.extensions(self._http.timeout)
-        try:
-            return await self._http.request(method, path, extensions=extensions or None, **kw)
-        except httpx.TransportError as e:
-            raise transport_error(e, f"{method} {path}") from e
-
-    async def _probe(self, session_id: str, plan: _Plan | None = None) -> KVMeta | None:
-        try:
-            r = await self._once("GET", "/session/kv_meta", plan, params={"session_id": session_id})
-            return _as_meta(_body(r)) if r.status_code == 200 else None
-        except errors.ToolKVError:
-            return None
-
-    async def _bounded(self, op: str, call: Awaitable[_T], deadline: float | None) -> _T:
-        """``call`` cut off at ``deadline``: whatever it still awaits then (a read that trickles,
-        a sleep) is cancelled and the call fails with :class:`DeadlineExceeded`."""
+    async def _run(self, call: _Call[_T], deadline: float | None = None) -> _T:
+        """Drive :func:`_exchange` with this client's httpx client and sleep; cut off at
+        ``deadline``: whatever it still awaits then (a read that trickles, a sleep) is cancelled
+        and the call fails with :class:`DeadlineExceeded`."""
         if deadline is None:
-            return await call
+            return await self._steps(call, None)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                return await call
+                return await self._steps(call, deadline)
         except TimeoutError:
-            err = DeadlineExceeded(f"{op}: no answer within the deadline (cut off while waiting)")
+            err = DeadlineExceeded(f"{call.op}: no answer within the deadline (cut off while waiting)")
             err.applied_unknown = True  # a request may have been in flight
             raise err from None
 
-    async def _call(
-        self,
-        op: str,
-        method: str,
-        path: str,
-        *,
-        session_id: str | None = None,
-        body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
-        deadline: float | None = None,
-    ) -> dict[str, Any]:
-        plan = _Plan(self, op, session_id, None if body is None else body.get("epoch"), deadline)
-        while True:
-            response: httpx.Response | None = None
-            try:
-                response = await self._once(method, path, plan, json=plan.body(body), params=params)
-                if response.status_code == 200:
-                    data = _body(response)
-                    self._note(data)
-                    return data
-                err = error_from_response(response)
-            except DeadlineExceeded:
-                raise
-            except errors.ToolKVError as e:
-                err = plan.settle(e)
-                if isinstance(err, DeadlineExceeded):
-                    raise err from e
-            if plan.must_probe(err) and session_id is not None:
-                meta = await self._probe(session_id, plan)
-                if plan.settled(meta):
-                    assert meta is not None
-                    data = {**meta.extra, **_meta_json(meta)}
-                    self._note(data)
-                    return data
-            if not plan.again(err):
-                raise err
-            await self._sleep(plan.wait(response, err))
-            plan.attempt += 1
-            plan.resent = plan.resent or op in _MUTATING
+    async def _steps(self, call: _Call[_T], deadline: float | None) -> _T:
+        steps = _Steps(self, call, deadline)
+        for effect in steps:
+            if isinstance(effect, _Sleep):
+                await self._sleep(effect.seconds)
+                continue
+            with steps.answering(effect):
+                steps.answer = await self._http.request(
+                    effect.method,
+                    effect.path,
+                    json=effect.json,
+                    params=effect.params,
+                    extensions=effect.extensions,
+                )
+        return steps.value
 
     async def tool_start(
         self,
@@ -1001,37 +1045,25 @@ class AsyncToolKVClient(_Base):
         expected_s: float | None = None,
         deadline_s: float | None = None,
     ) -> KVMeta:
-        deadline = _at(deadline_s)
-        return _as_meta(await self._bounded("tool_start", self._call(
-            "tool_start", "POST", "/session/tool_start", session_id=session_id,
-            body=_start_body(session_id, tool, expected_s), deadline=deadline), deadline))  # fmt: skip
+        return await self._run(_tool_start(session_id, tool, expected_s), _at(deadline_s))
 
     async def tool_end(self, session_id: str, epoch: int, *, deadline_s: float | None = None) -> KVMeta:
-        deadline = _at(deadline_s)
-        return _as_meta(await self._bounded("tool_end", self._call(
-            "tool_end", "POST", "/session/tool_end", session_id=session_id,
-            body={"session_id": session_id, "epoch": epoch}, deadline=deadline), deadline))  # fmt: skip
+        return await self._run(_Call.post(ToolEnd(session_id, epoch), _as_meta), _at(deadline_s))
 
     async def kv_meta(self, session_id: str) -> KVMeta:
-        return _as_meta(
-            await self._call("kv_meta", "GET", "/session/kv_meta", params={"session_id": session_id})
-        )
+        return await self._run(_Call.get(KvMetaQuery(session_id), _as_meta))
 
     async def server_meta(self) -> ServerMeta:
-        return ServerMeta.from_json(await self._call("kv_meta", "GET", "/session/kv_meta"))
+        return await self._run(_Call.get(KvMetaQuery(), ServerMeta.from_json))
 
     async def server_status(self, *, limit: int | None = None) -> ServerStatus:
-        params = None if limit is None else {"limit": limit}
-        return ServerStatus.from_json(await self._call("kv_meta", "GET", "/session/status", params=params))
+        return await self._run(_server_status(limit))
 
     async def drain(self, on: bool = True) -> DrainStatus:
-        return DrainStatus.from_json(await self._call("drain", "POST", "/session/drain", body={"drain": on}))
+        return await self._run(_Call.post(Drain(on), DrainStatus.from_json))
 
     async def close_session(self, session_id: str) -> KVMeta:
-        return _as_meta(
-            await self._call("close", "POST", "/session/close", session_id=session_id,
-                             body={"session_id": session_id})
-        )  # fmt: skip
+        return await self._run(_Call.post(Close(session_id), _as_meta))
 
     @contextlib.asynccontextmanager
     async def tool_call(
@@ -1044,12 +1076,13 @@ class AsyncToolKVClient(_Base):
     ) -> AsyncIterator[ToolCall]:
         """``async with kv.tool_call(sid, tool=...) as call:`` (see :meth:`ToolKVClient.tool_call`;
         here the deadline holds whatever the server does, a trickled answer included)."""
-        limit = self.tool_call_deadline_s if deadline_s is None else _deadline_s(deadline_s)
-        call = ToolCall(session_id, tool, deadline_s=limit)
+        call = self._tool_call(session_id, tool, deadline_s)
         try:
             call._answered(
                 "tool_start",
-                await self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=limit),
+                await self.tool_start(
+                    session_id, tool=tool, expected_s=expected_s, deadline_s=call.deadline_s
+                ),
             )
         except errors.ToolKVError as e:
             call._failed("tool_start", e, quiet=self._quiet(e))
@@ -1059,7 +1092,8 @@ class AsyncToolKVClient(_Base):
             if call.start is not None:
                 try:
                     call._answered(
-                        "tool_end", await self.tool_end(session_id, call.start.epoch, deadline_s=limit)
+                        "tool_end",
+                        await self.tool_end(session_id, call.start.epoch, deadline_s=call.deadline_s),
                     )
                 except errors.ToolKVError as e:
                     call._failed("tool_end", e)

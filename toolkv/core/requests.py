@@ -112,6 +112,7 @@ class Request:
 
     op: ClassVar[str]
     decides: ClassVar[bool] = False
+    path: ClassVar[str] = ""  # its HTTP route ("": none, a call from inside the server)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -178,6 +179,7 @@ class ToolStart(Request):
     """``POST /session/tool_start``: offload (or, by the call's policy, keep or let go) the KV."""
 
     op: ClassVar[str] = "tool_start"
+    path: ClassVar[str] = "/session/tool_start"
     decides: ClassVar[bool] = True
     session_id: str = _session_id()
     tool: str | None = arg(
@@ -200,6 +202,7 @@ class ToolEnd(Request):
     """``POST /session/tool_end``: bring the KV back for the tool call ``epoch``."""
 
     op: ClassVar[str] = "tool_end"
+    path: ClassVar[str] = "/session/tool_end"
     decides: ClassVar[bool] = True
     session_id: str = _session_id()
     epoch: int = arg(int, "The epoch returned by the matching tool_start", ge=0)
@@ -210,6 +213,7 @@ class Close(Request):
     """``POST /session/close``: forget the session and release everything it holds."""
 
     op: ClassVar[str] = "close"
+    path: ClassVar[str] = "/session/close"
     decides: ClassVar[bool] = True
     session_id: str = _session_id()
 
@@ -230,6 +234,7 @@ class KvMetaQuery(Request):
     """``GET /session/kv_meta``: one session's record, or (no ``session_id``) server-wide metrics."""
 
     op: ClassVar[str] = "kv_meta"
+    path: ClassVar[str] = "/session/kv_meta"
     session_id: str | None = arg(
         str, "Omit for server-wide metrics", default=None, min_length=1, max_length=MAX_SESSION_ID
     )
@@ -240,6 +245,7 @@ class StatusQuery(Request):
     """``GET /session/status``: the operator's view (``toolkv doctor``)."""
 
     op: ClassVar[str] = "server_status"
+    path: ClassVar[str] = "/session/status"
     limit: int = arg(
         int, "How many of the sessions that hold KV to list (soonest expiry first)",
         default=STATUS_LIMIT_DEFAULT, ge=0, le=STATUS_LIMIT_MAX,
@@ -251,6 +257,7 @@ class Drain(Request):
     """``POST /session/drain``: start or end the drain."""
 
     op: ClassVar[str] = "drain"
+    path: ClassVar[str] = "/session/drain"
     drain: bool = arg(
         bool,
         "true (the default): refuse new tool_start calls until the drain ends; false: end it",

@@ -10,7 +10,7 @@ reads the fields.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 
 from toolkv.core.lifecycle import EXPIRING, TIER_STATES
@@ -22,6 +22,15 @@ L3_TIER = "l3"
 #: the tiers a session's record can report: a node's tiers (``lifecycle.TIER_STATES``, but the
 #: spec-only ``Unborn``), and ``l3``
 TIERS: tuple[str, ...] = (*(t for t in TIER_STATES if t != "Unborn"), L3_TIER)
+
+
+#: the phases of a tool call waiting for its tool_end (what an accepted tool_start leads to): a
+#: tool_end restores from them, and so does a request of the session that arrives first
+OPEN_CALL: frozenset[str] = frozenset(
+    {Phase.OFFLOADING, Phase.OFFLOADED, Phase.KEPT, Phase.PREFETCHING, Phase.RELEASED}
+)
+#: what a session's placement says (``Backend.describe``): its tier and its token counts
+PLACEMENT_KEYS: tuple[str, ...] = ("tier", "tokens", "device_tokens", "host_tokens")
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,7 @@ class SessionView(Mapping[str, object]):
     @staticmethod
     def closed_placement() -> dict[str, object]:
         """A closed session holds nothing anywhere."""
-        return {"tier": "Evicted", "tokens": 0, "device_tokens": 0, "host_tokens": 0}
+        return dict(zip(PLACEMENT_KEYS, ("Evicted", 0, 0, 0), strict=True))
 
     @property
     def tier(self) -> object:
@@ -142,3 +151,11 @@ class SessionView(Mapping[str, object]):
 
     def __repr__(self) -> str:
         return f"SessionView({self._dict!r})"
+
+
+#: the keys every session record carries (the client's ``KVMeta`` has a field for each): the view's
+#: own fields that have no default, then its placement's
+RECORD_KEYS: tuple[str, ...] = (
+    *(f.name for f in fields(SessionView) if f.default is MISSING and f.name != "placement"),
+    *PLACEMENT_KEYS,
+)

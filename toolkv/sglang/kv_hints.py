@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolkv.core.lifecycle import HOLDING
+from toolkv.core.session.phases import Phase
 
 if TYPE_CHECKING:
     from toolkv.sglang.scheduler_side import SchedulerToolKV
@@ -227,7 +228,7 @@ def _ttl_clip(tk: SchedulerToolKV, action: HintAction, meta: Mapping[str, Any]) 
     can hold). A GPU pin waiting for tool_end (``Kept``) lasts at most the keep TTL."""
     if action.expected_s is None or meta.get("state") not in HOLDING:
         return ""
-    kept = meta.get("state") == "Kept"
+    kept = meta.get("state") == Phase.KEPT
     bound = min(tk.config.ttl_s, tk.config.keep_ttl_s) if kept else tk.config.ttl_s
     if action.expected_s > bound:
         which = " (keep TTL)" if kept else ""
@@ -258,7 +259,7 @@ def _apply_retain(tk: SchedulerToolKV, sid: str, action: HintAction) -> dict[str
 
     m = tk.manager
     rec = m.sessions.get(sid)
-    if rec is None or rec.state != "Running" or tk.draining:
+    if rec is None or rec.state != Phase.RUNNING or tk.draining:
         # the HTTP tool_start's answer for this case (unknown session, wrong state, a replay, the
         # drain's refusal)
         return _apply_tool_start(tk, sid, action)
@@ -294,14 +295,14 @@ def _apply_prefetch(tk: SchedulerToolKV, sid: str, action: HintAction) -> dict[s
         return _refused(action, meta)
     rec = tk.manager.sessions.get(sid)
     state = meta.get("state")
-    if state in ("Offloading", "Offloaded"):
+    if state in (Phase.OFFLOADING, Phase.OFFLOADED):
         due = None if rec is None else rec.prefetch_at
         if due is not None and math.isfinite(due):
             out = _outcome(action, "deferred", meta, _ttl_clip(tk, action, meta))
             out["restore_in_s"] = round(max(0.0, due - tk.manager.now), 3)
             return out
         return _outcome(action, "clipped", meta, "no_early_restore: restored at tool_end or the next request")
-    if state == "Released":
+    if state == Phase.RELEASED:
         return _outcome(action, "clipped", meta, f"let_go: {meta.get('reason') or 'nothing held'}")
     clip = _ttl_clip(tk, action, meta)
     return _outcome(action, "clipped" if clip else "accepted", meta, clip)

@@ -27,20 +27,30 @@ from typing import Any
 
 from toolkv.core.lifecycle import HOLDING
 from toolkv.core.manager import ToolKVManager
+from toolkv.core.session.phases import Phase
 from toolkv.sglang.metrics import ToolKVMetrics
 
 log = logging.getLogger("toolkv")
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.:/@+-]{1,128}")
 # (op whose acceptance starts it, state it waits in, state that completes it, metrics kind)
-_INFLIGHT = {
-    "Offloading": ("Offloaded", "offload"),
-    "Restoring": ("Handover", "restore"),  # readable: handed over to the next request (or already Runnable)
-    "Prefetching": ("Kept", "restore"),  # an early restore: done when the KV is readable
+_INFLIGHT: dict[str, tuple[str, str]] = {
+    Phase.OFFLOADING: (Phase.OFFLOADED, "offload"),
+    # readable: handed over to the next request (or already Runnable)
+    Phase.RESTORING: (Phase.HANDOVER, "restore"),
+    Phase.PREFETCHING: (Phase.KEPT, "restore"),  # an early restore: done when the KV is readable
 }
 
 
-_ENDED = frozenset({"Expired", "Lost"})  # a protection the TTL sweep or a tree reset ended (a line each)
+# completed inside the call (nothing to copy, or the pin/shadow backends): the metrics kind
+_DONE_AT_ONCE: dict[str, str] = {
+    Phase.OFFLOADED: "offload",
+    Phase.RUNNABLE: "restore",
+    Phase.HANDOVER: "restore",
+}
+_ENDED = frozenset(
+    {Phase.EXPIRED, Phase.LOST}
+)  # a protection the TTL sweep or a tree reset ended (a line each)
 
 
 def fmt(value: object) -> str:
@@ -120,8 +130,7 @@ class DecisionLog:
             self._inflight[sid] = (state, now, int(epoch or 0), n)
         else:
             self._inflight.pop(sid, None)
-            # completed inside the call (nothing to copy, or the pin/shadow backends)
-            kind = {"Offloaded": "offload", "Runnable": "restore", "Handover": "restore"}.get(state)
+            kind = _DONE_AT_ONCE.get(state)
             if kind is not None:
                 self._complete(kind, 0.0, n)
 
@@ -155,7 +164,7 @@ class DecisionLog:
                 self._protecting.discard(sid)
             done, kind = _INFLIGHT[state]
             finished = rec is not None and (
-                rec.state == done or (done == "Handover" and rec.state == "Runnable")
+                rec.state == done or (done == Phase.HANDOVER and rec.state == Phase.RUNNABLE)
             )
             if rec is not None and rec.epoch == epoch and finished:
                 self._complete(kind, now - t0, tokens)
@@ -169,6 +178,6 @@ class DecisionLog:
                 continue
             self._protecting.discard(sid)
             self._inflight.pop(sid, None)
-            if rec.state in ("Expired", "Lost"):
-                op = "ttl_sweep" if rec.state == "Expired" else "tree_reset"
+            if rec.state in (Phase.EXPIRED, Phase.LOST):
+                op = "ttl_sweep" if rec.state == Phase.EXPIRED else "tree_reset"
                 self.decided(op, sid, None, "ok", rec.state.lower())

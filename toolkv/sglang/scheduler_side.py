@@ -20,6 +20,8 @@ from toolkv.core import requests
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.lifecycle import EXPIRING, HOLDING
 from toolkv.core.manager import ToolKVManager, make_backend
+from toolkv.core.result import OPEN_CALL
+from toolkv.core.session.phases import Phase
 from toolkv.core.treeops import Tree
 from toolkv.errors import DeviceMemoryFull, Draining, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
@@ -170,7 +172,7 @@ def decide_on_tool_calls(state: str | None, *, zero_change: bool) -> str:
         return "skip:disabled"
     if state is None:
         return "skip:untracked"
-    if state != "Running":
+    if state != Phase.RUNNING:
         return f"skip:{state}"
     return "offload"
 
@@ -180,7 +182,7 @@ def decide_on_request(state: str | None, *, restore_on_request: bool) -> str:
     end: restore now instead of letting prefill reload it piecemeal (or recompute it)."""
     if not restore_on_request or state is None:
         return "none"
-    if state in ("Offloading", "Offloaded", "Kept", "Prefetching", "Released"):
+    if state in OPEN_CALL:
         return "restore"  # tool_end: load, unpin, take over the early restore, or just resume
     return "none"
 
@@ -627,7 +629,7 @@ class SchedulerToolKV:
         """A turn of ``sid`` finished and its KV was inserted (``cache_finished_req``)."""
         m = self.manager
         rec = m.sessions.get(sid)
-        if rec is not None and rec.state in ("Handover", "Parked"):  # ran without being seen admitted
+        if rec is not None and rec.state in (Phase.HANDOVER, Phase.PARKED):  # ran without being seen admitted
             m.admitted(sid)
         if rec is not None and rec.state in HOLDING:
             # The session ran a turn while toolkv still held its KV (a request without tool_end,
@@ -636,7 +638,7 @@ class SchedulerToolKV:
             # the tool call; if that cannot happen now, close and re-open the record, keeping the
             # epoch so an old tool_end stays stale.
             m.tick(m.now)
-            if rec.state in ("Offloading", "Offloaded", "Kept", "Prefetching"):
+            if rec.state in (Phase.OFFLOADING, Phase.OFFLOADED, Phase.KEPT, Phase.PREFETCHING):
                 try:
                     m.tool_end(sid, rec.epoch)
                     m.tick(m.now)

@@ -29,7 +29,9 @@ ALLOWED: dict[str, set[str]] = {
     "toolkv.argtypes": set(),  # bounded values of the command lines and the TOOLKV_* settings
     "toolkv.workload": set(),
     "toolkv.core": {"toolkv", "toolkv.errors", "toolkv.argtypes"},
-    "toolkv.client": {"toolkv", "toolkv.errors"},
+    # the client builds its requests from the core's request types and reads its phases and record
+    # keys (toolkv.core.requests, .result, .session.phases: the standard library and transitions)
+    "toolkv.client": {"toolkv", "toolkv.errors", "toolkv.core"},
     "toolkv.testing": {"toolkv"},
     "toolkv.sglang": {"toolkv", "toolkv.errors", "toolkv.argtypes", "toolkv.core"},
     "toolkv.verify": {"toolkv", "toolkv.errors", "toolkv.argtypes", "toolkv.core", "toolkv.testing"},
