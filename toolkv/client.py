@@ -1135,27 +1135,20 @@ def kv_hints(
     Validated here as the server does, so a bad hint fails in the agent, not as a ``rejected``."""
     if action not in KV_HINTS_ACTIONS:
         raise ValueError(f"action must be one of {', '.join(KV_HINTS_ACTIONS)}, not {action!r}")
-    payload: dict[str, Any] = {}
-    if tool is not None:
-        if not isinstance(tool, str) or not 0 < len(tool) <= 256:
-            raise ValueError("tool must be a non-empty string of at most 256 characters")
-        payload["tool"] = tool
-    if expected_s is not None:
-        if (
-            isinstance(expected_s, bool)
-            or not isinstance(expected_s, (int, float))
-            or not 0 <= expected_s < float("inf")
-        ):
-            raise ValueError("expected_s must be a finite number of seconds >= 0")
-        payload["expected_s"] = float(expected_s)
-    elif action == "prefetch":
+    if expected_s is None and action == "prefetch":
         raise ValueError("a prefetch needs expected_s: when the tool is expected back")
-    if prior_epoch is not None:
-        if action != "tool_start":
-            raise ValueError("prior_epoch only goes with a tool_start")
-        if isinstance(prior_epoch, bool) or not isinstance(prior_epoch, int) or prior_epoch < 0:
-            raise ValueError("prior_epoch must be an integer >= 0")
-        payload["prior_epoch"] = prior_epoch
+    if prior_epoch is not None and action != "tool_start":
+        raise ValueError("prior_epoch only goes with a tool_start")
+    given = {"tool": tool, "expected_s": expected_s, "prior_epoch": prior_epoch}
+    payload: dict[str, Any] = {}
+    for name, value in given.items():
+        if value is not None:
+            try:  # the bounds the server checks: the HTTP tool_start's own (toolkv.core.requests)
+                payload[name] = ToolStart.check(name, value)
+            except errors.BadRequest as e:
+                raise ValueError(e.message) from None
+    if expected_s is not None:
+        payload["expected_s"] = float(expected_s)
     import uuid
 
     return {

@@ -64,7 +64,7 @@ class Arg:
             )
         else:
             what = f"a finite number >= {self.ge}"
-        return BadRequest(f"{name}: must be {what}", field=name)
+        return BadRequest(f"{name} must be {what}", field=name)
 
     def check(self, name: str, value: object) -> object:
         """``value`` if it is what the field accepts (a policy's name as :class:`PolicyName`), else
@@ -152,6 +152,12 @@ class Request:
             if value is not None:
                 out[f.name] = value.value if isinstance(value, PolicyName) else value
         return out
+
+    @classmethod
+    def check(cls, name: str, value: object) -> object:
+        """``value`` checked as the field ``name`` (what the ``kv_hints`` payloads share with the
+        HTTP bodies)."""
+        return arg_of(next(f for f in fields(cls) if f.name == name)).check(name, value)
 
     @classmethod
     def args(cls) -> list[tuple[str, Arg, object]]:

@@ -60,7 +60,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolkv.core.lifecycle import HOLDING
+from toolkv.core.requests import ToolStart
 from toolkv.core.session.phases import Phase
+from toolkv.errors import BadRequest
 
 if TYPE_CHECKING:
     from toolkv.sglang.scheduler_side import SchedulerToolKV
@@ -131,18 +133,13 @@ def _validate(action_id: str, action_type: str, version: Any, payload: Any) -> H
     missing = sorted(required - set(payload))
     if missing:
         return bad(f"missing payload field(s) {', '.join(missing)}")
-    tool, expected, prior = payload.get("tool"), payload.get("expected_s"), payload.get("prior_epoch")
-    if tool is not None and (not isinstance(tool, str) or not 0 < len(tool) <= 256):
-        return bad("tool must be a non-empty string of at most 256 characters")
-    if expected is not None and (
-        isinstance(expected, bool)
-        or not isinstance(expected, (int, float))
-        or not math.isfinite(expected)
-        or expected < 0
-    ):
-        return bad("expected_s must be a finite number of seconds >= 0")
-    if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int) or prior < 0):
-        return bad("prior_epoch must be an integer >= 0")
+    try:  # the bounds of the HTTP tool_start's fields (toolkv.core.requests.ToolStart)
+        checked: list[Any] = [
+            ToolStart.check(k, payload.get(k)) for k in ("tool", "expected_s", "prior_epoch")
+        ]
+    except BadRequest as e:
+        return bad(e.message)
+    tool, expected, prior = checked
     return HintAction(
         action_id,
         action_type,
