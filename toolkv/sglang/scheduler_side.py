@@ -281,6 +281,18 @@ class SchedulerToolKV:
         self.manager.machine.on_store = lambda sid, why: self.decisions.decided(
             "l3_store", sid, None, "ok", why
         )
+        # the handler of each request type: the one dispatch (every type of REQUESTS has one)
+        self._handlers: dict[type[requests.Request], Callable[[Any], dict[str, Any]]] = {
+            requests.ToolStart: self._tool_start,
+            requests.ToolEnd: lambda r: _jsonable(self.manager.tool_end(r.session_id, r.epoch)),
+            requests.KvMetaQuery: self._kv_meta,
+            requests.Close: lambda r: _jsonable(self.manager.close(r.session_id)),
+            requests.AutoOffload: lambda r: self.on_tool_calls(r.session_id, r.tool),
+            requests.Handshake: lambda r: self.status(),
+            requests.StatusQuery: lambda r: self.server_status(r.limit),
+            requests.Drain: lambda r: self.set_drain(r.drain),
+        }
+        assert set(self._handlers) == set(requests.REQUESTS.values()), "a handler per request type"
         # Agree on the clock before the first handler can arm a deadline: the manager starts at
         # t=0, and a deadline armed then would expire on the first real reading. Every rank
         # builds its instance in Scheduler.__init__, so this first reduction is unconditional.
@@ -325,7 +337,7 @@ class SchedulerToolKV:
         return self.answer(req)
 
     def answer(self, req: requests.Request) -> tuple[int, dict[str, Any]]:
-        """Run one request through its handler (:attr:`_handlers`, by type). Typed errors become
+        """Run one request through its handler (``_handlers``, by type). Typed errors become
         their status; anything else is a 500 whose message names the exception (and is logged).
         Every call that can change something is one decision line (see
         :mod:`toolkv.sglang.observe`)."""
@@ -358,21 +370,6 @@ class SchedulerToolKV:
         if op in requests.DECIDING:
             self.decisions.decided(op, sid, None, "refused", e.code, self._asked(op, asked))
         return e.http_status, _jsonable(e.to_dict())
-
-    @property
-    def _handlers(self) -> Mapping[type[requests.Request], Callable[[Any], dict[str, Any]]]:
-        """The handler of each request type: the one dispatch (every type of
-        ``toolkv.core.requests.REQUESTS`` has one)."""
-        return {
-            requests.ToolStart: self._tool_start,
-            requests.ToolEnd: lambda r: _jsonable(self.manager.tool_end(r.session_id, r.epoch)),
-            requests.KvMetaQuery: self._kv_meta,
-            requests.Close: lambda r: _jsonable(self.manager.close(r.session_id)),
-            requests.AutoOffload: lambda r: self.on_tool_calls(r.session_id, r.tool),
-            requests.Handshake: lambda r: self.status(),
-            requests.StatusQuery: lambda r: self.server_status(r.limit),
-            requests.Drain: lambda r: self.set_drain(r.drain),
-        }
 
     def _tool_start(self, req: requests.ToolStart) -> dict[str, Any]:
         # a re-sent tool_start already applied: its record, unchanged (logged as skipped)
