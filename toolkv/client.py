@@ -442,7 +442,7 @@ class RetryPolicy:
     retries: int = 2
     backoff_s: float = 0.1
     max_backoff_s: float = 1.0
-    ops: frozenset[str] = frozenset({"tool_start", "kv_meta", "close"})
+    ops: frozenset[str] = frozenset({ToolStart.op, KvMetaQuery.op, Close.op})
     refusals: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
@@ -638,6 +638,14 @@ class _Base:
         limit = self.tool_call_deadline_s if deadline_s is None else _deadline_s(deadline_s)
         return ToolCall(session_id, tool, deadline_s=limit)
 
+    @contextlib.contextmanager
+    def _side(self, call: ToolCall, op: str) -> Iterator[None]:
+        """One side of a ``tool_call``: a toolkv error is kept in ``call``, logged, never raised."""
+        try:
+            yield
+        except errors.ToolKVError as e:
+            call._failed(op, e, quiet=op == "tool_start" and self._quiet(e))
+
     def _quiet(self, err: errors.ToolKVError) -> bool:
         """Whether :meth:`ToolCall._failed` logs ``err`` at DEBUG instead of WARNING: a server
         without toolkv (:class:`ToolKVNotRunning`) is said once per client at WARNING. Once an
@@ -741,7 +749,9 @@ def _tool_start(session_id: str, tool: str | None, expected_s: float | None) -> 
 
 
 def _server_status(limit: int | None) -> _Call[ServerStatus]:
-    return _Call.get(StatusQuery(20 if limit is None else limit), ServerStatus.from_json, limit is not None)
+    return _Call.get(
+        StatusQuery() if limit is None else StatusQuery(limit), ServerStatus.from_json, limit is not None
+    )
 
 
 @dataclass(frozen=True)
@@ -954,23 +964,17 @@ class ToolKVClient(_Base):
         server that sends its answer a few bytes at a time: each read waits at most the time that
         was left when the answer began (the async client's bound is exact)."""
         call = self._tool_call(session_id, tool, deadline_s)
-        try:
-            call._answered(
-                "tool_start",
-                self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=call.deadline_s),
-            )
-        except errors.ToolKVError as e:
-            call._failed("tool_start", e, quiet=self._quiet(e))
+        with self._side(call, "tool_start"):
+            start = self.tool_start(session_id, tool=tool, expected_s=expected_s, deadline_s=call.deadline_s)
+            call._answered("tool_start", start)
         try:
             yield call
         finally:
             if call.start is not None:
-                try:
+                with self._side(call, "tool_end"):
                     call._answered(
                         "tool_end", self.tool_end(session_id, call.start.epoch, deadline_s=call.deadline_s)
                     )
-                except errors.ToolKVError as e:
-                    call._failed("tool_end", e)
 
     def close(self) -> None:
         self._http.close()
@@ -1077,26 +1081,18 @@ class AsyncToolKVClient(_Base):
         """``async with kv.tool_call(sid, tool=...) as call:`` (see :meth:`ToolKVClient.tool_call`;
         here the deadline holds whatever the server does, a trickled answer included)."""
         call = self._tool_call(session_id, tool, deadline_s)
-        try:
-            call._answered(
-                "tool_start",
-                await self.tool_start(
-                    session_id, tool=tool, expected_s=expected_s, deadline_s=call.deadline_s
-                ),
+        with self._side(call, "tool_start"):
+            start = await self.tool_start(
+                session_id, tool=tool, expected_s=expected_s, deadline_s=call.deadline_s
             )
-        except errors.ToolKVError as e:
-            call._failed("tool_start", e, quiet=self._quiet(e))
+            call._answered("tool_start", start)
         try:
             yield call
         finally:
             if call.start is not None:
-                try:
-                    call._answered(
-                        "tool_end",
-                        await self.tool_end(session_id, call.start.epoch, deadline_s=call.deadline_s),
-                    )
-                except errors.ToolKVError as e:
-                    call._failed("tool_end", e)
+                with self._side(call, "tool_end"):
+                    end = await self.tool_end(session_id, call.start.epoch, deadline_s=call.deadline_s)
+                    call._answered("tool_end", end)
 
     async def aclose(self) -> None:
         await self._http.aclose()

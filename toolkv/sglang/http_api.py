@@ -21,7 +21,9 @@ middleware). Every error body is ``{"error": code, "message": text, ...details}`
 
 Bodies are parsed by hand rather than by FastAPI's parameter binding: sglang's app turns binding
 errors into its own error shape, and toolkv's contract (a 400 with toolkv's error body) should not
-depend on the host app's exception handlers.
+depend on the host app's exception handlers. Each route builds its request
+(:mod:`toolkv.core.requests`), which checks itself; the pydantic models below are generated from
+the same field declarations and only publish them (docs/openapi.json).
 """
 
 from __future__ import annotations

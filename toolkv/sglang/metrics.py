@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from toolkv.core.lifecycle import SESSION_STATES
+from toolkv.core.requests import REQUESTS
 from toolkv.sglang.ghost import REQUESTERS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -80,10 +81,7 @@ TOKEN_KINDS: tuple[str, ...] = ("offloaded", "freed", "left", "restored", "l3_st
 # decisions_total{op,outcome} created at 0: every decision's acceptance, and the refusals the shipped
 # alert rules and the drain's dashboard panel read.
 DECISION_OPS = (
-    "tool_start",
-    "tool_end",
-    "close",
-    "auto_offload",
+    *(op for op, kind in REQUESTS.items() if kind.decides),  # the requests that decide, then the ticks'
     "restore_on_request",
     "ttl_sweep",
     "tree_reset",
