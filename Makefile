@@ -136,11 +136,11 @@ model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check --spec-dir spec/storage
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check toolkv tests model_tests fuzz
-	$(VENV)/bin/ruff format --check toolkv tests model_tests fuzz
+	$(VENV)/bin/ruff check toolkv research tests model_tests fuzz
+	$(VENV)/bin/ruff format --check toolkv research tests model_tests fuzz
 
 type: $(STAMP)
-	$(VENV)/bin/mypy toolkv
+	$(VENV)/bin/mypy
 
 # Regenerate the lock from the human-readable sources (needs this machine's on-disk torch wheels).
 lock:

@@ -55,6 +55,25 @@ def test_the_twin_is_imported_by_the_command_line_only() -> None:
     assert importers in ([], [TOP]), importers
 
 
+def test_the_package_never_imports_the_checkout_research() -> None:
+    """``research/`` (sglang's decode-side offload, a feature toolkv refuses) is not in the wheel, so
+    no module of the package may import it, lazily or not."""
+    import ast
+
+    bad = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            bad += [
+                f"{module_name(path)}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[0] == "research"
+            ]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycles() -> None:
     """No two packages import each other (around any loop, lazy imports included), and no module
     imports itself back at import time."""
