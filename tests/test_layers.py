@@ -11,15 +11,19 @@ import pytest
 
 from toolkv.tools.layout import (
     ALLOWED,
+    BIG_LINES,
     PKG,
+    REASONS,
     TOP,
     imports_of,
     layer_of,
+    measures,
     module_cycles,
     module_name,
     modules,
     package_cycles,
     package_graph,
+    stand_ins,
 )
 
 MODULES = modules()
@@ -127,3 +131,16 @@ def test_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
     (pkg / "core" / "a.py").write_text("import toolkv.core.b\n")
     (pkg / "core" / "b.py").write_text("from toolkv.core import a\n")
     assert module_cycles(pkg) == [["toolkv.core.a", "toolkv.core.b"]]
+
+
+def test_one_server_stand_in() -> None:
+    """Only ``toolkv.twin.server`` builds the scheduler model and sglang's requests: the twin, the
+    fleet, the L3 map, the soak and the demo all drive that one stand-in."""
+    assert stand_ins() == ["toolkv.twin.server"]
+
+
+def test_every_stated_reason_is_for_a_large_file() -> None:
+    """A reason for a file that is no longer over the limit is stale."""
+    big = {f for f, _n in measures().big}
+    stale = sorted(f for f in REASONS if f not in big)
+    assert not stale, f"not over {BIG_LINES} lines any more, drop from REASONS: {stale}"
