@@ -48,7 +48,7 @@ Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,7 @@ from toolkv.core.backends.base import (
     record_freed,
 )
 from toolkv.core.backends.hicache_storage import StorageCopy
+from toolkv.core.backends.mirrors import drop_order, mirror_room, mirror_tokens
 from toolkv.core.backends.unified_storage import UnifiedStorage
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
@@ -103,6 +104,12 @@ def full(node: TreeNode) -> Any:
     return node.component_data[FULL]
 
 
+def host_copy(node: TreeNode) -> Any:
+    """A ``UnifiedTreeNode``'s FULL host copy (None: none): where :mod:`~toolkv.core.backends.mirrors`
+    finds a node's host copy on this tree."""
+    return node.component_data[FULL].host_value
+
+
 def _ntok(nodes: Sequence[TreeNode]) -> int:
     return sum(len(n.key) for n in nodes)
 
@@ -130,17 +137,32 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         agree: Agreement | None = None,
         host_budget_tokens: int | None = None,
         schedule_stream: Any = None,
+        unmirror: bool = False,
     ) -> None:
         check_tree(tree)
         self._init_state(
-            tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream
+            tree,
+            agree=agree,
+            host_budget_tokens=host_budget_tokens,
+            schedule_stream=schedule_stream,
+            unmirror=unmirror,
         )
 
     def _init_state(
-        self, tree: Tree, *, agree: Agreement | None, host_budget_tokens: int | None, schedule_stream: Any
+        self,
+        tree: Tree,
+        *,
+        agree: Agreement | None,
+        host_budget_tokens: int | None,
+        schedule_stream: Any,
+        unmirror: bool = False,
     ) -> None:
         """Everything but the tree check (the Rust core's backend checks its own)."""
         self.tree = tree
+        # Spec Unmirror: a tool_start short of host room may drop host mirrors of device copies
+        # running requests lock (toolkv.core.backends.mirrors; :meth:`_unmirrors` says where)
+        self.unmirror = unmirror
+        self.counters_unmirrored_tokens = 0  # host tokens of mirrors dropped for room (spec HostUnmirror)
         self.agree = agree or LocalAgreement()
         self.host_budget_tokens = host_budget_tokens
         self.schedule_stream = schedule_stream
@@ -177,8 +199,13 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         need = _ntok(to_write)
         pool = tree.cache_controller.mem_pool_host
         host_free = int(pool.available_size())
-        # Spec HostFits: free slots plus the unprotected host leaves sglang's evict_host can free
+        # Spec HostFits: free slots plus the unprotected host leaves sglang's evict_host can free,
+        # plus (Unmirror) the mirrors of device copies running requests lock, each counted only
+        # when what comes before it is short (they walk the tree)
         room = self.host_evictable_tokens() if need > host_free else 0
+        unmirror = self._unmirrors()
+        mirrors = self._mirror_room(path) if unmirror and need > host_free + room else []
+        room += mirror_tokens(mirrors, host_copy)
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
         fits = need <= host_free + room and (budget is None or self._ledger.tokens + extra <= budget)
         if not self.agree.all_true(fits):
@@ -194,11 +221,25 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         # spec HostRoom: the largest shortfall of any rank, evicted on every rank (the all-reduce
         # runs on every rank, also one whose own free slots suffice), the same LRU order
         short = int(self.agree.max_time(float(need - host_free)))
-        if short > 0:
+        made_room = short > 0
+        if made_room:
             tree.evict_host(short)
             self.counters_host_room += 1
+            # spec HostUnmirror, repeated: mirrors leaf first, in LRU order; the shortfall left is
+            # agreed on every rank (all of them evicted: the count above is agreed)
+            left = int(self.agree.max_time(float(need - int(pool.available_size())))) if unmirror else 0
+            for m in drop_order(mirrors):
+                if left <= 0:
+                    break
+                freed = self._drop_mirror(m)
+                left -= freed
+                self.counters_unmirrored_tokens += freed
             host_free = int(pool.available_size())
-        if short > 0 and not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
+            # read again: under write_back 0.5.23's evict_host reclaims host duplicates first
+            # (unified_tree_core.py drive_host_eviction), the path's own backed-up nodes among them
+            to_write = [m for m in path if full(m).host_value is None]
+            need = _ntok(to_write)
+        if made_room and not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
             raise host_full(
                 rec,
                 need=need,
@@ -216,6 +257,79 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    # ---- host room from mirrors (spec ``Unmirror``) ------------------------------------------------
+    def _unmirrors(self) -> bool:
+        """Spec ``Unmirror``, where it pays, as on 0.5.16: under ``write_through`` (and
+        ``write_through_selective``) sglang writes a dropped mirror again when a later insert hits
+        the node (unified_tree_core.py ``_inc_hit_count_and_check``: not backed up, hit count at
+        the threshold); under ``write_back`` sglang reclaims such duplicates itself, in the
+        ``evict_host`` that spec ``HostRoom`` calls (``drive_host_eviction`` ->
+        ``_reclaim_full_host_duplicates``)."""
+        return self.unmirror and not self._write_back()
+
+    def _write_back(self) -> bool:
+        controller = getattr(self.tree, "cache_controller", None)
+        return getattr(controller, "write_policy", None) == "write_back"
+
+    def _mirror_room(self, path: Collection[TreeNode]) -> list[TreeNode]:
+        """Spec ``MirrorRoom`` of a ``tool_start`` of ``path`` (the walk of
+        :func:`~toolkv.core.backends.mirrors.mirror_room`, with this tree's node facts)."""
+        loading = self._loading_ids()
+        return mirror_room(
+            self.tree, path, lambda m, tree, own: self._mirror_ok(m, own, loading), host=host_copy
+        )
+
+    def _mirror_ok(self, m: TreeNode, own: Collection[int], loading: Collection[int]) -> bool:
+        """Spec ``MirrorOk`` on 0.5.23's Python core (a method, so a seeded defect can replace
+        it): on both tiers and locked on the device by a request; no host lock on any component
+        (toolkv's protections, a load's anchor lock, sglang's own); no write in flight
+        (``write_through_pending_id``) and no load (``loading``: the paths of the loads in flight,
+        which under write_through mark no node); off the offloading path (``own``, by ``id()``)."""
+        d = full(m)
+        return (
+            d.host_value is not None
+            and d.value is not None
+            and d.lock_ref > 0
+            and all(cd.host_lock_ref == 0 for cd in m.component_data)
+            and id(m) not in own
+            and m.write_through_pending_id is None
+            and m.load_back_pending_id is None
+            and m.id not in loading
+        )
+
+    def _loading_ids(self) -> set[int]:
+        """Ids of the nodes a load in flight fills or reads: this backend's chains and, for a
+        request's own load (keyed by its anchor), the anchor's whole path, as :meth:`_node_loading`."""
+        ids = {n.id for _, chain in self.loading_chains() for n in chain}
+        core = self.tree.tree_core
+        for anchor_id in self.tree.ongoing_load_back:
+            try:
+                anchor = core.node_by_id(anchor_id)
+            except KeyError:
+                continue
+            ids.update(n.id for n in path_to(self.tree, anchor))
+        return ids
+
+    def _drop_mirror(self, m: TreeNode) -> int:
+        """Free ``m``'s FULL host copy, its device copy staying, with the tree core's own free of a
+        host duplicate (unified_tree_core.py ``_release_full_host_duplicate``: it asserts no host
+        lock and no write or load marked on the node, records the CPU removal event and adds the
+        node to the duplicate-reclaim digest that ``loading_check`` compares across TP ranks),
+        drained as ``evict_host`` drains its result. Returns the tokens freed."""
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
+
+        d = full(m)
+        assert d.value is not None and d.lock_ref > 0, "not a mirror of a locked device copy"
+        assert not any(host_copy(c) is not None for c in m.children.values()), "a child keeps a host copy"
+        core = self.tree.tree_core
+        result = DriveHostEvictionResult()
+        core._release_full_host_duplicate(
+            m, result.tracker, result.device_frees, result.host_frees, cache_actions=result.cache_actions
+        )
+        self.tree._apply_eviction_result(result)
+        core._update_duplicate_tracking(m)  # no longer on both tiers
+        return int(result.tracker[FULL])
 
     def pin_cost(self, leaf: TreeNode) -> int:
         """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate."""
@@ -435,6 +549,9 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
         # room = free + what the host eviction can free (spec HostFits), then toolkv's own budget
         host_avail = min(host_total, int(pool.available_size()) + self.host_evictable_tokens())
+        # and the mirrors a tool_start may drop (spec MirrorRoom)
+        if host_avail < host_total and self._unmirrors():
+            host_avail = min(host_total, host_avail + mirror_tokens(self._mirror_room(()), host_copy))
         if self.host_budget_tokens is not None:
             host_total = min(host_total, self.host_budget_tokens)
             host_avail = min(host_avail, max(0, self.host_budget_tokens - self.protected_tokens))
