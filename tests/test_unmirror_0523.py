@@ -218,3 +218,38 @@ def test_a_mirror_whose_write_is_in_flight_is_never_dropped(caveats: frozenset[s
         m.close("a")
         g.drain()
         assert g.accounting() == initial
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_under_write_back_the_copies_to_write_are_read_after_the_host_room(core: str) -> None:
+    """Under ``write_back`` 0.5.23's ``evict_host`` reclaims host duplicates first (a host copy
+    whose device copy is there, not host-locked: unified_tree_core.py ``drive_host_eviction`` ->
+    ``_reclaim_full_host_duplicates``), the offloading session's own backed-up prefix among them.
+    So a tool_start reads its path's copies to write again after it made room (spec ``ToolStart``
+    reads ``W`` after ``HostRoom``) and asks for the rest: it backs up the whole path, never
+    offloading with a path node that has no host copy."""
+    p, lb, la = (list(range(k, k + 64)) for k in (1_000, 2_000, 3_000))
+    c = list(range(4_000, 4_096))
+    cfg = UnifiedHarnessConfig(device_tokens=512, host_ratio=0.5, write_policy="write_back", tree_core=core)
+    with UnifiedCacheHarness(cfg) as g:
+        initial = g.accounting()
+        # eager free: an offloaded GPU copy is freed at its write's ack (c becomes host-only; on
+        # the Rust core, lazy free only, c stays a duplicate, which the reclaim may take too)
+        m = mutant_manager(g.tree, config=ManagerConfig(lazy_free=False))
+        for sid, tokens in (("b", p + lb), ("c", c)):  # offloaded, then let go: host copies unprotected
+            turn(g, m, sid, tokens)
+            m.tool_start(sid)
+            step(g, m, 0.0, writes=True)
+            m.close(sid)
+        turn(g, m, "a", p + la)
+        assert backed_up(g, p) and not backed_up(g, p + la)
+        assert int(g.host_pool.available_size()) < len(la), "a's copy needs room ..."
+        if core == "python":  # (host copies evict_host can free are not readable on the Rust core)
+            assert m.backend.host_evictable_tokens() >= len(la), "... which evict_host can make"  # type: ignore[attr-defined]
+        m.tool_start("a")
+        assert backed_up(g, p) and backed_up(g, p + la), "the whole path has a host copy"
+        step(g, m, 0.0, writes=True)
+        assert m.kv_meta("a")["state"] == "Offloaded"
+        m.close("a")
+        g.drain()
+        assert g.accounting() == initial

@@ -234,11 +234,7 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
                 freed = self._drop_mirror(m)
                 left -= freed
                 self.counters_unmirrored_tokens += freed
-            host_free = int(pool.available_size())
-            # read again: under write_back 0.5.23's evict_host reclaims host duplicates first
-            # (unified_tree_core.py drive_host_eviction), the path's own backed-up nodes among them
-            to_write = [m for m in path if full(m).host_value is None]
-            need = _ntok(to_write)
+            to_write, need, host_free = self._copies_after_room(path, to_write)
         if made_room and not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
             raise host_full(
                 rec,
@@ -257,6 +253,28 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def _copies_after_room(
+        self, path: Sequence[TreeNode], to_write: list[TreeNode]
+    ) -> tuple[list[TreeNode], int, int]:
+        """The path's copies to write, their tokens and the free host slots, read again once
+        ``evict_host`` made room (spec ``ToolStart`` reads ``W`` after ``HostRoom``): under
+        write_back 0.5.23's ``evict_host`` reclaims host duplicates first (unified_tree_core.py
+        ``drive_host_eviction`` -> ``_reclaim_full_host_duplicates``; the Rust core's too), the
+        path's own backed-up nodes among them. While that grows the copies to write, the rest is
+        asked for (each round takes at least one path node's copy: one round per node at most)."""
+        pool = self.tree.cache_controller.mem_pool_host
+        host_free = int(pool.available_size())
+        need = _ntok(to_write)
+        for _ in path:
+            again = [m for m in path if not self._host_backed(m)]
+            grown, to_write, need = len(again) > len(to_write), again, _ntok(again)
+            short = int(self.agree.max_time(float(need - host_free)))
+            if not grown or short <= 0:
+                break
+            self.tree.evict_host(short)
+            host_free = int(pool.available_size())
+        return to_write, need, host_free
 
     # ---- host room from mirrors (spec ``Unmirror``) ------------------------------------------------
     def _unmirrors(self) -> bool:

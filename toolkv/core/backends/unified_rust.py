@@ -159,7 +159,7 @@ class RustUnifiedBackend(UnifiedBackend):
         if short > 0:
             tree.evict_host(short)
             self.counters_host_room += 1
-            host_free = int(pool.available_size())
+            to_write, need, host_free = self._copies_after_room(path, to_write)
         if not self.agree.all_true(need <= host_free):
             raise host_full(
                 rec, need=need, host_free=host_free, extra=extra, protected=self._ledger.tokens, budget=budget
