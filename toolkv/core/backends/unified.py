@@ -18,6 +18,10 @@ a tree core and is addressed by ``NodeId`` handles; every primitive takes a hand
   moves until a start. :meth:`start_loads` (once per scheduler tick) starts the queue only when no
   load is in flight, the same condition as the 0.5.16 backend, read off ``ack_load_queue``, whose
   length is equal on every rank (sglang reaps acks in lockstep).
+* HostRoom / HostUnmirror (``unmirror``, under write_through): ``evict_host`` for the shortfall,
+  then the host mirrors of device copies running requests lock, dropped leaf first with the tree
+  core's ``_release_full_host_duplicate`` (:meth:`_drop_mirror`); the copies to write are read
+  again after the room is made (under write_back ``evict_host`` reclaims host duplicates first).
 * LoadAck: sglang's ``loading_check`` releases the load's locks; then the manager unpins and
   releases the protection.
 * Park / Unpin to Parked (load-adaptive protection): the host lock stays (or is taken again by
@@ -48,7 +52,7 @@ Never touched: ``ongoing_write_through``/``ongoing_load_back`` (read only), the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +72,8 @@ from toolkv.core.backends.base import (
     record_freed,
 )
 from toolkv.core.backends.hicache_storage import StorageCopy
-from toolkv.core.backends.mirrors import drop_order, mirror_room, mirror_tokens
+from toolkv.core.backends.mirrors import drop_order, mirror_tokens
+from toolkv.core.backends.unified_mirrors import UnifiedMirrors, host_copy
 from toolkv.core.backends.unified_storage import UnifiedStorage
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
@@ -104,12 +109,6 @@ def full(node: TreeNode) -> Any:
     return node.component_data[FULL]
 
 
-def host_copy(node: TreeNode) -> Any:
-    """A ``UnifiedTreeNode``'s FULL host copy (None: none): where :mod:`~toolkv.core.backends.mirrors`
-    finds a node's host copy on this tree."""
-    return node.component_data[FULL].host_value
-
-
 def _ntok(nodes: Sequence[TreeNode]) -> int:
     return sum(len(n.key) for n in nodes)
 
@@ -122,7 +121,7 @@ class Receipts:
     pin: Any = None  # from inc_lock_ref on the restoring leaf
 
 
-class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
+class UnifiedBackend(UnifiedMirrors, HostRestore, OwnLoads, UnifiedStorage):
     """Host offload on a ``UnifiedRadixCache`` with HiCache. The steps a seeded defect would
     change are small methods of their own (:meth:`_take_host_protection`,
     :meth:`_free_candidate_ready`, :meth:`_free_device_copy`, :meth:`_readable_after_load_back`),
@@ -275,79 +274,6 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
             self.tree.evict_host(short)
             host_free = int(pool.available_size())
         return to_write, need, host_free
-
-    # ---- host room from mirrors (spec ``Unmirror``) ------------------------------------------------
-    def _unmirrors(self) -> bool:
-        """Spec ``Unmirror``, where it pays, as on 0.5.16: under ``write_through`` (and
-        ``write_through_selective``) sglang writes a dropped mirror again when a later insert hits
-        the node (unified_tree_core.py ``_inc_hit_count_and_check``: not backed up, hit count at
-        the threshold); under ``write_back`` sglang reclaims such duplicates itself, in the
-        ``evict_host`` that spec ``HostRoom`` calls (``drive_host_eviction`` ->
-        ``_reclaim_full_host_duplicates``)."""
-        return self.unmirror and not self._write_back()
-
-    def _write_back(self) -> bool:
-        controller = getattr(self.tree, "cache_controller", None)
-        return getattr(controller, "write_policy", None) == "write_back"
-
-    def _mirror_room(self, path: Collection[TreeNode]) -> list[TreeNode]:
-        """Spec ``MirrorRoom`` of a ``tool_start`` of ``path`` (the walk of
-        :func:`~toolkv.core.backends.mirrors.mirror_room`, with this tree's node facts)."""
-        loading = self._loading_ids()
-        return mirror_room(
-            self.tree, path, lambda m, tree, own: self._mirror_ok(m, own, loading), host=host_copy
-        )
-
-    def _mirror_ok(self, m: TreeNode, own: Collection[int], loading: Collection[int]) -> bool:
-        """Spec ``MirrorOk`` on 0.5.23's Python core (a method, so a seeded defect can replace
-        it): on both tiers and locked on the device by a request; no host lock on any component
-        (toolkv's protections, a load's anchor lock, sglang's own); no write in flight
-        (``write_through_pending_id``) and no load (``loading``: the paths of the loads in flight,
-        which under write_through mark no node); off the offloading path (``own``, by ``id()``)."""
-        d = full(m)
-        return (
-            d.host_value is not None
-            and d.value is not None
-            and d.lock_ref > 0
-            and all(cd.host_lock_ref == 0 for cd in m.component_data)
-            and id(m) not in own
-            and m.write_through_pending_id is None
-            and m.load_back_pending_id is None
-            and m.id not in loading
-        )
-
-    def _loading_ids(self) -> set[int]:
-        """Ids of the nodes a load in flight fills or reads: this backend's chains and, for a
-        request's own load (keyed by its anchor), the anchor's whole path, as :meth:`_node_loading`."""
-        ids = {n.id for _, chain in self.loading_chains() for n in chain}
-        core = self.tree.tree_core
-        for anchor_id in self.tree.ongoing_load_back:
-            try:
-                anchor = core.node_by_id(anchor_id)
-            except KeyError:
-                continue
-            ids.update(n.id for n in path_to(self.tree, anchor))
-        return ids
-
-    def _drop_mirror(self, m: TreeNode) -> int:
-        """Free ``m``'s FULL host copy, its device copy staying, with the tree core's own free of a
-        host duplicate (unified_tree_core.py ``_release_full_host_duplicate``: it asserts no host
-        lock and no write or load marked on the node, records the CPU removal event and adds the
-        node to the duplicate-reclaim digest that ``loading_check`` compares across TP ranks),
-        drained as ``evict_host`` drains its result. Returns the tokens freed."""
-        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
-
-        d = full(m)
-        assert d.value is not None and d.lock_ref > 0, "not a mirror of a locked device copy"
-        assert not any(host_copy(c) is not None for c in m.children.values()), "a child keeps a host copy"
-        core = self.tree.tree_core
-        result = DriveHostEvictionResult()
-        core._release_full_host_duplicate(
-            m, result.tracker, result.device_frees, result.host_frees, cache_actions=result.cache_actions
-        )
-        self.tree._apply_eviction_result(result)
-        core._update_duplicate_tracking(m)  # no longer on both tiers
-        return int(result.tracker[FULL])
 
     def pin_cost(self, leaf: TreeNode) -> int:
         """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate."""
