@@ -253,3 +253,11 @@ def test_under_write_back_the_copies_to_write_are_read_after_the_host_room(core:
         m.close("a")
         g.drain()
         assert g.accounting() == initial
+
+
+def test_the_start_up_line_says_where_unmirror_is_not_honoured(h: UnifiedCacheHarness) -> None:
+    from toolkv.sglang.plugin import tree_core_note
+
+    note = tree_core_note(h.tree, lazy_free=True, unmirror=True)
+    assert ("TOOLKV_UNMIRROR not honoured" in note) == (h.cfg.tree_core == "rust"), note
+    assert "TOOLKV_UNMIRROR" not in tree_core_note(h.tree, lazy_free=True, unmirror=False)
