@@ -103,7 +103,7 @@ test-long: $(STAMP) $(STAMP_0523)
 # Built from scratch in about 4 minutes on 2 cores; its tests skip in .venv and run here.
 VENV_0523 ?= .venv-0523
 STAMP_0523 := $(VENV_0523)/.toolkv-installed
-UNIFIED_TESTS := tests/test_promised_room.py tests/test_rust_core_0523.py tests/test_regime_map_0523.py tests/test_unified_lifecycle.py tests/test_unified_restore.py tests/test_unified_stateful.py tests/test_unified_park.py tests/test_plugin_0523.py tests/test_soak_0523.py tests/test_kv_hints_0523.py tests/test_agent_example_0523.py tests/test_twin_0523.py tests/test_session_header.py tests/test_tree_core_0523.py tests/test_l3_0523.py tests/test_tp_rust_0523.py tests/test_ghost_0523.py
+UNIFIED_TESTS := tests/test_promised_room.py tests/test_rust_core_0523.py tests/test_regime_map_0523.py tests/test_unified_lifecycle.py tests/test_unified_restore.py tests/test_unified_stateful.py tests/test_unified_park.py tests/test_plugin_0523.py tests/test_soak_0523.py tests/test_kv_hints_0523.py tests/test_agent_example_0523.py tests/test_twin_0523.py tests/test_session_header.py tests/test_tree_core_0523.py tests/test_l3_0523.py tests/test_tp_rust_0523.py tests/test_ghost_0523.py tests/test_unmirror_0523.py
 
 venv-0523: $(STAMP_0523)
 
@@ -136,11 +136,11 @@ model: $(STAMP)
 	$(VENV)/bin/toolkv spec-check --spec-dir spec/storage
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check toolkv tests model_tests fuzz
-	$(VENV)/bin/ruff format --check toolkv tests model_tests fuzz
+	$(VENV)/bin/ruff check toolkv research tests model_tests fuzz
+	$(VENV)/bin/ruff format --check toolkv research tests model_tests fuzz
 
 type: $(STAMP)
-	$(VENV)/bin/mypy toolkv
+	$(VENV)/bin/mypy
 
 # Regenerate the lock from the human-readable sources (needs this machine's on-disk torch wheels).
 lock:

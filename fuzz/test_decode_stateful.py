@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-from toolkv.verify.decode import mutants as decode_mutants
-from toolkv.verify.decode.fuzzing import RIDS, campaign
-from toolkv.verify.decode.tracecheck import check_trace
-from toolkv.verify.decode.world import DecodeWorld
+from research.decode_offload import mutants as decode_mutants
+from research.decode_offload.fuzzing import RIDS, campaign
+from research.decode_offload.harness import DecodeHarnessConfig, DecodeOffloadHarness
+from research.decode_offload.tracecheck import check_trace
+from research.decode_offload.world import DecodeWorld
 
 EXAMPLES = int(os.environ.get("TOOLKV_DECODE_EXAMPLES", "60"))
 STEPS = int(os.environ.get("TOOLKV_DECODE_STEPS", "60"))

@@ -3,7 +3,7 @@ same seeded scheduler while rank 0's copy engine and backup thread run eagerly a
 lazily. With sglang's all_reduce(MIN) the ranks stay identical and the two-rank trace is a
 behaviour of the spec; with each rank using its own counts (mutant ``LocalAckCounts``, patched
 into the real class) they drift apart and the trace is refused.
-(``toolkv.verify.decode.tp`` is the rank program.)"""
+(``research.decode_offload.tp`` is the rank program.)"""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from toolkv.verify.decode.tp import spawn
-from toolkv.verify.decode.tracecheck import check_trace
+from research.decode_offload.tp import spawn
+from research.decode_offload.tracecheck import check_trace
 
 STEPS = 120
 

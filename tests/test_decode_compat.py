@@ -67,8 +67,8 @@ def test_a_request_released_by_the_offload_manager_never_reaches_the_radix_tree(
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-    from toolkv.verify.decode.fixes import radix_prefix_release
+    from research.decode_offload.fixes import radix_prefix_release
+    from research.decode_offload.harness import DecodeHarnessConfig, DecodeOffloadHarness
 
     logging.disable(logging.ERROR)
     try:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from research.decode_offload import diagram as decode_diagram
+from research.decode_offload import mutants as decode_mutants
 from toolkv.verify import spec_check
-from toolkv.verify.decode import diagram as decode_diagram
-from toolkv.verify.decode import mutants as decode_mutants
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "decode_offload.md"
@@ -28,7 +28,7 @@ def _bugs() -> set[str]:
 def test_committed_diagrams_are_the_generated_ones() -> None:
     text = DOC.read_text()
     assert decode_diagram.render(text, decode_diagram.generate()) == text, (
-        "run: python -m toolkv.verify.decode.diagram --write docs/decode_offload.md"
+        "run: python -m research.decode_offload.diagram --write docs/decode_offload.md"
     )
 
 

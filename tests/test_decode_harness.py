@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
+from research.decode_offload.harness import DecodeHarnessConfig, DecodeOffloadHarness
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-from toolkv.verify.decode import fixes as decode_fixes
-from toolkv.verify.decode import mutants as decode_mutants
+from research.decode_offload import fixes as decode_fixes
+from research.decode_offload import mutants as decode_mutants
+from research.decode_offload.harness import DecodeHarnessConfig, DecodeOffloadHarness
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 PREFIX = [7001, 7002, 7003, 7004]

@@ -45,3 +45,13 @@ def test_the_docs_table_is_the_recorded_run() -> None:
     assert m is not None, "docs/twin.md has no twin-host-mix block"
     assert m.group(1) == table(data)
     assert data["command"] in text
+
+
+def test_the_0523_docs_table_is_the_recorded_run() -> None:
+    """docs/twin.md's 0.5.23 table (host room from mirrors on the Python tree core) is its JSON."""
+    data = json.loads((ROOT / "docs" / "results" / "twin" / "host_mix_0523.json").read_text())
+    text = (ROOT / "docs" / "twin.md").read_text()
+    m = re.search(r"<!-- BEGIN twin-host-mix-0523 -->\n(.*?)\n<!-- END twin-host-mix-0523 -->", text, re.S)
+    assert m is not None, "docs/twin.md has no twin-host-mix-0523 block"
+    assert m.group(1) == table(data)
+    assert data["command"] in text

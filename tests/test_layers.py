@@ -11,15 +11,19 @@ import pytest
 
 from toolkv.tools.layout import (
     ALLOWED,
+    BIG_LINES,
     PKG,
+    REASONS,
     TOP,
     imports_of,
     layer_of,
+    measures,
     module_cycles,
     module_name,
     modules,
     package_cycles,
     package_graph,
+    stand_ins,
 )
 
 MODULES = modules()
@@ -53,6 +57,25 @@ def test_no_package_imports_the_command_line() -> None:
 def test_the_twin_is_imported_by_the_command_line_only() -> None:
     importers = sorted(a for a, bs in package_graph().items() if "toolkv.twin" in bs)
     assert importers in ([], [TOP]), importers
+
+
+def test_the_package_never_imports_the_checkout_research() -> None:
+    """``research/`` (sglang's decode-side offload, a feature toolkv refuses) is not in the wheel, so
+    no module of the package may import it, lazily or not."""
+    import ast
+
+    bad = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            bad += [
+                f"{module_name(path)}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[0] == "research"
+            ]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycles() -> None:
@@ -108,3 +131,16 @@ def test_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
     (pkg / "core" / "a.py").write_text("import toolkv.core.b\n")
     (pkg / "core" / "b.py").write_text("from toolkv.core import a\n")
     assert module_cycles(pkg) == [["toolkv.core.a", "toolkv.core.b"]]
+
+
+def test_one_server_stand_in() -> None:
+    """Only ``toolkv.twin.server`` builds the scheduler model and sglang's requests: the twin, the
+    fleet, the L3 map, the soak and the demo all drive that one stand-in."""
+    assert stand_ins() == ["toolkv.twin.server"]
+
+
+def test_every_stated_reason_is_for_a_large_file() -> None:
+    """A reason for a file that is no longer over the limit is stale."""
+    big = {f for f, _n in measures().big}
+    stale = sorted(f for f in REASONS if f not in big)
+    assert not stale, f"not over {BIG_LINES} lines any more, drop from REASONS: {stale}"

@@ -33,7 +33,9 @@ def _third_party_imports(paths: list[Path]) -> set[str]:
                 mods |= {a.name.split(".")[0] for a in n.names}
             elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
                 mods.add(n.module.split(".")[0])
-    local = {"toolkv", "conftest"} | {p.stem for p in (ROOT / "tests").glob("*.py")}  # test helper modules
+    local = {"toolkv", "conftest", "research"} | {
+        p.stem for p in (ROOT / "tests").glob("*.py")
+    }  # test helper modules
     return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
 
 
@@ -85,6 +87,10 @@ def test_installed_wheel_carries_the_spec_and_spec_check_finds_it(tmp_path: Path
     needed |= set(manifest.get("sany", []))
     shipped = {n.removeprefix("toolkv/spec_files/") for n in names if n.startswith("toolkv/spec_files/")}
     assert {"ToolKV.tla", "configs.toml"} <= shipped
+    # what the plugin and its commands run, nothing else: the checkout's research code (a model of
+    # sglang's decode-side offload, which toolkv refuses) and its spec stay out of the wheel
+    assert not [n for n in names if n.startswith("research/")], "research/ is not part of the package"
+    assert not [n for n in shipped if n.startswith("decode/")], "spec/decode is checked from a checkout"
     assert needed <= shipped, sorted(needed - shipped)
     env = dict(os.environ, PYTHONPATH=str(site))
     p = subprocess.run(

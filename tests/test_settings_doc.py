@@ -29,9 +29,13 @@ def test_the_operations_table_is_the_declaration() -> None:
 
 
 def test_the_plugin_config_has_one_field_per_declared_setting() -> None:
+    """One field per setting, layer by layer in the declaration's order (ToolKVConfig is the three
+    layers' dataclasses of toolkv.core.settings)."""
     got = [(f.name, f.type) for f in dataclasses.fields(ToolKVConfig)]
-    assert [n for n, _ in got] == [s.field for s in SETTINGS]
-    for (name, annotation), s in zip(got, SETTINGS, strict=True):
+    layered = [*of_layer("plugin"), *of_layer("manager"), *of_layer("policy")]
+    assert sorted(layered, key=lambda s: s.field) == sorted(SETTINGS, key=lambda s: s.field)
+    assert [n for n, _ in got] == [s.field for s in layered]
+    for (name, annotation), s in zip(got, layered, strict=True):
         assert annotation in TYPES[s.kind], (name, annotation, s.kind)
         assert (s.default is None) == annotation.endswith("| None"), name
         assert s.reason and "\n" not in s.reason and s.doc, name

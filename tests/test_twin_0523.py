@@ -70,3 +70,16 @@ def test_hand_computed_schedule() -> None:
     decisions (chunk 1024 for s0, s1's first chunk in the 548 tokens s0's last chunk leaves,
     then s1's last 52 tokens, then 3 decode steps of both) and the same times."""
     common.check_hand_computed_schedule()
+
+
+def test_the_host_pool_sort_covers_every_host_token_on_0523() -> None:
+    """``toolkv.twin.host_mix`` on 0.5.23's Python tree core: the kinds partition what the host
+    pool has allocated at every sample (a node missed, or counted twice, breaks the sum)."""
+    from toolkv.twin.host_mix import KINDS
+
+    o = common.run("offload")
+    mixes = [(s["host_used"], s["host_mix"]) for s in o.samples if "host_used" in s]
+    assert mixes and any(used > 0 for used, _ in mixes)
+    for used, mix in mixes:
+        assert mix is not None and set(mix) == set(KINDS)
+        assert sum(mix.values()) == used, (used, mix)

@@ -330,9 +330,13 @@ def make_backend(
         if handle_tree(tree):  # sglang 0.5.23's default Rust tree core: node handles only
             from toolkv.core.backends.unified_rust import RustUnifiedBackend
 
-            return RustUnifiedBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
+            return RustUnifiedBackend(
+                tree, agree=agree, host_budget_tokens=config.host_budget_tokens, unmirror=config.unmirror
+            )
         # raises Unsupported (with the fix) for a tree it cannot drive
-        return UnifiedBackend(tree, agree=agree, host_budget_tokens=config.host_budget_tokens)
+        return UnifiedBackend(
+            tree, agree=agree, host_budget_tokens=config.host_budget_tokens, unmirror=config.unmirror
+        )
     if hasattr(tree, "cache_controller") and hasattr(tree, "load_back"):
         from toolkv.core.backends.hiradix import HiRadixBackend
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Literal
 
-from toolkv.core.settings import MAX_DURATION_S, MIN_DURATION_S, default
+from toolkv.core.settings import MAX_DURATION_S, MIN_DURATION_S, PolicySettings
 
 Action = Literal["keep", "offload", "let_go"]
 
@@ -60,32 +60,9 @@ def _check_quantile(name: str, q: float) -> None:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """Tunables of the tool-call policy; every field is validated on construction."""
-
-    prior_median_s: float = default("prior_median_s")  # prior for an unseen tool (log-normal median)
-    prior_sigma: float = default("prior_sigma")  # prior log-space sigma (heavy tail)
-    prior_weight: float = default("prior_weight")  # pseudo-observations the prior counts for
-    keep_max_s: float = default(
-        "keep_max_s"
-    )  # keep only if the expected duration (at keep_quantile) is below this
-    keep_quantile: float = default("keep_quantile")
-    device_reserve: float = default(
-        "device_reserve"
-    )  # keep only if, after keeping, this fraction of the device pool stays free or evictable
-    min_offload_tokens: int = default(
-        "min_offload_tokens"
-    )  # below this, let go (recompute is cheaper than two transfers)
-    prefetch_quantile: float = default("prefetch_quantile")
-    prefetch_margin_s: float = default("prefetch_margin_s")
-    max_tools: int = default("max_tools")  # bound on per-tool statistics kept (LRU beyond)
-    # L3 as capacity (with a storage tier, ManagerConfig.l3): an offloaded session predicted to stay
-    # away longer than writing it to L3 and reading it back takes, plus this margin, is stored to
-    # L3 as soon as it is offloaded (its host copy then counts as host room), not only when the
-    # host is full; a large value (1e9) stores only victims of a full host
-    l3_store_margin_s: float = default("l3_store_margin_s")
-    # the L3 write rate that horizon assumes (tokens per second)
-    l3_write_tokens_per_s: float = default("l3_write_tokens_per_s")
+class PolicyConfig(PolicySettings):
+    """Tunables of the tool-call policy (``toolkv.core.settings.PolicySettings``: one field per
+    declared knob); every field is validated on construction."""
 
     def __post_init__(self) -> None:
         """Reject any value that would make a decision meaningless, naming the field and the value.

@@ -5,7 +5,10 @@ messages (``toolkv.sglang.config.ToolKVConfig.from_env``), the defaults of the l
 ``ManagerConfig`` and ``PolicyConfig`` (so a test or an embedder gets the machine a server runs),
 the settings table of docs/operations.md (``toolkv docs --settings``, checked by
 tests/test_settings_doc.py), the OpenAPI text of ``GET /session/status``'s ``settings`` and what
-``toolkv doctor`` prints. A new setting is one entry here plus the field that carries it.
+``toolkv doctor`` prints. A new setting is a change in this file alone: its entry in
+:data:`SETTINGS` and its field in its layer's dataclass (:class:`PluginSettings`,
+:class:`ManagerSettings`, :class:`PolicySettings`), which the plugin's and the library's configs
+are built from (tests/test_new_setting.py shows it on a copy of the package).
 
 Standard library only (and :mod:`toolkv.argtypes`): the plugin entry point reads the environment
 before toolkv's own dependencies are known to be installed.
@@ -458,6 +461,86 @@ def of_layer(layer: Layer) -> tuple[Setting, ...]:
 def variables() -> frozenset[str]:
     """Every ``TOOLKV_*`` setting's name."""
     return frozenset(s.name for s in SETTINGS)
+
+
+# ---- the fields that carry them, one dataclass per layer ------------------------------------------
+# One field per setting of the layer, in SETTINGS' order, each defaulting to its declaration: the
+# plugin's ToolKVConfig is all three layers, the library's ManagerConfig and PolicyConfig are their
+# own layer's (plus what only the library has), so a new setting is its entry above and its field
+# here, in this one file (_check_layers asserts the two agree when the module loads).
+Fallback = Literal["pin", "shadow"]
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's own settings: what attaches toolkv to a server and how it talks to it."""
+
+    enable: bool = default("enable")
+    fallback: Fallback = default("fallback")  # noqa: RUF009 (a str: immutable)
+    zero_change: bool = default("zero_change")
+    restore_on_request: bool = default("restore_on_request")
+    sweep_every: int = default("sweep_every")
+    reply_timeout_s: float = default("reply_timeout_s")
+    session_header: str = default("session_header")
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """The manager's settings: TTLs, budgets, the call policy and the mechanisms it may use."""
+
+    ttl_s: float = default("ttl_s")
+    host_budget_tokens: int | None = default("host_budget_tokens")
+    closed_history: int = default("closed_history")
+    policy: str = default("policy")
+    prefetch: bool = default("prefetch")
+    adaptive: bool = default("adaptive")
+    lazy_free: bool = default("lazy_free")
+    unmirror: bool = default("unmirror")
+    restore_tokens_per_s: float = default("restore_tokens_per_s")
+    keep_ttl_s: float = default("keep_ttl_s")
+    handover_ttl_s: float = default("handover_ttl_s")
+    idle_ttl_s: float = default("idle_ttl_s")
+    l3: bool = default("l3")
+    l3_read_tokens_per_s: float = default("l3_read_tokens_per_s")
+    l3_read_at_arrival: bool = default("l3_read_at_arrival")
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The per-call policy's knobs (``TOOLKV_POLICY=auto``)."""
+
+    prior_median_s: float = default("prior_median_s")
+    prior_sigma: float = default("prior_sigma")
+    prior_weight: float = default("prior_weight")
+    keep_max_s: float = default("keep_max_s")
+    keep_quantile: float = default("keep_quantile")
+    device_reserve: float = default("device_reserve")
+    min_offload_tokens: int = default("min_offload_tokens")
+    prefetch_quantile: float = default("prefetch_quantile")
+    prefetch_margin_s: float = default("prefetch_margin_s")
+    max_tools: int = default("max_tools")
+    l3_store_margin_s: float = default("l3_store_margin_s")
+    l3_write_tokens_per_s: float = default("l3_write_tokens_per_s")
+
+
+def _check_layers() -> None:
+    """Each layer's dataclass has exactly its declared settings, in their order: a setting
+    declared without its field (or a field without its declaration) fails at import."""
+    from dataclasses import fields
+
+    layers: tuple[tuple[type, Layer], ...] = (
+        (PluginSettings, "plugin"),
+        (ManagerSettings, "manager"),
+        (PolicySettings, "policy"),
+    )
+    for cls, layer in layers:
+        got = [f.name for f in fields(cls)]
+        want = [x.field for x in of_layer(layer)]
+        if got != want:  # not an assert: ``python -O`` must not load a half-declared setting
+            raise TypeError(f"{cls.__name__} fields {got} != the {layer} settings {want}")
+
+
+_check_layers()
 
 
 def table() -> str:

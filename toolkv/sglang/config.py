@@ -11,12 +11,14 @@ import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from toolkv.core.settings import (
     BY_FIELD,
     SETTINGS,
-    default,
+    ManagerSettings,
+    PluginSettings,
+    PolicySettings,
     of_layer,
     parse_bool,
     variables,
@@ -27,8 +29,6 @@ if TYPE_CHECKING:  # imported lazily: the plugin entry point must load without t
     # so that it can name the missing one instead of sglang's loader swallowing an ImportError
     from toolkv.core.manager import ManagerConfig
     from toolkv.core.policy import PolicyConfig
-
-Fallback = Literal["pin", "shadow"]
 
 # RFC 9110's ``token``: the characters an HTTP header name may have
 _HEADER_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -156,7 +156,7 @@ def _check_policy(values: Mapping[str, Any], env: Mapping[str, str]) -> None:
 
 
 @dataclass(frozen=True)
-class ToolKVConfig:
+class ToolKVConfig(PolicySettings, ManagerSettings, PluginSettings):
     """Everything the plugin reads from the environment (see ``docs/operations.md``).
 
     ``session_header`` (``TOOLKV_SESSION_HEADER``) is off unless named. A request's session is the
@@ -168,42 +168,8 @@ class ToolKVConfig:
     would protect whichever conversation happened to finish last. Only the operator knows what the
     key means, so only the operator can say it is a session."""
 
-    # one field per toolkv.core.settings.SETTINGS entry, in its order: its name, default, bound and
-    # reason are declared there (tests/test_settings_doc.py checks the two agree)
-    enable: bool = default("enable")
-    ttl_s: float = default("ttl_s")
-    host_budget_tokens: int | None = default("host_budget_tokens")
-    fallback: Fallback = default("fallback")  # noqa: RUF009 (a str: immutable)
-    zero_change: bool = default("zero_change")
-    restore_on_request: bool = default("restore_on_request")
-    sweep_every: int = default("sweep_every")
-    reply_timeout_s: float = default("reply_timeout_s")
-    closed_history: int = default("closed_history")
-    policy: str = default("policy")
-    prefetch: bool = default("prefetch")
-    adaptive: bool = default("adaptive")
-    lazy_free: bool = default("lazy_free")
-    unmirror: bool = default("unmirror")
-    restore_tokens_per_s: float = default("restore_tokens_per_s")
-    keep_ttl_s: float = default("keep_ttl_s")
-    handover_ttl_s: float = default("handover_ttl_s")
-    idle_ttl_s: float = default("idle_ttl_s")
-    l3: bool = default("l3")
-    l3_read_tokens_per_s: float = default("l3_read_tokens_per_s")
-    l3_read_at_arrival: bool = default("l3_read_at_arrival")
-    session_header: str = default("session_header")
-    prior_median_s: float = default("prior_median_s")
-    prior_sigma: float = default("prior_sigma")
-    prior_weight: float = default("prior_weight")
-    keep_max_s: float = default("keep_max_s")
-    keep_quantile: float = default("keep_quantile")
-    device_reserve: float = default("device_reserve")
-    min_offload_tokens: int = default("min_offload_tokens")
-    prefetch_quantile: float = default("prefetch_quantile")
-    prefetch_margin_s: float = default("prefetch_margin_s")
-    max_tools: int = default("max_tools")
-    l3_store_margin_s: float = default("l3_store_margin_s")
-    l3_write_tokens_per_s: float = default("l3_write_tokens_per_s")
+    # its fields are the three layers' of toolkv.core.settings (plugin, manager, policy): one per
+    # declared setting, its name, type, default, bound and reason declared there
 
     @classmethod
     def variables(cls) -> frozenset[str]:

@@ -241,7 +241,7 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
         rank,
         size,
         tk.manager.backend.name,
-        tree_core_note(tree, cfg.lazy_free),
+        tree_core_note(tree, cfg.lazy_free, cfg.unmirror),
         "on" if tk.decisions.metrics is not None else "off",
         _config_line(cfg),
         ""
@@ -254,7 +254,7 @@ def after_scheduler_init(_result: None, sched: Any, *args: Any, **kwargs: Any) -
             log.warning(warning)
 
 
-def tree_core_note(tree: Any, lazy_free: bool) -> str:
+def tree_core_note(tree: Any, lazy_free: bool, unmirror: bool = False) -> str:
     """`` tree_core=rust|python`` for a UnifiedRadixCache (sglang 0.5.23 picks its tree core with
     ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default ``rust``; toolkv runs on either), with what
     the Rust core cannot do that was asked for; empty for other trees."""
@@ -265,8 +265,14 @@ def tree_core_note(tree: Any, lazy_free: bool) -> str:
 
     if not handle_tree(tree):
         return " tree_core=python"
-    return " tree_core=rust" + (
-        "" if lazy_free else " (TOOLKV_LAZY_FREE=0 not honoured: the Rust core leaves GPU copies to sglang)"
+    return (
+        " tree_core=rust"
+        + (
+            ""
+            if lazy_free
+            else " (TOOLKV_LAZY_FREE=0 not honoured: the Rust core leaves GPU copies to sglang)"
+        )
+        + (" (TOOLKV_UNMIRROR not honoured: the Rust core cannot drop a host mirror)" if unmirror else "")
     )
 
 

@@ -2,7 +2,7 @@
 
 The three harnesses (:mod:`toolkv.testing.harness` for 0.5.16's ``HiRadixCache`` / ``RadixCache``,
 :mod:`toolkv.testing.unified_harness` for 0.5.23's ``UnifiedRadixCache``,
-:mod:`toolkv.testing.decode_harness` for 0.5.16's decode-side offload) build different sglang
+:mod:`research.decode_offload.harness` for 0.5.16's decode-side offload) build different sglang
 objects, but they answer the same two questions, and a test is only as good as those answers:
 
 * **the KV oracle** — what bytes each token's KV must have (:func:`model_kv`, a function of the
@@ -139,7 +139,7 @@ class KVCode:
 
 #: the radix-cache harnesses' code (``CacheHarness.expected_kv``, ``UnifiedCacheHarness.expected_kv``)
 PREFIX_CODE = KVCode(token=1_000_003, kv=104_729, layer=7_919, head=131, dim=1, modulus=65_521)
-#: the decode harness's code (``decode_harness.token_kv``)
+#: the decode harness's code (``research.decode_offload.harness.token_kv``, outside the package)
 DECODE_CODE = KVCode(token=7_368_787, kv=6_700_417, layer=1_009, head=97, dim=13, modulus=104_729)
 
 

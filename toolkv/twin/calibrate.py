@@ -43,7 +43,7 @@ COPY_SIZES = (1024, 8192, 32768)
 KV_BYTES = 131_072  # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
 
 
-class Server:
+class LiveServer:
     """The few HTTP calls the calibration needs (``/generate`` streamed, toolkv's session API)."""
 
     def __init__(self, url: str) -> None:
@@ -108,7 +108,7 @@ class Server:
         time.sleep(1.0)
 
 
-def measure_prefill(s: Server, grid: list[tuple[int, int]], reps: int) -> list[list[float]]:
+def measure_prefill(s: LiveServer, grid: list[tuple[int, int]], reps: int) -> list[list[float]]:
     pts = []
     for i, (p, n) in enumerate(grid):
         for rep in range(reps):
@@ -124,7 +124,7 @@ def measure_prefill(s: Server, grid: list[tuple[int, int]], reps: int) -> list[l
     return pts
 
 
-def _together(s: Server, prompts: list[list[int]], steps: int) -> list[list[float]]:
+def _together(s: LiveServer, prompts: list[list[int]], steps: int) -> list[list[float]]:
     """Stream every prompt at once; each stream's chunk arrival times."""
     results: list[list[float]] = [[] for _ in prompts]
 
@@ -139,7 +139,7 @@ def _together(s: Server, prompts: list[list[int]], steps: int) -> list[list[floa
     return results
 
 
-def measure_decode(s: Server, grid: list[tuple[int, int]], steps: int) -> list[list[float]]:
+def measure_decode(s: LiveServer, grid: list[tuple[int, int]], steps: int) -> list[list[float]]:
     pts = []
     for j, (b, ctx) in enumerate(grid):
         s.flush()
@@ -155,7 +155,7 @@ def measure_decode(s: Server, grid: list[tuple[int, int]], steps: int) -> list[l
     return pts
 
 
-def measure_copies(s: Server, sizes: tuple[int, ...], reps: int) -> dict[str, list[list[float]]]:
+def measure_copies(s: LiveServer, sizes: tuple[int, ...], reps: int) -> dict[str, list[list[float]]]:
     out: dict[str, list[list[float]]] = {"d2h": [], "h2d": []}
     for i, t in enumerate(sizes):
         for rep in range(reps):
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         points = synthetic(default_profile(), 0.03)
         source = "dry run: synthetic points from the default profile"
     else:
-        s = Server(a.url)
+        s = LiveServer(a.url)
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("prefill", lambda: measure_prefill(s, PREFILL_GRID, a.reps)),
             ("decode", lambda: measure_decode(s, DECODE_GRID, a.decode_steps)),

@@ -107,7 +107,7 @@ def route(sid: str, servers: list[int]) -> int:
     return max(servers, key=lambda k: zlib.crc32(f"{sid}/{k}".encode()))
 
 
-class Server(Twin):
+class FleetServer(Twin):
     """One server of the fleet: a :class:`Twin` whose messages come from the fleet's router."""
 
     def __init__(
@@ -235,7 +235,7 @@ class Fleet:
         self.tick_s = tick_s
         self.agents = Agents(sessions, server.mode, server.send_tool)
         try:
-            self.servers = [Server(self, i, server, profile, opts) for i in range(n)]
+            self.servers = [FleetServer(self, i, server, profile, opts) for i in range(n)]
         except BaseException:
             STORES.pop(self.store_name, None)
             raise
@@ -255,7 +255,7 @@ class Fleet:
         return STORES.get(self.store_name) if self.store_name else None
 
     def close(self) -> None:
-        """Close the servers' harnesses, the last built first (see :class:`Server`), and forget the store."""
+        """Close the servers' harnesses, the last built first (see :class:`FleetServer`), and forget the store."""
         from toolkv.twin.storage import STORES
 
         for s in reversed(self.servers):
@@ -279,7 +279,7 @@ class Fleet:
         else:
             self.servers[self.last_server.get(sid, self.home(sid))].deliver(t, kind, sid)
 
-    def on_generate(self, server: Server, sid: str) -> None:
+    def on_generate(self, server: FleetServer, sid: str) -> None:
         """A turn reaches ``server`` (before it is queued there): whether it moved."""
         a = self.agents.agents[sid]
         prev = self.last_server.get(sid)
@@ -294,7 +294,7 @@ class Fleet:
         heap: list[tuple[float, int, int]] = []
         ver = [0] * len(self.servers)
 
-        def touch(s: Server) -> None:
+        def touch(s: FleetServer) -> None:
             ver[s.index] += 1
             heapq.heappush(heap, (s.ready_at(), ver[s.index], s.index))
 

@@ -16,7 +16,8 @@ tokens, at one moment, into four kinds, so a run says how much of the host paid 
 
 ``python -m toolkv.twin.host_mix`` runs the value load under each write policy and prints the
 table of docs/twin.md ("Where the host pool goes"), saving its JSON. The sort walks the tree, so
-the twin takes it at its samples only (one per simulated second), on 0.5.16's ``HiRadixCache``.
+the twin takes it at its samples only (one per simulated second), on 0.5.16's ``HiRadixCache`` and on
+0.5.23's ``UnifiedRadixCache`` (Python tree core).
 """
 
 from __future__ import annotations
@@ -32,29 +33,44 @@ KINDS = ("mirror_locked", "mirror_unlocked", "host_only_protected", "host_only_u
 
 
 def host_mix(tree: Any) -> dict[str, int] | None:
-    """The host tokens of ``tree`` (a ``HiRadixCache``) by kind; None for a cache without node
-    objects with a host copy (a plain ``RadixCache``, 0.5.23's tree cores)."""
+    """The host tokens of ``tree`` (a ``HiRadixCache``, or 0.5.23's ``UnifiedRadixCache`` on its
+    Python tree core) by kind; None for a cache without node objects with a host copy (a plain
+    ``RadixCache``, 0.5.23's Rust tree core)."""
     try:
         root = getattr(tree, "root_node", None)
     except NotImplementedError:  # 0.5.23's Rust core: "root_node: not yet ported"
         return None
-    if root is None or not all(
-        hasattr(root, a) for a in ("host_value", "host_ref_counter", "lock_ref", "value")
-    ):
+    if root is None:
+        return None
+    if hasattr(root, "component_data"):  # a UnifiedTreeNode: its FULL component's copies
+        facts = _unified_facts
+    elif all(hasattr(root, a) for a in ("host_value", "host_ref_counter", "lock_ref", "value")):
+        facts = _hiradix_facts
+    else:
         return None
     out = dict.fromkeys(KINDS, 0)
     stack = list(root.children.values())
     while stack:
         n = stack.pop()
         stack.extend(n.children.values())
-        if n.host_value is None:
+        host, dev, locked, protected = facts(n)
+        if host is None:
             continue
-        k = len(n.host_value)
-        if n.value is not None:
-            out["mirror_locked" if n.lock_ref > 0 else "mirror_unlocked"] += k
+        k = len(host)
+        if dev is not None:
+            out["mirror_locked" if locked else "mirror_unlocked"] += k
         else:
-            out["host_only_protected" if n.host_ref_counter > 0 else "host_only_unprotected"] += k
+            out["host_only_protected" if protected else "host_only_unprotected"] += k
     return out
+
+
+def _hiradix_facts(n: Any) -> tuple[Any, Any, bool, bool]:
+    return n.host_value, n.value, n.lock_ref > 0, n.host_ref_counter > 0
+
+
+def _unified_facts(n: Any) -> tuple[Any, Any, bool, bool]:
+    d = n.component_data[0]  # FULL
+    return d.host_value, d.value, d.lock_ref > 0, any(cd.host_lock_ref > 0 for cd in n.component_data)
 
 
 def mean_shares(samples: Iterable[Mapping[str, Any]], host_tokens: int) -> dict[str, float] | None:
@@ -92,7 +108,9 @@ def _configs(names: Sequence[str], write_policy: str) -> list[Any]:
     return out
 
 
-def run(policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = ()) -> dict[str, Any]:
+def run(
+    policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = (), command: str = COMMAND
+) -> dict[str, Any]:
     """Each configuration under each write policy on the value load, with the bound (``--opt``)."""
     from toolkv.twin.cli import add_arguments, run_configs, workload
 
@@ -117,7 +135,7 @@ def run(policies: Sequence[str], configs: Sequence[str], extra: Sequence[str] = 
                 "tool_start_refused": sum(v for c, v in r["summary"].get("calls", {}).items()
                                           if c.startswith("tool_start ") and c != "tool_start 200"),
             })  # fmt: skip
-    return {"command": COMMAND, "load": VALUE_LOAD, "rows": rows}
+    return {"command": command, "load": VALUE_LOAD, "rows": rows}
 
 
 def table(data: Mapping[str, Any]) -> str:
@@ -151,7 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="twin configurations; offload-507, auto-507: with TOOLKV_UNMIRROR=0")  # fmt: skip
     p.add_argument("--out", type=Path, help="write the JSON here")
     a, extra = p.parse_known_args(argv)
-    data = run(a.write_policies.split(","), a.configs.split(","), extra)
+    args = list(sys.argv[1:] if argv is None else argv)
+    data = run(
+        a.write_policies.split(","),
+        a.configs.split(","),
+        extra,
+        " ".join(["python -m toolkv.twin.host_mix", *args]),
+    )
     print(table(data))
     if a.out:
         a.out.write_text(json.dumps(data, indent=1) + "\n")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +34,10 @@ from toolkv.twin.copies import TimedCopies
 from toolkv.twin.host_mix import host_mix
 from toolkv.twin.profile import TimeProfile
 from toolkv.twin.scheduler import Batch, TwinScheduler
+from toolkv.twin.server import Server
 from toolkv.twin.sessions import Sessions
 from toolkv.twin.stack import Stack, build
 from toolkv.workload.plan import Plan
-
-VOCAB = 128_256  # Llama-3.1-8B; the workload draws ids below 120,000
 
 
 class Stalled(Exception):
@@ -105,21 +103,19 @@ class Twin:
         self.drain_s = 0.0  # scheduler time spent waiting in them, over the run
         self._watch_drains()
         self.clock: Clock = ModelledGpuTime(profile, self.copies)
-        sched_cls: type[TwinScheduler] = self.stack.scheduler_class or TwinScheduler
-        if self.stack.unified:
-            from toolkv.twin.scheduler_0523 import TwinScheduler0523
-
-            sched_cls = TwinScheduler0523
-        self.sched = sched_cls(
-            self.h, chunked_prefill_size=self.opts.chunked_prefill_size,
+        # the one server stand-in, without the byte-writing forward (the twin counts tokens)
+        self.server = Server(
+            self.h, cfg.name, chunked_prefill_size=self.opts.chunked_prefill_size,
             max_prefill_tokens=self.opts.max_prefill_tokens, max_running_requests=self.opts.max_running_requests,
-            on_admitted=self._admitted, on_first_token=self._first_token, on_finished=self._finished,
+            scheduler_class=self.stack.scheduler_class, kv_forward=False,
         )  # fmt: skip
-        self.tk.bind_scheduler(self.sched)
+        self.server.on_admitted, self.server.on_first_token = self._admitted, self._first_token
+        self.server.on_finished = self._finished
+        self.server.bind(self.tk)
+        self.sched: TwinScheduler = self.server.sched
         self.samples: list[dict[str, Any]] = []
         self.crashed: str | None = None
         self.iterations = self.prefills = self.decodes = 0
-        self._rid = 0
 
     def _watch_drains(self) -> None:
         """Count sglang's blocking write drains (``writing_check(write_back=True)``: write_back's
@@ -171,23 +167,12 @@ class Twin:
 
     # ---- input -----------------------------------------------------------------------------------
     def _new_req(self, sid: str) -> Any:
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        a = self.agents.agents[sid]
-        sp = SamplingParams(
-            max_new_tokens=self.sessions.workload.output_tokens, ignore_eos=True, temperature=0
-        )
-        sp.normalize(None)
-        self._rid += 1
-        return Req(
-            f"{sid}#{self._rid}",
-            "",
-            array("q", a.ctx),
-            sp,
-            session_id=self.agents.sid_sent(sid),
-            vocab_size=VOCAB,
-        )
+        """The turn's request, built by the server stand-in: the agent's context, the workload's
+        output length, the session id only when the agent sends one."""
+        return self.server.request(
+            sid, self.agents.agents[sid].ctx, max_new_tokens=self.sessions.workload.output_tokens,
+            sends_session=self.agents.sid_sent(sid) is not None,
+        )  # fmt: skip
 
     def _inputs(self) -> None:
         while due := self.agents.due(self.now):  # an agent's reaction at the same instant is due too

@@ -495,14 +495,19 @@ class TwinScheduler:
         maybe_cache_unfinished_req(req, self.tree)
 
 
-def make_scheduler(harness: Any, **kwargs: Any) -> TwinScheduler:
-    """The scheduler of ``harness``'s release: :class:`TwinScheduler` over sglang 0.5.16's caches,
+def make_scheduler(
+    harness: Any, scheduler_class: type[TwinScheduler] | None = None, **kwargs: Any
+) -> TwinScheduler:
+    """The scheduler of ``harness``'s release: :class:`TwinScheduler` (or ``scheduler_class``, a
+    subclass such as the L3 server's) over sglang 0.5.16's caches,
     :class:`~toolkv.twin.scheduler_0523.TwinScheduler0523` over a ``UnifiedRadixCache`` (0.5.21+);
     ``kwargs`` are :class:`TwinScheduler`'s."""
     from toolkv.testing.unified_harness import UnifiedCacheHarness
 
     if isinstance(harness, UnifiedCacheHarness):
+        if scheduler_class is not None:
+            raise ValueError(f"{scheduler_class.__name__} models sglang 0.5.16's scheduler, not 0.5.23's")
         from toolkv.twin.scheduler_0523 import TwinScheduler0523
 
         return TwinScheduler0523(harness, **kwargs)
-    return TwinScheduler(harness, **kwargs)
+    return (scheduler_class or TwinScheduler)(harness, **kwargs)

@@ -1,7 +1,9 @@
-"""One sglang server stand-in in one process, the one the byte-checking drivers share (the soak,
-the fault bench, the demo): sglang's real cache (a CPU harness of :mod:`toolkv.testing`), the
-scheduler model every driver runs (:func:`~toolkv.twin.scheduler.make_scheduler`), the forward
-that writes and checks KV bytes (:class:`~toolkv.twin.forward.KVForward`), the ``Scheduler`` object
+"""The one sglang server stand-in in one process, every driver's: the twin, the fleet and the L3
+map (:class:`~toolkv.twin.run.Twin`, on modelled GPU time) and the byte-checking drivers (the soak,
+the fault bench, the demo). It is sglang's real cache (a CPU harness of :mod:`toolkv.testing`), the
+scheduler model every driver runs (:func:`~toolkv.twin.scheduler.make_scheduler`, the one factory),
+the one request builder (:meth:`Server.request`), the forward that writes and checks KV bytes
+(:class:`~toolkv.twin.forward.KVForward`; the twin, which counts tokens, runs without it), the ``Scheduler`` object
 sglang's own flush code and toolkv's hooks receive (:class:`SchedulerStandIn`), and toolkv's
 scheduler side attached the way the plugin attaches it (:meth:`Server.attach`, which the twin's
 :func:`~toolkv.twin.stack.build` shares through :func:`attach_toolkv`).
@@ -23,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from toolkv.twin.forward import KVForward
-from toolkv.twin.scheduler import Batch, TwinScheduler, make_scheduler
+from toolkv.twin.scheduler import Batch, TwinScheduler, make_scheduler, sampled_id
 
 ServerKind = Literal["hiradix", "pin", "shadow", "unified"]
 
@@ -148,7 +150,9 @@ class Server:
     client planned (the forward "samples" them), so a turn's tokens are known before it runs.
 
     A driver runs the loop with :meth:`iterate` (the soak, the demo); :meth:`admit` and
-    :meth:`finish` run one request at a time (the fault bench, ``tests/_faultbench.py``)."""
+    :meth:`finish` run one request at a time (the fault bench, ``tests/_faultbench.py``); the
+    twin (``kv_forward=False``) runs its own loop on modelled time over :attr:`sched`.
+    ``scheduler_class`` replaces the release's scheduler model on 0.5.16 (the L3 server's)."""
 
     name: str
     tree_api: str  # which cache rows of the plugin capture its turns (toolkv_cache_hooks)
@@ -161,22 +165,27 @@ class Server:
         chunked_prefill_size: int = 256,
         max_prefill_tokens: int = 1024,
         max_running_requests: int | None = None,
+        scheduler_class: type[TwinScheduler] | None = None,
+        kv_forward: bool = True,
     ) -> None:
         self.h = h
         self.name = name
         self.sched = make_scheduler(
             h,
+            scheduler_class,
             chunked_prefill_size=chunked_prefill_size,
             max_prefill_tokens=max_prefill_tokens,
             max_running_requests=max_running_requests or h.cfg.max_reqs - 1,
             on_admitted=self._admitted,
+            on_first_token=self._first_token,
             on_finished=self._finished,
             sample=self._sample,
         )
-        self.forward = KVForward(h, self.sched)
+        self._forward = KVForward(h, self.sched) if kv_forward else None
         self.scheduler = SchedulerStandIn(self.sched, hicache=h.is_hi)
         self.planned: dict[str, list[int]] = {}  # rid -> the output ids its client expects
         self.on_admitted: Hook | None = None  # the driver's: the plugin's AFTER hook runs there
+        self.on_first_token: Hook | None = None
         self.on_finished: Hook | None = None
         self.tk: Any = None  # toolkv's scheduler side, once attached
         self._rid = 0
@@ -186,30 +195,56 @@ class Server:
         """toolkv's scheduler side, attached as the plugin attaches it: on the tree, on the
         ``Scheduler`` object, bound to the scheduler's queues (``bind_scheduler``); ``metrics``
         (a ``ToolKVMetrics``) when the driver serves them (``toolkv serve``'s ``/metrics``)."""
-        self.tk = attach_toolkv(self.h.tree, config, now=now, metrics=metrics)
-        self.scheduler._toolkv = self.tk
-        self.tk.bind_scheduler(self.scheduler)
-        return self.tk
+        return self.bind(attach_toolkv(self.h.tree, config, now=now, metrics=metrics))
+
+    def bind(self, tk: Any) -> Any:
+        """``tk`` (toolkv's scheduler side, already on the tree) as this server's: on the
+        ``Scheduler`` object, bound to the scheduler's queues (``bind_scheduler``)."""
+        self.tk = tk
+        self.scheduler._toolkv = tk
+        tk.bind_scheduler(self.scheduler)
+        return tk
 
     # ---- requests ------------------------------------------------------------------------------------
-    def request(self, sid: str | None, prompt: list[int], output: list[int]) -> Any:
-        """A real ``Req`` for ``prompt`` that will produce ``output`` (``ignore_eos``)."""
+    def request(
+        self,
+        sid: str | None,
+        prompt: Any,
+        output: list[int] | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        sends_session: bool = True,
+    ) -> Any:
+        """A real ``Req`` for ``prompt`` (``ignore_eos``): it produces ``output`` when given (a
+        byte-checking driver's planned ids), else ``max_new_tokens`` of the twin's fixed ids
+        (:func:`~toolkv.twin.scheduler.sampled_id`). Its rid is ``<sid>#<n>``; its session id is
+        ``sid`` unless ``sends_session`` is False (a stock agent names its session but sends none)."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        sp = SamplingParams(max_new_tokens=len(output), ignore_eos=True, temperature=0)
+        if (output is None) == (max_new_tokens is None):
+            raise ValueError("give a request either its planned output or max_new_tokens")
+        n = len(output) if output is not None else max_new_tokens
+        sp = SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0)
         sp.normalize(None)
         self._rid += 1
         rid = f"{sid or 'req'}#{self._rid}"
-        self.planned[rid] = list(output)
-        return Req(rid, "", array("q", prompt), sp, session_id=sid, vocab_size=VOCAB)
+        if output is not None:
+            self.planned[rid] = list(output)
+        ids = prompt if isinstance(prompt, array) else array("q", prompt)
+        return Req(rid, "", ids, sp, session_id=sid if sends_session else None, vocab_size=VOCAB)
 
     def _sample(self, req: Any) -> int:
-        return self.planned[req.rid][len(req.output_ids)]
+        planned = self.planned.get(req.rid)
+        return planned[len(req.output_ids)] if planned is not None else sampled_id(req)
 
     def _admitted(self, req: Any) -> None:
         if self.on_admitted is not None:
             self.on_admitted(req)
+
+    def _first_token(self, req: Any) -> None:
+        if self.on_first_token is not None:
+            self.on_first_token(req)
 
     def _finished(self, req: Any) -> None:
         self.planned.pop(req.rid, None)
@@ -235,6 +270,13 @@ class Server:
             self.forward.run(batch)
             self.sched.finish_batch(batch)
         return batch
+
+    @property
+    def forward(self) -> KVForward:
+        """The forward that writes and checks KV bytes (not the twin's: it counts tokens)."""
+        if self._forward is None:
+            raise RuntimeError(f"{self.name}: a server built with kv_forward=False writes no KV bytes")
+        return self._forward
 
     # ---- one request at a time (the fault bench) ----------------------------------------------------
     def admit(self, sid: str | None, prompt: list[int], output: list[int]) -> Any | None:

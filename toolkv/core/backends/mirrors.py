@@ -17,15 +17,28 @@ flight (``ongoing_write_through``) nor a load's source (``ongoing_load_back``), 
 (``host_ref_counter``: toolkv's protections and sglang's own, e.g. a storage backup), it is not on
 the offloading session's own path, and every host copy below it may go too (copies leave leaf
 first, so the backed-up prefix stays contiguous from the root, as ``write_backup`` requires).
+
+The room and the drop order are the same walk on sglang 0.5.23's Python tree core, whose
+``UnifiedTreeNode`` keeps a node's copies in its FULL component: the callers pass ``host`` (where a
+node's host copy is) and their own ``ok`` (``UnifiedBackend._mirror_ok``); :func:`drop_mirror` is
+0.5.16's free, 0.5.23's is ``UnifiedBackend._drop_mirror``.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 from toolkv.core.backends.base import closed_subtrees
 from toolkv.core.treeops import Tree, TreeNode
+
+HostValue = Callable[[TreeNode], Any]
+
+
+def hiradix_host(m: TreeNode) -> Any:
+    """A ``HiRadixCache`` node's host copy (None: none)."""
+    return m.host_value
 
 
 def mirror_ok(m: TreeNode, tree: Tree, own: Collection[int]) -> bool:
@@ -48,17 +61,18 @@ def mirror_room(
     tree: Tree,
     own_path: Collection[TreeNode],
     ok: Callable[[TreeNode, Tree, Collection[int]], bool] = mirror_ok,
+    host: HostValue = hiradix_host,
 ) -> list[TreeNode]:
     """Spec ``MirrorRoom``: the nodes whose host copies may be dropped for a ``tool_start`` of
     ``own_path``, each with every host copy of its subtree droppable (``ok`` for each: a seeded
     defect replaces it); a node without a host copy stands in nobody's way."""
     own = {id(m) for m in own_path}
-    below = closed_subtrees(tree.root_node, lambda m: m.host_value is None or ok(m, tree, own))
-    return [m for m in below if m.host_value is not None]
+    below = closed_subtrees(tree.root_node, lambda m: host(m) is None or ok(m, tree, own))
+    return [m for m in below if host(m) is not None]
 
 
-def mirror_tokens(nodes: Collection[TreeNode]) -> int:
-    return sum(len(m.host_value) for m in nodes if m.host_value is not None)
+def mirror_tokens(nodes: Collection[TreeNode], host: HostValue = hiradix_host) -> int:
+    return sum(len(v) for v in map(host, nodes) if v is not None)
 
 
 def drop_order(room: Collection[TreeNode]) -> Iterator[TreeNode]:

@@ -18,6 +18,10 @@ a tree core and is addressed by ``NodeId`` handles; every primitive takes a hand
   moves until a start. :meth:`start_loads` (once per scheduler tick) starts the queue only when no
   load is in flight, the same condition as the 0.5.16 backend, read off ``ack_load_queue``, whose
   length is equal on every rank (sglang reaps acks in lockstep).
+* HostRoom / HostUnmirror (``unmirror``, under write_through): ``evict_host`` for the shortfall,
+  then the host mirrors of device copies running requests lock, dropped leaf first with the tree
+  core's ``_release_full_host_duplicate`` (:meth:`_drop_mirror`); the copies to write are read
+  again after the room is made (under write_back ``evict_host`` reclaims host duplicates first).
 * LoadAck: sglang's ``loading_check`` releases the load's locks; then the manager unpins and
   releases the protection.
 * Park / Unpin to Parked (load-adaptive protection): the host lock stays (or is taken again by
@@ -68,6 +72,8 @@ from toolkv.core.backends.base import (
     record_freed,
 )
 from toolkv.core.backends.hicache_storage import StorageCopy
+from toolkv.core.backends.mirrors import drop_order, mirror_tokens
+from toolkv.core.backends.unified_mirrors import UnifiedMirrors, host_copy
 from toolkv.core.backends.unified_storage import UnifiedStorage
 from toolkv.core.policy import Pressure
 from toolkv.core.session import SessionRecord
@@ -115,7 +121,7 @@ class Receipts:
     pin: Any = None  # from inc_lock_ref on the restoring leaf
 
 
-class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
+class UnifiedBackend(UnifiedMirrors, HostRestore, OwnLoads, UnifiedStorage):
     """Host offload on a ``UnifiedRadixCache`` with HiCache. The steps a seeded defect would
     change are small methods of their own (:meth:`_take_host_protection`,
     :meth:`_free_candidate_ready`, :meth:`_free_device_copy`, :meth:`_readable_after_load_back`),
@@ -130,17 +136,32 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         agree: Agreement | None = None,
         host_budget_tokens: int | None = None,
         schedule_stream: Any = None,
+        unmirror: bool = False,
     ) -> None:
         check_tree(tree)
         self._init_state(
-            tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream
+            tree,
+            agree=agree,
+            host_budget_tokens=host_budget_tokens,
+            schedule_stream=schedule_stream,
+            unmirror=unmirror,
         )
 
     def _init_state(
-        self, tree: Tree, *, agree: Agreement | None, host_budget_tokens: int | None, schedule_stream: Any
+        self,
+        tree: Tree,
+        *,
+        agree: Agreement | None,
+        host_budget_tokens: int | None,
+        schedule_stream: Any,
+        unmirror: bool = False,
     ) -> None:
         """Everything but the tree check (the Rust core's backend checks its own)."""
         self.tree = tree
+        # Spec Unmirror: a tool_start short of host room may drop host mirrors of device copies
+        # running requests lock (toolkv.core.backends.mirrors; :meth:`_unmirrors` says where)
+        self.unmirror = unmirror
+        self.counters_unmirrored_tokens = 0  # host tokens of mirrors dropped for room (spec HostUnmirror)
         self.agree = agree or LocalAgreement()
         self.host_budget_tokens = host_budget_tokens
         self.schedule_stream = schedule_stream
@@ -177,8 +198,13 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         need = _ntok(to_write)
         pool = tree.cache_controller.mem_pool_host
         host_free = int(pool.available_size())
-        # Spec HostFits: free slots plus the unprotected host leaves sglang's evict_host can free
+        # Spec HostFits: free slots plus the unprotected host leaves sglang's evict_host can free,
+        # plus (Unmirror) the mirrors of device copies running requests lock, each counted only
+        # when what comes before it is short (they walk the tree)
         room = self.host_evictable_tokens() if need > host_free else 0
+        unmirror = self._unmirrors()
+        mirrors = self._mirror_room(path) if unmirror and need > host_free + room else []
+        room += mirror_tokens(mirrors, host_copy)
         extra, budget = self._ledger.extra(path), self.host_budget_tokens
         fits = need <= host_free + room and (budget is None or self._ledger.tokens + extra <= budget)
         if not self.agree.all_true(fits):
@@ -194,11 +220,21 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         # spec HostRoom: the largest shortfall of any rank, evicted on every rank (the all-reduce
         # runs on every rank, also one whose own free slots suffice), the same LRU order
         short = int(self.agree.max_time(float(need - host_free)))
-        if short > 0:
+        made_room = short > 0
+        if made_room:
             tree.evict_host(short)
             self.counters_host_room += 1
-            host_free = int(pool.available_size())
-        if short > 0 and not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
+            # spec HostUnmirror, repeated: mirrors leaf first, in LRU order; the shortfall left is
+            # agreed on every rank (all of them evicted: the count above is agreed)
+            left = int(self.agree.max_time(float(need - int(pool.available_size())))) if unmirror else 0
+            for m in drop_order(mirrors):
+                if left <= 0:
+                    break
+                freed = self._drop_mirror(m)
+                left -= freed
+                self.counters_unmirrored_tokens += freed
+            to_write, need, host_free = self._copies_after_room(path, to_write)
+        if made_room and not self.agree.all_true(need <= host_free):  # only unprotected copies were freed
             raise host_full(
                 rec,
                 need=need,
@@ -216,6 +252,28 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         rec.offload_tokens = _ntok(path)
         self._ledger.take(rec.session_id, path)
         return not self.offload_pending(rec)
+
+    def _copies_after_room(
+        self, path: Sequence[TreeNode], to_write: list[TreeNode]
+    ) -> tuple[list[TreeNode], int, int]:
+        """The path's copies to write, their tokens and the free host slots, read again once
+        ``evict_host`` made room (spec ``ToolStart`` reads ``W`` after ``HostRoom``): under
+        write_back 0.5.23's ``evict_host`` reclaims host duplicates first (unified_tree_core.py
+        ``drive_host_eviction`` -> ``_reclaim_full_host_duplicates``; the Rust core's too), the
+        path's own backed-up nodes among them. While that grows the copies to write, the rest is
+        asked for (each round takes at least one path node's copy: one round per node at most)."""
+        pool = self.tree.cache_controller.mem_pool_host
+        host_free = int(pool.available_size())
+        need = _ntok(to_write)
+        for _ in path:
+            again = [m for m in path if not self._host_backed(m)]
+            grown, to_write, need = len(again) > len(to_write), again, _ntok(again)
+            short = int(self.agree.max_time(float(need - host_free)))
+            if not grown or short <= 0:
+                break
+            self.tree.evict_host(short)
+            host_free = int(pool.available_size())
+        return to_write, need, host_free
 
     def pin_cost(self, leaf: TreeNode) -> int:
         """Device tokens a pin of ``leaf``'s path takes from what sglang may evict or allocate."""
@@ -435,6 +493,9 @@ class UnifiedBackend(HostRestore, OwnLoads, UnifiedStorage):
         host_total = int(getattr(pool, "size", 0)) or int(pool.available_size())
         # room = free + what the host eviction can free (spec HostFits), then toolkv's own budget
         host_avail = min(host_total, int(pool.available_size()) + self.host_evictable_tokens())
+        # and the mirrors a tool_start may drop (spec MirrorRoom)
+        if host_avail < host_total and self._unmirrors():
+            host_avail = min(host_total, host_avail + mirror_tokens(self._mirror_room(()), host_copy))
         if self.host_budget_tokens is not None:
             host_total = min(host_total, self.host_budget_tokens)
             host_avail = min(host_avail, max(0, self.host_budget_tokens - self.protected_tokens))

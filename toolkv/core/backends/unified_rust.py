@@ -31,6 +31,14 @@ Where a fact is truly unavailable the safe outcome is chosen:
   host lock counts of every node; here ``tool_start`` asks sglang's host eviction for the shortfall
   and then decides on the free slots alone (spec ``HostRoom`` then ``ToolStart``; a call refused
   after that has made room for nobody in particular, never freed a protected copy).
+* **No host room from mirrors** (spec ``Unmirror``, ``TOOLKV_UNMIRROR``): a ``tool_start`` the
+  host cannot take after ``HostRoom`` answers ``507`` as before. Dropping a mirror needs two things
+  the Rust core does not offer by node id: a free of one node's host copy that leaves its device
+  copy (the Python core's ``_release_full_host_duplicate``; the Rust binding frees host copies
+  only inside ``drive_host_eviction``, by a token count, its duplicate reclaim there only under
+  ``write_back`` and in its own order), and each node's device and host lock counts (whether a
+  request locks it, whether anyone protects it: ``collect_path_info`` reports ids, spans, the
+  device value and a child count only).
 * **L3.** The storage tier's steps take node ids (``write_backup_storage``, the hash values, the
   prefetch's anchor) and look a path up with ``match_prefix``, which sees host-only nodes on this
   core too (``toolkv.core.backends.unified_storage``); nothing of it reads a node object. Mooncake
@@ -77,11 +85,21 @@ class RustUnifiedBackend(UnifiedBackend):
         agree: Agreement | None = None,
         host_budget_tokens: int | None = None,
         schedule_stream: Any = None,
+        unmirror: bool = False,
     ) -> None:
         check_rust_tree(tree)
         self._init_state(
-            tree, agree=agree, host_budget_tokens=host_budget_tokens, schedule_stream=schedule_stream
+            tree,
+            agree=agree,
+            host_budget_tokens=host_budget_tokens,
+            schedule_stream=schedule_stream,
+            unmirror=unmirror,
         )
+
+    def _unmirrors(self) -> bool:
+        """Never on this core, whatever was asked (see the module docstring: no by-id free of a
+        host copy whose device copy stays, no lock counts): ``tool_start`` answers 507 as before."""
+        return False
 
     # ---- node facts, through the interface ---------------------------------------------------------
     def _on_device(self, m: TreeNode) -> bool:
@@ -141,7 +159,7 @@ class RustUnifiedBackend(UnifiedBackend):
         if short > 0:
             tree.evict_host(short)
             self.counters_host_room += 1
-            host_free = int(pool.available_size())
+            to_write, need, host_free = self._copies_after_room(path, to_write)
         if not self.agree.all_true(need <= host_free):
             raise host_full(
                 rec, need=need, host_free=host_free, extra=extra, protected=self._ledger.tokens, budget=budget

@@ -189,6 +189,27 @@ class UnmirrorInFlightMixin:
         )  # fmt: skip
 
 
+class UnmirrorProtectedUnifiedMixin:
+    """``UnmirrorProtected`` on 0.5.23's Python core: the mirror test ignores host locks, so a
+    protected session's host copy may be the room."""
+
+    def _mirror_ok(self, m: TreeNode, own: Collection[int], loading: Collection[int]) -> bool:
+        d = m.component_data[0]  # FULL
+        return d.host_value is not None and d.value is not None and d.lock_ref > 0 and id(m) not in own
+
+
+class UnmirrorInFlightUnifiedMixin:
+    """``UnmirrorInFlight`` on 0.5.23's Python core: a mirror whose write is still in flight may
+    be the room."""
+
+    def _mirror_ok(self, m: TreeNode, own: Collection[int], loading: Collection[int]) -> bool:
+        d = m.component_data[0]  # FULL
+        return (
+            d.host_value is not None and d.value is not None and d.lock_ref > 0
+            and all(cd.host_lock_ref == 0 for cd in m.component_data) and id(m) not in own
+        )  # fmt: skip
+
+
 class HostRefLeakMixin:
     """``HostRefLeak`` (the Rust core's backend): a protection's release drops the receipt without
     returning the host lock, so the session's host copy can never be evicted again."""
@@ -328,6 +349,8 @@ BACKEND_MUTANTS: dict[type, dict[str, type]] = {
         "EarlyRunnable": EarlyRunnableMixin,
         "KeepNoPin": KeepNoPinMixin,
         "PinPricedByLoad": PinPricedByLoadMixin,
+        "UnmirrorProtected": UnmirrorProtectedUnifiedMixin,
+        "UnmirrorInFlight": UnmirrorInFlightUnifiedMixin,
     },
 }
 
@@ -378,8 +401,9 @@ def mutant_manager(
         kind = type(backend)
         if kind in BACKEND_MUTANTS and caveats & set(BACKEND_MUTANTS[kind]):
             cls: Any = backend_class(kind, caveats)
-            extra = {"unmirror": config.unmirror} if issubclass(kind, HiRadixBackend) else {}
-            backend = cls(tree, agree=agree, host_budget_tokens=config.host_budget_tokens, **extra)
+            backend = cls(
+                tree, agree=agree, host_budget_tokens=config.host_budget_tokens, unmirror=config.unmirror
+            )
     return manager_class(caveats)(tree, backend, config=config, agree=agree)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from toolkv.testing.decode_harness import DecodeOffloadHarness
+from research.decode_offload.harness import DecodeOffloadHarness
 
 
 class DecodeFailure(AssertionError):

@@ -3,7 +3,7 @@
 
 - ``world``       the decode scheduler around the real manager, one method per spec action, the
   refinement mapping and the checks after each step
-- ``fuzzing``     the Hypothesis campaign (``python -m toolkv.verify.decode.fuzzing``)
+- ``fuzzing``     the Hypothesis campaign (``python -m research.decode_offload.fuzzing``)
 - ``tracecheck``  a fuzz trace validated against the spec with TLC
 - ``mutants``     seeded defects applied as patches on the real class
 - ``tp``          two gloo ranks driven in lockstep (tensor parallelism)

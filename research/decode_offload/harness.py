@@ -20,7 +20,7 @@ Test doubles, each for something a CPU machine lacks or a test must decide (``do
    host copy and writes the real file backend only when the test lets one backup through, so the
    moment each backup acknowledgement lands is the test's choice, as the copy engine's is.
 
-The manager is driven exactly as the scheduler drives it; see ``toolkv.verify.decode.world``.
+The manager is driven exactly as the scheduler drives it; see ``research.decode_offload.world``.
 The KV oracle (the bytes a token's KV must have, the bytes the pools hold) is
 :mod:`toolkv.testing.base`'s, as the prefix harnesses'.
 """

@@ -6,7 +6,7 @@ increment (written device->host, acknowledged and staged for storage, written to
 slots freed). An arrow is drawn for every spec action that moves the projection, labelled with
 the actions that do. ``tests/test_decode_docs.py`` fails if the committed diagrams differ.
 
-``python -m toolkv.verify.decode.diagram`` prints them; ``--write FILE`` updates the blocks
+``python -m research.decode_offload.diagram`` prints them; ``--write FILE`` updates the blocks
 between ``<!-- BEGIN decode-NAME -->`` and ``<!-- END decode-NAME -->`` in ``FILE``.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from toolkv.verify.tla import tlc as tla
 
-SPEC_DIR = Path(__file__).resolve().parents[3] / "spec" / "decode"
+SPEC_DIR = Path(__file__).resolve().parents[2] / "spec" / "decode"
 CFG = "MC_diagram.cfg"
 START = "[*]"
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode.diagram")
+    p = argparse.ArgumentParser(prog="python -m research.decode_offload.diagram")
     add_arguments(p)
     return run(p.parse_args(argv))
 

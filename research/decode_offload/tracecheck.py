@@ -1,6 +1,6 @@
 """Validate a decode-offload fuzz trace against ``spec/decode/DecodeOffload.tla`` with TLC.
 
-A trace (JSON lines written by :mod:`toolkv.verify.decode.fuzzing`: a header with the spec's
+A trace (JSON lines written by :mod:`research.decode_offload.fuzzing`: a header with the spec's
 constants, then one record per step: the action, the capacity decision ``fits`` and the state
 record ``s`` the refinement mapping read off the real objects) becomes a TLA+ module that
 EXTENDS ``DecodeOffload``. Its initial state is the first record; every later record must be
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SPEC_DIR = Path(__file__).resolve().parents[3] / "spec" / "decode"
+SPEC_DIR = Path(__file__).resolve().parents[2] / "spec" / "decode"
 SAFETY = (
     "TypeOK", "LiveReadsOwned", "TreeSlotsOwned", "NoFreeUnderCopy", "ReleasedOnce", "SlotAccounting",
     "ProtectedMatchesLocks", "InflightAccounting", "ReleaseWaits", "HostFreedAfterBackup",
@@ -241,8 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode.tracecheck FILE...``"""
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode.tracecheck")
+    """``python -m research.decode_offload.tracecheck FILE...``"""
+    p = argparse.ArgumentParser(prog="python -m research.decode_offload.tracecheck")
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -1,7 +1,7 @@
 """Hypothesis stateful testing of sglang's REAL ``DecodeKVCacheOffloadManager`` (CPU harness).
 
 Every step is one action of ``spec/decode/DecodeOffload.tla`` run by
-:class:`toolkv.verify.decode.world.DecodeWorld`: admit, decode, offload, finish, the scheduler's
+:class:`research.decode_offload.world.DecodeWorld`: admit, decode, offload, finish, the scheduler's
 per-iteration ``check_offload_progress``, and the two engines the test controls, the copy
 engine (a device->host copy finishes) and the storage backup thread (an increment is written).
 Pools are small, so the host pool refuses writes and admission waits for freed slots.
@@ -15,7 +15,7 @@ copy and every stored page holds the KV that was written. At teardown every requ
 and every ack drained: everything is released, every counter is back to its initial value, and
 storage holds exactly the offloaded pages of every request's chain.
 
-Each step can be written to a JSON-lines trace for ``toolkv.verify.decode.tracecheck``.
+Each step can be written to a JSON-lines trace for ``research.decode_offload.tracecheck``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-from toolkv.verify.decode import mutants as decode_mutants
-from toolkv.verify.decode.world import DecodeWorld, Step
+from research.decode_offload import mutants as decode_mutants
+from research.decode_offload.harness import DecodeHarnessConfig, DecodeOffloadHarness
+from research.decode_offload.world import DecodeWorld, Step
 
 RIDS = ("r1", "r2", "r3")
 
@@ -288,8 +288,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode.fuzzing [--examples N] [--steps M] [--mutants]``."""
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode.fuzzing")
+    """``python -m research.decode_offload.fuzzing [--examples N] [--steps M] [--mutants]``."""
+    p = argparse.ArgumentParser(prog="python -m research.decode_offload.fuzzing")
     add_arguments(p)
     return run(p.parse_args(argv))
 

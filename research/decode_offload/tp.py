@@ -8,7 +8,7 @@ write and backup acks with an ``all_reduce(MIN)`` over the TP group before actin
 scheduler step the ranks exchange (``all_gather_object``) the lockstep part of their abstract
 state (everything except per-rank engine progress and storage) and stop at the first difference.
 
-Rank 0 also writes the whole run as one trace for ``toolkv.verify.decode.tracecheck`` (with
+Rank 0 also writes the whole run as one trace for ``research.decode_offload.tracecheck`` (with
 ``Ranks = {k1, k2}``). Run by ``fuzz/test_decode_tp.py`` in two spawned processes; each writes
 ``rank{r}.json``.
 """
@@ -70,9 +70,9 @@ def episode(rank: int, world: int, out_dir: str, seed: int, steps: int, mutant: 
     """Build, drive ``steps`` scheduler steps, drain, write ``rank{rank}.json``."""
     import torch.distributed as dist
 
-    from toolkv.testing.decode_harness import DecodeHarnessConfig, DecodeOffloadHarness
-    from toolkv.verify.decode import mutants as decode_mutants
-    from toolkv.verify.decode.world import DecodeWorld
+    from research.decode_offload import mutants as decode_mutants
+    from research.decode_offload.harness import DecodeHarnessConfig, DecodeOffloadHarness
+    from research.decode_offload.world import DecodeWorld
 
     result: dict[str, Any] = {"rank": rank, "ok": True, "failure": None, "diverged_at": None, "steps": 0}
     progress: list[list[list[int]]] = []  # per step: every rank's (copies done, backups written, acks queued)
@@ -137,7 +137,7 @@ def episode(rank: int, world: int, out_dir: str, seed: int, steps: int, mutant: 
 
 
 class _Tracer:
-    """Builds one trace of the whole TP system for ``toolkv.verify.decode.tracecheck``: per
+    """Builds one trace of the whole TP system for ``research.decode_offload.tracecheck``: per
     scheduler step, the lockstep action (recorded once, with every rank's per-rank fields), then
     rank 0's engine steps, then rank 1's (they touch only their own rank's fields, so this order
     is a valid interleaving of what ran in parallel)."""
@@ -275,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.verify.decode.tp [--steps N] [--seed S]``."""
-    p = argparse.ArgumentParser(prog="python -m toolkv.verify.decode.tp")
+    """``python -m research.decode_offload.tp [--steps N] [--seed S]``."""
+    p = argparse.ArgumentParser(prog="python -m research.decode_offload.tp")
     add_arguments(p)
     return run(p.parse_args(argv))
 
