@@ -58,7 +58,7 @@ def test_metadata_declares_what_the_code_and_tests_import() -> None:
     deps = _dists(project["dependencies"])
     extras = {k: _dists(v) for k, v in project["optional-dependencies"].items()}
     assert {"transitions", "prometheus-client"} <= deps
-    client = {_dist_of(m) for m in _third_party_imports([ROOT / "toolkv" / "client.py"])}
+    client = {_dist_of(m) for m in _third_party_imports(sorted((ROOT / "toolkv" / "client").glob("*.py")))}
     assert client <= deps | extras["client"], client - deps - extras["client"]
     tests = [*ROOT.glob("tests/*.py"), *ROOT.glob("fuzz/*.py"), *ROOT.glob("model_tests/*.py")]
     needed = {_dist_of(m) for m in _third_party_imports(tests) - SERVING_STACK}
