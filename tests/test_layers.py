@@ -144,3 +144,8 @@ def test_every_stated_reason_is_for_a_large_file() -> None:
     big = {f for f, _n in measures().big}
     stale = sorted(f for f in REASONS if f not in big)
     assert not stale, f"not over {BIG_LINES} lines any more, drop from REASONS: {stale}"
+
+
+def test_every_large_file_states_why() -> None:
+    """A file over the limit is split, or says in ``REASONS`` why it is one piece."""
+    assert measures().unreasoned == []

@@ -13,6 +13,8 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+from _wheel import build_wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # provided by the serving environment, deliberately not declared (see pyproject.toml)
@@ -72,12 +74,7 @@ def test_every_package_is_listed() -> None:
 
 
 def test_installed_wheel_carries_the_spec_and_spec_check_finds_it(tmp_path: Path) -> None:
-    wheels = tmp_path / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(wheels)],
-        check=True, capture_output=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    (wheel,) = wheels.glob("toolkv-*.whl")
+    wheel = build_wheel(tmp_path)
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:  # a pure-Python wheel is installed by unpacking it
         names = z.namelist()

@@ -15,13 +15,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import venv
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _wheel import build_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ("transitions", "six", "prometheus-client")  # toolkv's dependencies and theirs
@@ -58,11 +58,7 @@ def _copy_distribution(name: str, site: Path) -> None:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(tmp)],
-        check=True, capture_output=True, timeout=300, cwd=tmp,
-    )  # fmt: skip
-    (wheel,) = tmp.glob("toolkv-*.whl")
+    wheel = build_wheel(tmp)
     root = tmp / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(root)
     py = root / "bin" / "python"
