@@ -139,7 +139,7 @@ def test_a_copy_whose_store_is_in_flight_is_not_room(tmp_path: Path) -> None:
         turn(h, m, "b", B)
         be = m.backend
         assert isinstance(be, HiRadixBackend)
-        assert m.machine.demotable_tokens("b", 0.0) == 0, "a copy on its way to L3 is not room yet"
+        assert m.machine.policy.demotable_tokens("b", 0.0) == 0, "a copy on its way to L3 is not room yet"
         assert be.host_evictable_tokens() < len(A) or int(h.match(A).host_hit_length) == len(A)
         with pytest.raises(HostMemoryFull):
             m.tool_start("b", expected_s=1.0)

@@ -134,7 +134,7 @@ def sc_host_room(rank: int, agree: Any, clock_agree: Any) -> dict[str, Any]:
 SCENARIOS = {"offload": sc_offload, "promise": sc_promise, "host_room": sc_host_room}
 MUTANTS = {
     "acks_local": ("offload", "ack"),  # sglang's reduced ack counts skipped
-    "promise_local": ("promise", "_check_offload_room"),
+    "promise_local": ("promise", "check_offload_room"),
     "host_room_local": ("host_room", "offload"),
 }
 

@@ -4,8 +4,9 @@ see it.
 The layers under it, each in its own module:
 
 * ``toolkv.core.session.machine`` — :class:`SessionMachine`, ``spec/ToolKV.tla``'s manager actions,
-  one method per action named as the spec's (``ToolStart`` → ``tool_start``), with ``can_<action>``
-  guards; ``toolkv.core.l3`` its L3 sub-machine (``spec/storage/StorageTier.tla``);
+  one method per action named as the spec's (``ToolStart`` → ``tool_start``), each with its
+  ``can_<action>`` guard on the part that holds it (copies, loads, hand-over, policy, and
+  ``toolkv.core.session.l3``, the L3 sub-machine of ``spec/storage/StorageTier.tla``);
 * ``toolkv.core.calls`` — the call policies (``Offload``, ``Auto``) that decide what a tool call's
   ``tool_start`` does (spec ``ToolStart``, ``Keep`` or ``LetGo``) and own its fallbacks;
 * ``toolkv.core.timers`` — the TTL, idle and early-restore heaps;
@@ -33,11 +34,11 @@ from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.calls import CallPolicy, call_policies, keep_fits_now
 from toolkv.core.capabilities import Capabilities
 from toolkv.core.config import POLICIES, ManagerConfig
+from toolkv.core.phases import IDLE
 from toolkv.core.policy import DurationModel
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
-from toolkv.core.session.phases import IDLE
-from toolkv.core.session.record import SessionRecord
 from toolkv.core.treeops import Tree
 from toolkv.errors import BadRequest
 
@@ -164,11 +165,6 @@ class ToolKVManager:
     def _fetching(self) -> dict[str, SessionRecord]:
         return self.machine._fetching
 
-    def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
-        """Offloaded sessions a tool_start predicted back at ``returns_at`` would demote, first
-        first (the twin's fleet asks)."""
-        return self.machine._demotion_candidates(but, returns_at)
-
     # ---- tool_start: the call policy's choice among ToolStart, Keep and LetGo --------------------------
     def tool_start(
         self,
@@ -257,8 +253,8 @@ class ToolKVManager:
         self.machine.tree_reset()
 
     def set_clock(self, now: float) -> None:
-        """Spec ``Tick``: the agreed clock moves to ``now``."""
-        self.machine.tick(now)
+        """Spec ``Tick`` as the bare step: the agreed clock moves to ``now``."""
+        self.machine.set_clock(now)
 
     def process_write_acks(self) -> int:
         """Spec ``WriteAck`` of every offload whose writes are acknowledged."""
@@ -291,7 +287,7 @@ class ToolKVManager:
     def tick(self, now: float) -> None:
         """Once per scheduler iteration, after sglang processed its acks: spec ``Tick``, then every
         enabled manager action. ``now`` must already be agreed across ranks."""
-        self.machine.iterate(now)
+        self.machine.tick(now)
 
     # ---- kv_meta --------------------------------------------------------------------------------------
     def view(self, session_id: str) -> SessionView:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from toolkv.core.lifecycle import EXPIRING
-from toolkv.core.session.phases import Phase
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.phases import Phase
+from toolkv.core.record import SessionRecord
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ from toolkv.core.backends.base import (
 from toolkv.core.backends.hicache_storage import StorageCopy
 from toolkv.core.backends.unified_storage import UnifiedStorage
 from toolkv.core.policy import Pressure
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import Unsupported
 

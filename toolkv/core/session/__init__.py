@@ -5,7 +5,7 @@ The session machine itself (``toolkv.core.session.machine``) is not imported her
 import the record, and the machine imports the backends.
 """
 
-from toolkv.core.session.phases import Phase
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.phases import Phase
+from toolkv.core.record import SessionRecord
 
 __all__ = ["Phase", "SessionRecord"]
