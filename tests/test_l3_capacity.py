@@ -102,7 +102,7 @@ def test_a_long_tool_goes_to_l3_early_and_comes_back_byte_identical(tmp_path: Pa
         assert (meta["state"], meta["protected"]) == ("Offloaded", True), "back on its protected host copy"
         assert int(h.match(A).host_hit_length) == len(A)
         m.tool_end("a", epoch)
-        assert m.admitted("a") is False
+        assert m.admit("a") is False
         until(h, m, lambda: m.kv_meta("a")["state"] == "Runnable")
         dev = h.match(A).device_indices
         assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv), "restored bytes = offloaded"

@@ -201,7 +201,7 @@ def test_an_admission_during_the_load_ends_the_hand_over_at_the_load_ack(
     assert m.tool_end("a", 1)["state"] == "Restoring"
     m.tick(5.0)  # the tick starts the queued load
     assert h.pending("load") > 0, "the load is in flight"
-    assert m.admitted("a") is False  # not yet: the KV is still arriving
+    assert m.admit("a") is False  # not yet: the KV is still arriving
     assert m.kv_meta("a")["state"] == "Restoring"
     step(h, m, 5.1, loads=True)  # the load lands
     state = m.kv_meta("a")["state"]

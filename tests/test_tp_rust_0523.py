@@ -59,7 +59,7 @@ class RustRank(Rank):
             h.tree.insert(InsertParams(key=rkey(tokens, None), value=value, prev_prefix_len=have))
         finally:
             h.tree.unlock(lock)
-        self.tk.manager.record_turn(sid, tokens, None)
+        self.tk.manager.insert(sid, tokens, None)
 
     def iteration(
         self, step: str, *, writes_on: tuple[int, ...] = (), loads_on: tuple[int, ...] = ()

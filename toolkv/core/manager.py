@@ -14,14 +14,16 @@ The layers under it, each in its own module:
 * ``toolkv.core.result`` — :class:`SessionView`, the typed answer about one session.
 
 The manager routes: :meth:`tool_start` (the HTTP tool_start, with its hints) to the call policy of
-the call, the spec's other actions to the machine, and :meth:`tick` (once per scheduler iteration)
-to the machine's ``iterate``. It is also the edge where a session's typed answer
+the call, and the spec's other actions to the machine's method of the same name (:meth:`tick`,
+once per scheduler iteration, is the machine's ``tick``; :meth:`set_clock`, the bare ``Tick``
+step, its ``set_clock``). It is also the edge where a session's typed answer
 (:class:`SessionView`, what the machine and the call policies return) becomes the JSON object the
 HTTP routes, the drivers and their reports have always read (``SessionView.as_dict``, byte for
-byte the object the manager used to build by hand); :meth:`view` answers the typed one. Its names are the ones the scheduler side, the drivers and the tests
-have always called (``record_turn`` is spec ``Insert``, ``admitted`` is ``Admit``,
-``on_tree_reset`` is ``TreeReset``, ``set_clock`` is ``Tick``, ``process_write_acks`` and
-``process_load_acks`` are ``WriteAck`` and ``LoadAck``); the machine has the spec's.
+byte the object the manager used to build by hand); :meth:`view` answers the typed one. One
+vocabulary from here down: the manager's names are the machine's, which are the spec's
+(``insert`` is ``Insert``, ``admit`` is ``Admit``, ``tree_reset`` is ``TreeReset``), but for
+``tool_start``, which is the call policy's choice among ``ToolStart``, ``Keep`` and ``LetGo``
+(``offload`` is the machine's ``tool_start`` alone).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class ToolKVManager:
 
     @property
     def on_demote(self) -> Callable[[str], None]:
-        """Called with each session demoted inside another call (see ``MachineCore.on_demote``)."""
+        """Called with each session demoted inside another call (see ``MachineState.on_demote``)."""
         return self.machine.on_demote
 
     @on_demote.setter
@@ -197,15 +199,15 @@ class ToolKVManager:
         return keep_fits_now(self.machine, kv_tokens)
 
     # ---- the spec's actions ------------------------------------------------------------------------------
-    def record_turn(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
+    def insert(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
         """Spec ``Insert``: a turn of the session finished and its KV landed in the tree."""
         self.machine.insert(session_id, tokens, extra_key)
 
     def offload(
         self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
     ) -> dict[str, object]:
-        """Spec ``ToolStart`` without a call policy (the conformance replay's step). Deprecated
-        name: the machine's is ``tool_start``."""
+        """Spec ``ToolStart`` without a call policy (the conformance replay's step): the machine's
+        ``tool_start`` (the manager's :meth:`tool_start` is the call policy's)."""
         return self.machine.tool_start(session_id, demote=demote, returns_at=returns_at).as_dict()
 
     def keep(self, session_id: str) -> dict[str, object]:
@@ -240,7 +242,7 @@ class ToolKVManager:
         """Spec ``Unpin`` of one hand-over, as an explicit call."""
         return self.machine.unpin(session_id).as_dict()
 
-    def admitted(self, session_id: str) -> bool:
+    def admit(self, session_id: str) -> bool:
         """Spec ``Admit``: the session's next request was admitted (True: a hand-over ended)."""
         return self.machine.admit(session_id)
 
@@ -248,7 +250,7 @@ class ToolKVManager:
         """Spec ``Close``."""
         return self.machine.close(session_id).as_dict()
 
-    def on_tree_reset(self) -> None:
+    def tree_reset(self) -> None:
         """Spec ``TreeReset``: the tree was replaced (flush_cache)."""
         self.machine.tree_reset()
 
@@ -256,11 +258,11 @@ class ToolKVManager:
         """Spec ``Tick`` as the bare step: the agreed clock moves to ``now``."""
         self.machine.set_clock(now)
 
-    def process_write_acks(self) -> int:
+    def write_ack(self) -> int:
         """Spec ``WriteAck`` of every offload whose writes are acknowledged."""
         return self.machine.write_ack()
 
-    def process_load_acks(self) -> int:
+    def load_ack(self) -> int:
         """Spec ``LoadAck`` of every load that is acknowledged."""
         return self.machine.load_ack()
 
@@ -288,6 +290,12 @@ class ToolKVManager:
         """Once per scheduler iteration, after sglang processed its acks: spec ``Tick``, then every
         enabled manager action. ``now`` must already be agreed across ranks."""
         self.machine.tick(now)
+
+    # The scheduler side's names for three of these (it is the sglang edge, which says them as
+    # sglang's hooks do); to go once it speaks the spec's words too.
+    record_turn = insert
+    admitted = admit
+    on_tree_reset = tree_reset
 
     # ---- kv_meta --------------------------------------------------------------------------------------
     def view(self, session_id: str) -> SessionView:
