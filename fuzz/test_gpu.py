@@ -39,7 +39,7 @@ def test_offload_restore_round_trip_on_cuda(page_size: int) -> None:
         assert idx is not None
         h.fill_kv(idx, tokens)
         h.insert(tokens, idx)
-        m.record_turn("a", tokens)
+        m.insert("a", tokens)
         before = h.device_kv(idx).float()
         r = m.tool_start("a")
         h.synchronize()

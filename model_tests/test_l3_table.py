@@ -1,4 +1,4 @@
-"""The L3 sub-machine's table (``toolkv.core.l3.L3_TRANSITIONS``) is the storage spec's relation.
+"""The L3 sub-machine's table (``toolkv.core.phases.L3_TRANSITIONS``) is the storage spec's relation.
 
 ``spec/storage/StorageTier.tla``'s phases ``Storing``, ``Stored`` and ``Prefetching`` are the
 sub-phases ``rec.l3`` of an offloaded session (``storing``, ``stored``, ``fetching``); every other
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from toolkv.core import l3
+from toolkv.core import phases
 from toolkv.core.lifecycle import relation
 from toolkv.verify.storage.conformance import dump_storage_graph
 from toolkv.verify.tla.tlc import StateGraph, Toolchain, run_tlc
@@ -50,7 +50,7 @@ def camel(name: str) -> str:
 
 def _rows() -> set[tuple[str, str, str]]:
     """The table as (source, dest, trigger) over the sub-phases' values."""
-    return {(str(a), str(b), t) for a, b, t in relation(l3.L3_TRANSITIONS)}
+    return {(str(a), str(b), t) for a, b, t in relation(phases.L3_TRANSITIONS)}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def dumped(tools: Toolchain, tmp_path_factory: pytest.TempPathFactory) -> set[tu
             a: dict[str, Any] = g.states[u]
             b: dict[str, Any] = g.states[v]
             for s, phase in a["phase"].items():
-                x, y = l3.of_spec_phase(phase), l3.of_spec_phase(b["phase"][s])
+                x, y = phases.of_spec_phase(phase), phases.of_spec_phase(b["phase"][s])
                 if x != y:
                     out.add((x.value, y.value, snake(label)))
     return out
@@ -80,7 +80,7 @@ def test_the_table_is_the_storage_specs_relation(dumped: set[tuple[str, str, str
 
 def test_the_sub_phases_are_the_specs() -> None:
     text = (SPEC / "StorageTier.tla").read_text()
-    for phase in l3.SPEC_PHASE.values():
+    for phase in phases.SPEC_PHASE.values():
         assert f'"{phase}"' in text, phase
     assert {snake(m) for m in re.findall(r"^([A-Z][A-Za-z]*)\(s\) ==", text, re.M)} >= {
         t for _, _, t in _rows()
@@ -88,7 +88,7 @@ def test_the_sub_phases_are_the_specs() -> None:
 
 
 def _module() -> str:
-    sub = " [] ".join(f'p = "{phase}" -> "{k.value}"' for k, phase in l3.SPEC_PHASE.items())
+    sub = " [] ".join(f'p = "{phase}" -> "{k.value}"' for k, phase in phases.SPEC_PHASE.items())
     triggers = sorted({t for _, _, t in _rows()})
     acts = " [] ".join(f'a = "{t}" -> {camel(t)}(s)' for t in triggers)
     table = ", ".join(f'<<"{a}", "{b}", "{t}">>' for a, b, t in sorted(_rows()))

@@ -16,9 +16,9 @@ def turn(
     """A turn of ``sid`` finishes (its KV lands in the tree, reusing a cached prefix); returns its
     KV. ``ack_writes``: HiCache's own write-through of it is acknowledged too. The request is
     admitted first, as sglang's scheduler does (it ends a hand-over: spec ``Admit``)."""
-    m.admitted(sid)
+    m.admit(sid)
     assert h.run_request(tokens)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
     if ack_writes:
         h.complete("write")
         h.check_events()

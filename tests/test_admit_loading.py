@@ -35,15 +35,15 @@ def test_an_admission_while_loading_is_the_spec_admit_at_the_load_ack(
     replayer: Replayer, bug: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if bug:
-        from toolkv.core.session.handover import HandoverActions
+        from toolkv.core.session.handover import Handover
 
-        real = HandoverActions.admit
+        real = Handover.admit
 
         def forgetful(self: Any, session_id: str) -> bool:
-            rec = self.sessions.get(session_id)
+            rec = self.s.sessions.get(session_id)
             return False if rec is not None and rec.state == "Restoring" else real(self, session_id)
 
-        monkeypatch.setattr(HandoverActions, "admit", forgetful)
+        monkeypatch.setattr(Handover, "admit", forgetful)
     r = replayer
     step(r, ["Insert", "a", "Root", "n1"])
     step(r, ["ToolStart", "a"])

@@ -138,7 +138,7 @@ def test_deferred_flush_after_a_load_whose_request_was_admitted_is_runnable(benc
     b.call("tool_start", session_id="s1")
     b.settle(3)
     b.call("tool_end", session_id="s1", epoch=1)
-    assert b.tk.manager.admitted("s1") is False  # admitted while Restoring: ends at the load ack
+    assert b.tk.manager.admit("s1") is False  # admitted while Restoring: ends at the load ack
     assert b.sched.request_flush(timeout_s=30.0) is None
     b.iteration(loads=True)
     b.iteration()

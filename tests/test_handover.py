@@ -55,7 +55,7 @@ def test_a_restored_session_keeps_its_kv_until_its_request_is_admitted(
         assert found == 300, "the hand-over keeps the whole path on the device"
         assert torch.equal(h.device_kv(h.match(a).device_indices), kv), "restored bytes equal"
     h.tree.inc_lock_ref(h.match(a).last_device_node)  # the request admitted: PrefillAdder locks
-    assert m.admitted("a") is True and m.kv_meta("a")["state"] == "Runnable"
+    assert m.admit("a") is True and m.kv_meta("a")["state"] == "Runnable"
     assert m.counters["admitted"] == 1
     h.tree.dec_lock_ref(h.match(a).last_device_node)
     m.close("a")
@@ -88,7 +88,7 @@ def test_a_request_admitted_during_the_load_ends_the_hand_over_at_the_ack(h: Cac
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
     step(h, m, 0.0, writes=True)
     m.tool_end("a", ep)
-    assert m.admitted("a") is False and m.sessions["a"].admit_pending  # Restoring: noted
+    assert m.admit("a") is False and m.sessions["a"].admit_pending  # Restoring: noted
     step(h, m, 0.1, loads=True)
     assert m.kv_meta("a")["state"] == "Runnable", "no pin left waiting for a request already running"
     assert m.counters["handover"] == 1 and m.counters["admitted"] == 1

@@ -63,7 +63,7 @@ def test_restore_fits_next_to_promised_tokens_or_changes_nothing(promised: int) 
         idx = h.alloc(len(toks))
         assert idx is not None
         h.insert(toks, idx)
-        m.record_turn("a", toks)
+        m.insert("a", toks)
         h.complete("write")
         h.check_events()
         m.tick(1)

@@ -634,22 +634,22 @@ def test_a_tool_start_checks_its_session_id_at_most_twice(
     (``_get``), nowhere else: the channel carries the built request, the scheduler side and the
     call policy do not check it again. Counted on an accepted tool_start over HTTP."""
     from toolkv.core import requests
-    from toolkv.core.session.core import MachineCore
+    from toolkv.core.session.state import MachineState
 
     checks: list[str] = []
-    arg_check, get = requests.Arg.check, MachineCore._get
+    arg_check, get = requests.Arg.check, MachineState._get
 
     def counted_check(self: requests.Arg, name: str, value: object) -> object:
         if name == "session_id":
             checks.append("request")
         return arg_check(self, name, value)
 
-    def counted_get(self: MachineCore, session_id: str) -> Any:
+    def counted_get(self: MachineState, session_id: str) -> Any:
         checks.append("machine")
         return get(self, session_id)
 
     monkeypatch.setattr(requests.Arg, "check", counted_check)
-    monkeypatch.setattr(MachineCore, "_get", counted_get)
+    monkeypatch.setattr(MachineState, "_get", counted_get)
     r = srv.client.post("/session/tool_start", json={"session_id": "s1", "tool": "ls"})
     assert r.status_code == 200, r.text
     assert checks == ["request", "machine"]

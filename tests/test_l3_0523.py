@@ -74,9 +74,9 @@ def manager(
 
 def turn(h: UnifiedStorageHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torch.Tensor:
     """A finished turn of ``sid`` (its KV computed and inserted, as sglang does); returns its KV."""
-    m.admitted(sid)
+    m.admit(sid)
     assert h.run_request(tokens)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
     rec = m.sessions[sid]
     return h.device_kv(h.tree.path_device_indices(rec.node.id)).clone()
 
@@ -146,7 +146,7 @@ def test_a_session_stored_to_l3_comes_back_byte_identical(h: UnifiedStorageHarne
     assert set(be.storage_copies) == {"a"} and be.storage_copies["a"].rid is not None, "pinned"
     with pytest.raises(WrongState):
         m.tool_end("a", epoch)  # accepted already: never a second restore
-    assert m.admitted("a") is False
+    assert m.admit("a") is False
     until(h, m, lambda: m.kv_meta("a")["state"] not in ("Offloaded", "Restoring", "Handover"))
     meta = m.kv_meta("a")
     assert meta["state"] == "Runnable" and meta["recompute_tokens"] == 0, meta

@@ -102,7 +102,7 @@ def test_a_long_tool_goes_to_l3_early_and_comes_back_byte_identical(tmp_path: Pa
         assert (meta["state"], meta["protected"]) == ("Offloaded", True), "back on its protected host copy"
         assert int(h.match(A).host_hit_length) == len(A)
         m.tool_end("a", epoch)
-        assert m.admitted("a") is False
+        assert m.admit("a") is False
         until(h, m, lambda: m.kv_meta("a")["state"] == "Runnable")
         dev = h.match(A).device_indices
         assert dev.numel() == len(A) and torch.equal(h.device_kv(dev), kv), "restored bytes = offloaded"
@@ -139,7 +139,7 @@ def test_a_copy_whose_store_is_in_flight_is_not_room(tmp_path: Path) -> None:
         turn(h, m, "b", B)
         be = m.backend
         assert isinstance(be, HiRadixBackend)
-        assert m.machine.demotable_tokens("b", 0.0) == 0, "a copy on its way to L3 is not room yet"
+        assert m.machine.policy.demotable_tokens("b", 0.0) == 0, "a copy on its way to L3 is not room yet"
         assert be.host_evictable_tokens() < len(A) or int(h.match(A).host_hit_length) == len(A)
         with pytest.raises(HostMemoryFull):
             m.tool_start("b", expected_s=1.0)

@@ -34,7 +34,7 @@ from _cycle import step, turn
 
 from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.testing.harness import HarnessConfig
 from toolkv.testing.storage_harness import StorageCacheHarness
 from toolkv.verify.toolkv.mutants import ReleaseDropsPinBackend, TrustShortAckBackend

@@ -112,7 +112,7 @@ def test_a_session_demoted_to_l3_when_the_host_is_full_comes_back_byte_identical
         assert (meta["state"], meta["l3"]) == ("Offloaded", "fetching"), "reading from L3"
         with pytest.raises(WrongState):
             m.tool_end("a", epoch)  # accepted already: never a second restore
-        assert m.admitted("a") is False  # the next request came early: the hand-over ends at once
+        assert m.admit("a") is False  # the next request came early: the hand-over ends at once
         until(h, m, lambda: m.kv_meta("a")["state"] not in ("Offloaded", "Restoring", "Handover"))
         meta = m.kv_meta("a")
         assert meta["state"] == "Runnable" and meta["restore"] == "loading" and meta["recompute_tokens"] == 0

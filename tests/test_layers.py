@@ -12,6 +12,7 @@ import pytest
 from toolkv.tools.layout import (
     ALLOWED,
     BIG_LINES,
+    FLOORS,
     PKG,
     REASONS,
     TOP,
@@ -24,6 +25,7 @@ from toolkv.tools.layout import (
     package_cycles,
     package_graph,
     stand_ins,
+    upward_imports,
 )
 
 MODULES = modules()
@@ -149,3 +151,35 @@ def test_every_stated_reason_is_for_a_large_file() -> None:
 def test_every_large_file_states_why() -> None:
     """A file over the limit is split, or says in ``REASONS`` why it is one piece."""
     assert measures().unreasoned == []
+
+
+def test_floors_point_down_and_the_checker_sees_one_that_does_not(tmp_path: Path) -> None:
+    """Inside core the floors order the imports (``FLOORS``): the ground floor's data under the
+    backends, the backends under the session machine, that under the call policies and the
+    manager. The package holds it, the map is a stack, and a backend that imports the session
+    machine (as the records once made every backend do) is reported."""
+    assert upward_imports() == []
+    for pkg, floors in FLOORS.items():
+        assert pkg in floors and set().union(*floors.values()) <= set(floors), pkg
+        order = sorted(floors, key=lambda f: len(floors[f]))
+        for i, f in enumerate(order):
+            assert floors[f] <= set(order[:i]), f"{f} may import a floor that is not below it"
+
+    def package(name: str, pin: str) -> Path:
+        root = tmp_path / name / "toolkv"
+        for sub in ("core", "core/backends", "core/session"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+            (root / sub / "__init__.py").write_text("")
+        (root / "__init__.py").write_text("")
+        (root / "core" / "record.py").write_text("")
+        (root / "core" / "backends" / "pin.py").write_text(pin)
+        (root / "core" / "session" / "machine.py").write_text("from toolkv.core.backends.pin import y\n")
+        return root
+
+    assert upward_imports(package("good", "from toolkv.core.record import x\n")) == []
+    bad = package("bad", "from toolkv.core.session.machine import z\n")
+    assert upward_imports(bad) == [
+        "toolkv.core.backends.pin:1 imports toolkv.core.session.machine"
+        " (toolkv.core.session is not below toolkv.core.backends)"
+    ]
+    assert package_cycles(bad) == [["toolkv.core.backends", "toolkv.core.session"]]

@@ -27,7 +27,7 @@ def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torc
     idx = h.alloc(len(tokens))
     assert idx is not None
     h.insert(tokens, idx)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
     return h.device_kv(h.match(tokens).device_indices).clone()
 
 
@@ -74,7 +74,7 @@ def test_a_surviving_copy_is_handed_over_with_nothing_to_load(hh: CacheHarness) 
     r = m.tool_end("a", 1)
     assert r["state"] == "Handover" and r["restored_tokens"] == 0, r
     assert leaf.lock_ref > 0, "a resident path is pinned until its next request holds it (ResidentNoPin)"
-    assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
+    assert m.admit("a") and m.kv_meta("a")["state"] == "Runnable"
     assert torch.equal(h.device_kv(h.match(A).device_indices), kv_a)
     m.close("a")
     m.close("b")
@@ -94,7 +94,7 @@ def test_a_copy_sglang_evicts_is_restored_from_the_protected_host_copy(hh: Cache
     assert r["state"] == "Restoring" and r["restored_tokens"] > 0, r
     step(h, m, 2, loads=True)
     assert m.kv_meta("a")["state"] == "Handover"
-    assert m.admitted("a")
+    assert m.admit("a")
     assert torch.equal(h.device_kv(h.match(A).device_indices), kv_a)
     m.close("a")
     m.close("b")

@@ -28,7 +28,7 @@ def turn(h: CacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torc
     idx = h.alloc(len(tokens))
     assert idx is not None
     h.insert(tokens, idx)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
     return h.device_kv(h.match(tokens).device_indices).clone()
 
 
@@ -82,7 +82,7 @@ def test_full_cycle_restores_identical_bytes_and_returns_everything(hh: CacheHar
     assert m.kv_meta("a")["state"] == "Restoring", "not runnable before the load ack"
     step(h, m, 4, loads=True)
     assert m.kv_meta("a")["state"] == "Handover", "pinned until the next request holds the path"
-    assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
+    assert m.admit("a") and m.kv_meta("a")["state"] == "Runnable"
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv_a)
 
     m.close("a")
@@ -245,7 +245,7 @@ def test_tree_reset_loses_offloaded_sessions_and_stale_nodes_are_rewalked(hh: Ca
     step(h, m, 1, writes=True)  # flush_cache runs only on an idle scheduler: the offload has finished
     assert m.kv_meta("a")["state"] == "Offloaded"
     h.tree.reset()
-    m.on_tree_reset()
+    m.tree_reset()
     assert m.kv_meta("a")["state"] == "Lost"
     with pytest.raises(SessionKVLost):
         m.tool_start("b")  # its node is gone and the token walk finds nothing
@@ -299,7 +299,7 @@ def test_pin_backend_on_plain_radix_cache(page_size: int) -> None:
         assert m.tool_end("a", 1)["state"] == "Handover"
         h.evict_device(10**6)  # b's turn goes; a's path is pinned until its next request
         assert h.match(list(range(1, 65))).device_indices.numel() == 64, "the hand-over keeps the pin"
-        assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
+        assert m.admit("a") and m.kv_meta("a")["state"] == "Runnable"
         m.close("a")
         m.close("b")
         h.evict_device(10**6)
@@ -360,7 +360,7 @@ def test_abandoned_sessions_are_forgotten_and_memory_stays_bounded() -> None:
         peak_tables = 0
         for i in range(100_000):
             m.tick(i * 0.01)  # 100 new sessions per simulated second, each idle after one turn
-            m.record_turn(f"agent-{i}", prompt)
+            m.insert(f"agent-{i}", prompt)
             if i == 20_000:
                 base = tracemalloc.get_traced_memory()[0]
             peak_tables = max(peak_tables, len(m.sessions) + len(m._closed))

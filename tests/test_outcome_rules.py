@@ -61,7 +61,7 @@ def test_auto_gives_a_waiting_queue_the_room_a_short_tool_would_keep(
     bug: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if bug:  # the keep rule reads the device as if nothing waited
-        monkeypatch.setattr("toolkv.core.session.core.with_queued", lambda p, queued: p)
+        monkeypatch.setattr("toolkv.core.session.state.with_queued", lambda p, queued: p)
     stack = build(
         TwinConfig("auto", "hiradix", "explicit", policy="auto"),
         device_tokens=DEVICE_TOKENS, kv_bytes_per_token=1024, now=lambda: 0.0,
@@ -178,17 +178,17 @@ def test_an_admission_during_the_load_ends_the_hand_over_at_the_load_ack(
     h: CacheHarness, bug: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if bug:  # the admission that came while loading is dropped on the floor
-        from toolkv.core.session.handover import HandoverActions
+        from toolkv.core.session.handover import Handover
 
-        real = HandoverActions.admit
+        real = Handover.admit
 
         def forgetful(self: Any, session_id: str) -> bool:
-            rec = self.sessions.get(session_id)
+            rec = self.s.sessions.get(session_id)
             if rec is not None and rec.state == "Restoring":
                 return False
             return real(self, session_id)
 
-        monkeypatch.setattr(HandoverActions, "admit", forgetful)
+        monkeypatch.setattr(Handover, "admit", forgetful)
     initial = h.accounting()
     m = auto(h, prefetch=False)
     a = list(range(1, 301))
@@ -201,7 +201,7 @@ def test_an_admission_during_the_load_ends_the_hand_over_at_the_load_ack(
     assert m.tool_end("a", 1)["state"] == "Restoring"
     m.tick(5.0)  # the tick starts the queued load
     assert h.pending("load") > 0, "the load is in flight"
-    assert m.admitted("a") is False  # not yet: the KV is still arriving
+    assert m.admit("a") is False  # not yet: the KV is still arriving
     assert m.kv_meta("a")["state"] == "Restoring"
     step(h, m, 5.1, loads=True)  # the load lands
     state = m.kv_meta("a")["state"]

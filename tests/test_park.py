@@ -42,7 +42,7 @@ def offloaded(h: CacheHarness, cfg: ManagerConfig) -> tuple[ToolKVManager, int, 
     h.fill_kv(idx, TOKS)
     kv = h.device_kv(idx).clone()
     h.insert(TOKS, idx)
-    m.record_turn("a", TOKS)
+    m.insert("a", TOKS)
     m.tick(1)
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
     h.complete("write")
@@ -62,7 +62,7 @@ def admit(h: CacheHarness, m: ToolKVManager, sid: str, now: float = 3.0) -> tupl
         InitLoadBackParams(best_match_node=res.last_host_node, host_hit_length=res.host_hit_length)
     )
     h.tree.inc_lock_ref(last)
-    m.admitted(sid)
+    m.admit(sid)
     h.tree.ready_to_load_host_cache()  # the prefill batch is built: sglang starts its loads
     h.complete("load")
     h.check_events()
@@ -158,7 +158,7 @@ def test_the_policy_of_one_call_can_be_chosen_and_is_checked(h: CacheHarness) ->
     idx = h.alloc(len(TOKS))
     assert idx is not None
     h.insert(TOKS, idx)
-    m.record_turn("a", TOKS)
+    m.insert("a", TOKS)
     before = h.accounting()
     with pytest.raises(BadRequest):
         m.tool_start("a", policy="sometimes")

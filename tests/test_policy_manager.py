@@ -73,7 +73,7 @@ def test_a_short_tool_is_kept_on_the_gpu_under_one_lock(h: CacheHarness) -> None
     m.set_clock(0.2)
     assert m.tool_end("a", 1)["state"] == "Handover"
     assert locks_on(h, a) == [1], "still pinned: the next request has not been admitted yet"
-    assert m.admitted("a") and m.kv_meta("a")["state"] == "Runnable"
+    assert m.admit("a") and m.kv_meta("a")["state"] == "Runnable"
     assert locks_on(h, a) == [0]
     assert torch.equal(h.device_kv(h.match(a).device_indices), kv)
     assert m.durations.count("grep") == 1 and m.counters["decision_keep"] == 1
@@ -358,13 +358,13 @@ def test_a_reset_with_copies_in_flight_closes_the_session_instead_of_crashing(
     turn(h, m, "b", list(range(1000, 1300)))
     a = list(range(1, 301))
     assert h.run_request(a)  # its write-through is still in flight
-    m.record_turn("a", a)
+    m.insert("a", a)
     m.tool_start("a", expected_s=60.0)
     m.tool_start("b", expected_s=0.1)
     assert m.kv_meta("a")["state"] == "Offloading" and m.kv_meta("b")["state"] == "Kept"
     h.tree.reset()
     h.allocator.clear()
     with caplog.at_level("ERROR", logger="toolkv"):
-        m.on_tree_reset()
+        m.tree_reset()
     assert m.kv_meta("a")["state"] == "Closed" and "tree reset while session a was Offloading" in caplog.text
     assert m.kv_meta("b")["state"] == "Lost" and m.counters["reset_mid_copy"] == 1

@@ -13,8 +13,8 @@ import pytest
 
 from toolkv.client import KVMeta
 from toolkv.core import requests
+from toolkv.core.phases import Phase
 from toolkv.core.result import RECORD_KEYS, TIERS
-from toolkv.core.session.phases import Phase
 from toolkv.errors import BadRequest
 from toolkv.sglang.http_api import SessionMeta, body_model
 

@@ -119,7 +119,7 @@ def test_a_suffix_below_the_load_back_threshold_is_left_to_recompute(h: CacheHar
     assert counters["restore_below_threshold"] == 1
     assert all(n.host_ref_counter == 0 for n in h.iter_nodes())  # the protection is released
     # The next turn is admitted and recomputes the suffix (sglang's own prefill) and offloads as usual.
-    assert m.admitted("a")
+    assert m.admit("a")
     turn(h, m, "a", [*shared, *range(500, 540)])
     assert m.kv_meta("a")["state"] == "Running"
     for sid in ("a", "b"):

@@ -76,15 +76,15 @@ class RingWorld:
         assert idx is not None
         self.h.fill_kv(idx, toks)
         self.h.insert(toks, idx)
-        self.m.record_turn(sid, toks)
+        self.m.insert(sid, toks)
         return self.h.expected_kv(toks)
 
     # ---- spec actions ------------------------------------------------------------------------------
     def tool_start(self, sid: str) -> None:
         state = self.m.kv_meta(sid)["state"]
         if state in ("Handover", "Runnable"):  # the agent's next turn is admitted, reuses the prefix
-            self.m.admitted(sid)
-            self.m.record_turn(sid, self.toks[sid])
+            self.m.admit(sid)
+            self.m.insert(sid, self.toks[sid])
             state = "Running"
         if state == "Running":
             with contextlib.suppress(HostMemoryFull, SessionKVLost):  # refused, nothing changed

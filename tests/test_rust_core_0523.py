@@ -80,7 +80,7 @@ def _turn(r: Run, sid: str, tokens: list[int]) -> None:
     prefill batch forms); a session toolkv still holds for its tool call has no turn now."""
     rec = r.mgr.sessions.get(sid)
     if rec is not None and rec.state in ("Handover", "Parked"):
-        r.mgr.admitted(sid)
+        r.mgr.admit(sid)
     elif rec is not None and rec.state not in (
         "Running",
         "Runnable",
@@ -116,7 +116,7 @@ def _turn(r: Run, sid: str, tokens: list[int]) -> None:
         h.tree.insert(InsertParams(key=rkey(tokens, None), value=value, prev_prefix_len=have))
     finally:
         h.tree.unlock(lock)
-    r.mgr.record_turn(sid, tokens, None)
+    r.mgr.insert(sid, tokens, None)
     r.seen.append(("turn", sid, r.mgr.kv_meta(sid)["tokens"]))
 
 
@@ -195,7 +195,7 @@ def _drive(r: Run, seed: int, steps: int = 45) -> None:
             r.h.tree.evict_host(rng.choice([16, 64, 480]))
             r.seen.append(("host_evict",))
         elif op == "admit":  # the session's next request was admitted (the plugin's prefill hook)
-            r.seen.append(("admit", sid, r.mgr.admitted(sid)))
+            r.seen.append(("admit", sid, r.mgr.admit(sid)))
         elif op == "queue":  # requests queue up (or leave): hand-overs give up their pins for them
             r.queued = rng.choice([0, 0, 400])
             r.seen.append(("queue", r.queued))

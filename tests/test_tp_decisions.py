@@ -394,7 +394,7 @@ SCENARIOS: dict[str, Callable[[int, Any, Any], dict[str, Any]]] = {
 MUTANTS: dict[str, tuple[str, str]] = {
     "host_room_local": ("host_room", "offload"),  # each rank evicts its own shortfall
     "pressure_local": ("demote", "low"),  # the policy's pressure unagreed (demote for room, keep)
-    "park_local": ("protect", "_check_pin_room"),  # the restore's room on this rank's queue
+    "park_local": ("protect", "check_pin_room"),  # the restore's room on this rank's queue
     "unpin_local": ("protect", "_room_short"),  # the hand-over's pin given up on this rank's queue
     "acks_local": ("lazy_free", "ack"),  # sglang's ack counts unreduced (write and load acks)
     "clock_local": ("ttl", "clock"),  # the clock unagreed: each rank's TTL on its own clock

@@ -59,7 +59,7 @@ class RustRank(Rank):
             h.tree.insert(InsertParams(key=rkey(tokens, None), value=value, prev_prefix_len=have))
         finally:
             h.tree.unlock(lock)
-        self.tk.manager.record_turn(sid, tokens, None)
+        self.tk.manager.insert(sid, tokens, None)
 
     def iteration(
         self, step: str, *, writes_on: tuple[int, ...] = (), loads_on: tuple[int, ...] = ()
@@ -134,7 +134,7 @@ def sc_host_room(rank: int, agree: Any, clock_agree: Any) -> dict[str, Any]:
 SCENARIOS = {"offload": sc_offload, "promise": sc_promise, "host_room": sc_host_room}
 MUTANTS = {
     "acks_local": ("offload", "ack"),  # sglang's reduced ack counts skipped
-    "promise_local": ("promise", "_check_offload_room"),
+    "promise_local": ("promise", "check_offload_room"),
     "host_room_local": ("host_room", "offload"),
 }
 

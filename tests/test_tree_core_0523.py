@@ -302,7 +302,7 @@ def test_toolkv_free_set_and_host_evictable_agree_with_sglangs_own_leaf_sets(
     m = ToolKVManager(h.tree, config=ManagerConfig.eager(ttl_s=60.0))
     for sid, toks in (("a", A), ("b", B), ("c", SHARED + list(range(3000, 3024)))):
         fill(h, toks)
-        m.record_turn(sid, toks)
+        m.insert(sid, toks)
     be: Any = m.backend
     freed: list[int] = []
     real_free = be._free_device_copy

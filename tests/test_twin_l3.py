@@ -1,6 +1,6 @@
 """The twin's L3 tier (toolkv/twin/storage.py, l3.py, l3map.py): sglang's own HiCache storage path on
 an in-memory backend, its I/O timed on the twin's clock (TimedStorageIO, a timing double for the
-controller's storage threads), and toolkv's real L3 path (core/l3.py) driving it."""
+controller's storage threads), and toolkv's real L3 path (core/session/l3.py) driving it."""
 
 from __future__ import annotations
 

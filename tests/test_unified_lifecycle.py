@@ -45,7 +45,7 @@ def turn(h: UnifiedCacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) 
     assert idx is not None
     h.fill_kv(idx, tokens)
     h.insert(tokens, idx)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
 
 
 def path_kv(h: UnifiedCacheHarness, m: ToolKVManager, sid: str) -> torch.Tensor:

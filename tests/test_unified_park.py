@@ -92,7 +92,7 @@ def admit_through_prefill_adder(
     if res != AddReqResult.CONTINUE or req not in adder.can_run_list:
         return None
     if m is not None:
-        m.admitted(sid)
+        m.admit(sid)
     h.tree.ready_to_load_host_cache()
     return req
 
@@ -128,7 +128,7 @@ def offloaded(
     kv = h.device_kv(idx).float().clone()
     assert torch.equal(kv, h.expected_kv(TOKS))
     h.insert(TOKS, idx)
-    m.record_turn("a", TOKS)
+    m.insert("a", TOKS)
     m.tick(1.0)
     ep = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
     h.check_events()
@@ -279,7 +279,7 @@ def test_an_unpin_the_host_budget_cannot_take_is_runnable(h: UnifiedCacheHarness
     assert idx is not None
     h.fill_kv(idx, b)
     h.insert(b, idx)
-    m.record_turn("b", b)
+    m.insert("b", b)
     restored_and_handed_over(h, m, ep, 2.5)
     m.tool_start("b")  # b's 128 protected tokens leave 72 of the budget
     h.check_events()

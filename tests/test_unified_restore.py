@@ -46,7 +46,7 @@ def turn(h: UnifiedCacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) 
     assert idx is not None
     h.fill_kv(idx, tokens)
     h.insert(tokens, idx)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
 
 
 def path_kv(h: UnifiedCacheHarness, m: ToolKVManager, sid: str) -> torch.Tensor:
@@ -154,7 +154,7 @@ def test_the_policy_keeps_and_restores_early_on_the_unified_tree(h: UnifiedCache
     step(h, m, 0.1, writes=True)
     assert m.kv_meta("b")["state"] == "Offloaded" and m.kv_meta("b")["device_tokens"] == 0
     assert m.tool_end("a", 1)["state"] == "Handover" and full(m.sessions["a"].node).lock_ref == 1
-    assert m.admitted("a") and full(m.sessions["a"].node).lock_ref == 0
+    assert m.admit("a") and full(m.sessions["a"].node).lock_ref == 0
     h.scribble_unreferenced()
     m.tick(m.sessions["b"].prefetch_at)
     assert m.kv_meta("b")["state"] == "Prefetching", "never Kept before the load ack"

@@ -98,7 +98,7 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
         s, pick = d.draw(st.sampled_from(SESSIONS)), d.draw(st.integers(0, 50))
         if self.mgr.sessions.get(s) is not None and self.mgr.sessions[s].state in PROTECTING:
             return
-        self.mgr.admitted(s)  # the turn's request is admitted first: it ends a hand-over (spec Admit)
+        self.mgr.admit(s)  # the turn's request is admitted first: it ends a hand-over (spec Admit)
         parents = [self.h.tree.root_node] + [n for n in self.nodes() if self.readable(n)]
         parent = parents[pick % len(parents)]
         prefix = [] if parent is self.h.tree.root_node else self.tokens(parent)
@@ -125,7 +125,7 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
                 key=rkey(prefix + fresh), value=torch.cat([prefix_idx, new]), prev_prefix_len=len(prefix)
             )
         )
-        self.mgr.record_turn(s, prefix + fresh)
+        self.mgr.insert(s, prefix + fresh)
 
     def tool_start(self, d: st.DataObject) -> None:
         self.act(self.mgr.tool_start, d.draw(st.sampled_from(self.biased(("Running",)))))
@@ -206,7 +206,7 @@ class UnifiedManagerMachine(RuleBasedStateMachine):
         )  # the scheduler's tick after the acks: finished offloads and restores settle
         h.tree.reset()
         h.allocator.clear()
-        self.mgr.on_tree_reset()
+        self.mgr.tree_reset()
 
     WEIGHTS: ClassVar[dict[str, int]] = {
         "turn": 6, "tool_start": 5, "tool_end": 5, "tick": 5, "copy_finishes": 6, "close": 1,

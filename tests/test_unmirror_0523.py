@@ -70,9 +70,9 @@ def kv(h: UnifiedCacheHarness, tokens: list[int]) -> torch.Tensor:
 def turn(h: UnifiedCacheHarness, m: ToolKVManager, sid: str, tokens: list[int]) -> torch.Tensor:
     """A finished turn of ``sid`` (its request admitted first, as sglang's scheduler does);
     returns its KV."""
-    m.admitted(sid)
+    m.admit(sid)
     assert h.run_request(tokens)
-    m.record_turn(sid, tokens)
+    m.insert(sid, tokens)
     return kv(h, tokens)
 
 

@@ -5,7 +5,7 @@
 (*                                                                         *)
 (*  * Store by predicted return.  Besides a full host's victim, an        *)
 (*    Offloaded session is stored as soon as it is offloaded when it is    *)
-(*    predicted away longer than its L3 round trip (core/l3.py            *)
+(*    predicted away longer than its L3 round trip (core/session/l3.py    *)
 (*    store_early).  The prediction is the environment's: due[s] says the  *)
 (*    session is predicted back within the horizon, and it may change at   *)
 (*    any time (Predict: a call running past its median is predicted      *)

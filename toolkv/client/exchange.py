@@ -36,8 +36,8 @@ from toolkv.client.wire import (
     error_from_response,
     transport_error,
 )
+from toolkv.core.phases import Phase
 from toolkv.core.requests import KvMetaQuery, Request, StatusQuery, ToolStart
-from toolkv.core.session.phases import Phase
 
 log = logging.getLogger("toolkv.client")
 _T = TypeVar("_T")

@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import httpx
 
 from toolkv import errors
+from toolkv.core.phases import Phase
 from toolkv.core.requests import Close, KvMetaQuery, ToolEnd, ToolStart
 from toolkv.core.result import OPEN_CALL, RECORD_KEYS
-from toolkv.core.session.phases import Phase
 from toolkv.errors import SchedulerTimeout, ToolKVUnavailable
 
 _T = TypeVar("_T")

@@ -23,11 +23,11 @@ import logging
 from dataclasses import replace
 from typing import Protocol
 
+from toolkv.core.phases import OFFLOADED, Phase
 from toolkv.core.policy import Decision, Pressure, decide, keep_fits
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
-from toolkv.core.session.phases import OFFLOADED, Phase
-from toolkv.core.session.record import SessionRecord
 from toolkv.core.settings import PolicyName
 from toolkv.core.treeops import path_to
 from toolkv.errors import HostMemoryFull, WrongState
@@ -165,7 +165,7 @@ class Auto(_Calls):
         )
         back = self.returns_at(tool, hint)
         if d.action == "keep" and m.backend.keep(rec, node):
-            m._kept(rec)
+            m.policy.keep_step(rec)
             self.note(rec, tool, d)
             return m.view(rec)
         if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
@@ -181,7 +181,7 @@ class Auto(_Calls):
         return self._let_go(rec, tool, d)
 
     def _let_go(self, rec: SessionRecord, tool: str | None, d: Decision) -> SessionView:
-        self.m._let_go(rec)
+        self.m.policy.let_go_step(rec)
         self.note(rec, tool, d)
         return self.m.view(rec)
 
@@ -195,7 +195,7 @@ class Auto(_Calls):
         p = m.pressure()  # agreed across TP ranks: decide() keeps, offloads or lets go alike on all
         if p.host_available_tokens >= kv_tokens:
             return p
-        demotable = m.demotable_tokens(session_id, self.returns_at(tool, hint))
+        demotable = m.policy.demotable_tokens(session_id, self.returns_at(tool, hint))
         if not demotable:
             return p
         return replace(p, host_available_tokens=min(p.host_total_tokens, p.host_available_tokens + demotable))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode
 
 FetchAnswer = Literal["host", "prefetching", "refused"]
@@ -34,7 +34,7 @@ class HostSized(Protocol):
 class PinPriced(Protocol):
     """The backend knows what a pin costs the device and what sglang promised running requests
     (``headroom``, a callable the scheduler side rebinds to sglang's own count): the hand-over's
-    room check (``_check_pin_room``) needs both."""
+    room check (``check_pin_room``) needs both."""
 
     tree: Tree
     headroom: Callable[[], int]
@@ -48,7 +48,7 @@ class LockPriced(Protocol):
     and its path, until the copy is acknowledged; the pin fallback's offload is a path lock) and
     knows what they take from what sglang may evict: sglang has promised running requests the
     room (``headroom``) and admits the next chunk of a chunked prefill without a check, so the
-    offload's room check (``_check_offload_room``) needs both."""
+    offload's room check (``check_offload_room``) needs both."""
 
     tree: Tree
     headroom: Callable[[], int]

@@ -4,8 +4,9 @@ see it.
 The layers under it, each in its own module:
 
 * ``toolkv.core.session.machine`` — :class:`SessionMachine`, ``spec/ToolKV.tla``'s manager actions,
-  one method per action named as the spec's (``ToolStart`` → ``tool_start``), with ``can_<action>``
-  guards; ``toolkv.core.l3`` its L3 sub-machine (``spec/storage/StorageTier.tla``);
+  one method per action named as the spec's (``ToolStart`` → ``tool_start``), each with its
+  ``can_<action>`` guard on the part that holds it (copies, loads, hand-over, policy, and
+  ``toolkv.core.session.l3``, the L3 sub-machine of ``spec/storage/StorageTier.tla``);
 * ``toolkv.core.calls`` — the call policies (``Offload``, ``Auto``) that decide what a tool call's
   ``tool_start`` does (spec ``ToolStart``, ``Keep`` or ``LetGo``) and own its fallbacks;
 * ``toolkv.core.timers`` — the TTL, idle and early-restore heaps;
@@ -13,14 +14,16 @@ The layers under it, each in its own module:
 * ``toolkv.core.result`` — :class:`SessionView`, the typed answer about one session.
 
 The manager routes: :meth:`tool_start` (the HTTP tool_start, with its hints) to the call policy of
-the call, the spec's other actions to the machine, and :meth:`tick` (once per scheduler iteration)
-to the machine's ``iterate``. It is also the edge where a session's typed answer
+the call, and the spec's other actions to the machine's method of the same name (:meth:`tick`,
+once per scheduler iteration, is the machine's ``tick``; :meth:`set_clock`, the bare ``Tick``
+step, its ``set_clock``). It is also the edge where a session's typed answer
 (:class:`SessionView`, what the machine and the call policies return) becomes the JSON object the
 HTTP routes, the drivers and their reports have always read (``SessionView.as_dict``, byte for
-byte the object the manager used to build by hand); :meth:`view` answers the typed one. Its names are the ones the scheduler side, the drivers and the tests
-have always called (``record_turn`` is spec ``Insert``, ``admitted`` is ``Admit``,
-``on_tree_reset`` is ``TreeReset``, ``set_clock`` is ``Tick``, ``process_write_acks`` and
-``process_load_acks`` are ``WriteAck`` and ``LoadAck``); the machine has the spec's.
+byte the object the manager used to build by hand); :meth:`view` answers the typed one. One
+vocabulary from here down: the manager's names are the machine's, which are the spec's
+(``insert`` is ``Insert``, ``admit`` is ``Admit``, ``tree_reset`` is ``TreeReset``), but for
+``tool_start``, which is the call policy's choice among ``ToolStart``, ``Keep`` and ``LetGo``
+(``offload`` is the machine's ``tool_start`` alone).
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.calls import CallPolicy, call_policies, keep_fits_now
 from toolkv.core.capabilities import Capabilities
 from toolkv.core.config import POLICIES, ManagerConfig
+from toolkv.core.phases import IDLE
 from toolkv.core.policy import DurationModel
+from toolkv.core.record import SessionRecord
 from toolkv.core.requests import ToolStart
 from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
-from toolkv.core.session.phases import IDLE
-from toolkv.core.session.record import SessionRecord
 from toolkv.core.treeops import Tree
 
 __all__ = ["IDLE", "POLICIES", "ManagerConfig", "SessionView", "ToolKVManager", "make_backend"]
@@ -78,7 +81,7 @@ class ToolKVManager:
 
     @property
     def on_demote(self) -> Callable[[str], None]:
-        """Called with each session demoted inside another call (see ``MachineCore.on_demote``)."""
+        """Called with each session demoted inside another call (see ``MachineState.on_demote``)."""
         return self.machine.on_demote
 
     @on_demote.setter
@@ -164,11 +167,6 @@ class ToolKVManager:
     def _fetching(self) -> dict[str, SessionRecord]:
         return self.machine._fetching
 
-    def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
-        """Offloaded sessions a tool_start predicted back at ``returns_at`` would demote, first
-        first (the twin's fleet asks)."""
-        return self.machine._demotion_candidates(but, returns_at)
-
     # ---- tool_start: the call policy's choice among ToolStart, Keep and LetGo --------------------------
     def tool_start(
         self,
@@ -197,15 +195,15 @@ class ToolKVManager:
         return keep_fits_now(self.machine, kv_tokens)
 
     # ---- the spec's actions ------------------------------------------------------------------------------
-    def record_turn(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
+    def insert(self, session_id: str, tokens: Sequence[int], extra_key: str | None = None) -> None:
         """Spec ``Insert``: a turn of the session finished and its KV landed in the tree."""
         self.machine.insert(session_id, tokens, extra_key)
 
     def offload(
         self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
     ) -> dict[str, object]:
-        """Spec ``ToolStart`` without a call policy (the conformance replay's step). Deprecated
-        name: the machine's is ``tool_start``."""
+        """Spec ``ToolStart`` without a call policy (the conformance replay's step): the machine's
+        ``tool_start`` (the manager's :meth:`tool_start` is the call policy's)."""
         return self.machine.tool_start(session_id, demote=demote, returns_at=returns_at).as_dict()
 
     def keep(self, session_id: str) -> dict[str, object]:
@@ -240,7 +238,7 @@ class ToolKVManager:
         """Spec ``Unpin`` of one hand-over, as an explicit call."""
         return self.machine.unpin(session_id).as_dict()
 
-    def admitted(self, session_id: str) -> bool:
+    def admit(self, session_id: str) -> bool:
         """Spec ``Admit``: the session's next request was admitted (True: a hand-over ended)."""
         return self.machine.admit(session_id)
 
@@ -248,19 +246,19 @@ class ToolKVManager:
         """Spec ``Close``."""
         return self.machine.close(session_id).as_dict()
 
-    def on_tree_reset(self) -> None:
+    def tree_reset(self) -> None:
         """Spec ``TreeReset``: the tree was replaced (flush_cache)."""
         self.machine.tree_reset()
 
     def set_clock(self, now: float) -> None:
-        """Spec ``Tick``: the agreed clock moves to ``now``."""
-        self.machine.tick(now)
+        """Spec ``Tick`` as the bare step: the agreed clock moves to ``now``."""
+        self.machine.set_clock(now)
 
-    def process_write_acks(self) -> int:
+    def write_ack(self) -> int:
         """Spec ``WriteAck`` of every offload whose writes are acknowledged."""
         return self.machine.write_ack()
 
-    def process_load_acks(self) -> int:
+    def load_ack(self) -> int:
         """Spec ``LoadAck`` of every load that is acknowledged."""
         return self.machine.load_ack()
 
@@ -287,7 +285,7 @@ class ToolKVManager:
     def tick(self, now: float) -> None:
         """Once per scheduler iteration, after sglang processed its acks: spec ``Tick``, then every
         enabled manager action. ``now`` must already be agreed across ranks."""
-        self.machine.iterate(now)
+        self.machine.tick(now)
 
     # ---- kv_meta --------------------------------------------------------------------------------------
     def view(self, session_id: str) -> SessionView:

@@ -14,8 +14,8 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 
 from toolkv.core.lifecycle import EXPIRING, TIER_STATES
-from toolkv.core.session.phases import Phase
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.phases import Phase
+from toolkv.core.record import SessionRecord
 
 #: the tier a session's record reports once its copy lives in the storage tier (L3)
 L3_TIER = "l3"

@@ -16,7 +16,7 @@ import heapq
 import math
 from collections.abc import Iterator
 
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.record import SessionRecord
 
 Entry = tuple[float, int, str]  # (when, seq, session id)
 

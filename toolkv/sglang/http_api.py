@@ -41,7 +41,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from toolkv.core.l3 import L3
+from toolkv.core.phases import L3, Phase
 from toolkv.core.requests import (
     Arg,
     Close,
@@ -53,7 +53,6 @@ from toolkv.core.requests import (
     ToolStart,
 )
 from toolkv.core.result import TIERS
-from toolkv.core.session.phases import Phase
 from toolkv.core.settings import POLICY_NAMES, SETTINGS, PolicyName
 from toolkv.errors import (
     SchedulerTimeout,

@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolkv.core.lifecycle import HOLDING
+from toolkv.core.phases import Phase
 from toolkv.core.requests import ToolStart
-from toolkv.core.session.phases import Phase
 from toolkv.errors import BadRequest
 
 if TYPE_CHECKING:

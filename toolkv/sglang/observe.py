@@ -27,7 +27,7 @@ from typing import Any
 
 from toolkv.core.lifecycle import HOLDING
 from toolkv.core.manager import ToolKVManager
-from toolkv.core.session.phases import Phase
+from toolkv.core.phases import Phase
 from toolkv.sglang.metrics import ToolKVMetrics
 
 log = logging.getLogger("toolkv")

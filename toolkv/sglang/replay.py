@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkv.core.session.phases import Phase
+from toolkv.core.phases import Phase
 
 # Phases where a tool_start at the session's current epoch cannot be the call being re-sent:
 # Running/New have not started it (the manager's tool_start runs), Closed is final.

@@ -20,8 +20,8 @@ from toolkv.core import requests
 from toolkv.core.backends.base import Agreement, Backend, LocalAgreement
 from toolkv.core.lifecycle import EXPIRING, HOLDING
 from toolkv.core.manager import ToolKVManager, make_backend
+from toolkv.core.phases import Phase
 from toolkv.core.result import OPEN_CALL
-from toolkv.core.session.phases import Phase
 from toolkv.core.treeops import Tree
 from toolkv.errors import DeviceMemoryFull, Draining, ToolKVError, Unsupported
 from toolkv.sglang.config import ToolKVConfig
@@ -596,7 +596,7 @@ class SchedulerToolKV:
         """A request of ``sid`` was admitted into a prefill batch: sglang matched its prefix and
         locked it (the same batch on every rank). A hand-over ends here: the request's lock now
         keeps the KV on the GPU (spec ``Admit``)."""
-        if sid is not None and self.manager.admitted(sid):
+        if sid is not None and self.manager.admit(sid):
             self.decisions.decided("admit", sid, None, "ok", "handover_ended")
 
     def on_batch(self, reqs: Sequence[Any]) -> None:
@@ -627,7 +627,7 @@ class SchedulerToolKV:
         m = self.manager
         rec = m.sessions.get(sid)
         if rec is not None and rec.state in (Phase.HANDOVER, Phase.PARKED):  # ran without being seen admitted
-            m.admitted(sid)
+            m.admit(sid)
         if rec is not None and rec.state in HOLDING:
             # The session ran a turn while toolkv still held its KV (a request without tool_end,
             # or a restore that was deferred). Settle first so the new turn can be recorded:
@@ -644,16 +644,16 @@ class SchedulerToolKV:
             if rec.state in HOLDING:
                 epoch = rec.epoch
                 m.close(sid)
-                m.record_turn(sid, tokens, extra_key)
+                m.insert(sid, tokens, extra_key)
                 m.sessions[sid].epoch = epoch
                 self.skipped["reopened"] = self.skipped.get("reopened", 0) + 1
                 self.decisions.decided("turn_while_protected", sid, None, "ok", "reopened")
                 return
-        m.record_turn(sid, tokens, extra_key)
+        m.insert(sid, tokens, extra_key)
 
     def on_tree_reset(self) -> None:
         self.ghost.reset()
-        self.manager.on_tree_reset()
+        self.manager.tree_reset()
 
 
 def _jsonable(d: Mapping[str, Any]) -> dict[str, Any]:

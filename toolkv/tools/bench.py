@@ -152,7 +152,7 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             toks = [i + 1, *base[i * tok + 1 : (i + 1) * tok].tolist()]
             h.insert(toks, idx_all[i * tok : (i + 1) * tok])
             before = tracemalloc.get_traced_memory()[0]
-            m.record_turn(f"s{i}", toks)
+            m.insert(f"s{i}", toks)
             rec_bytes += tracemalloc.get_traced_memory()[0] - before
             if (i + 1) % max(1, n_sessions // 4) == 0:
                 log(f"  {n_sessions:>7} sessions: tracked {i + 1} ({time.perf_counter() - t0:.1f}s)")
@@ -209,7 +209,7 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             m.tick(now)
             load_ticks.append((time.perf_counter_ns() - t) / 1000)
             prim["tick_load_ack"].append(clock.take())
-            m.record_turn(sid, m.sessions[sid].tokens.tolist())  # next turn: Running again
+            m.insert(sid, m.sessions[sid].tokens.tolist())  # next turn: Running again
         gc.enable()
         assert all(r.state == "Running" for r in m.sessions.values())
 
@@ -308,7 +308,7 @@ def transfer(args: argparse.Namespace) -> int:
             h.fill_kv(idx, tokens)
             h.insert(tokens, idx)
             sid = f"bench{k}"
-            m.record_turn(sid, tokens)
+            m.insert(sid, tokens)
             before = h.device_kv(idx).float()
             sync()
             t = time.perf_counter()

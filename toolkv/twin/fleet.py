@@ -10,7 +10,7 @@ the server the hash picks among the others.
 L3 is sglang's own storage tier on every server (:mod:`toolkv.twin.storage`): HiCache writes
 every host copy through to it and reads a request's missing prefix from it on arrival
 (``wait_complete``); the servers' backends share one store (by name), each server with its own
-link to it (:mod:`toolkv.twin.l3`). toolkv's L3 decisions are its manager's (``toolkv/core/l3.py``:
+link to it (:mod:`toolkv.twin.l3`). toolkv's L3 decisions are its manager's (``toolkv/core/session/l3.py``:
 a session predicted away long is stored early and read back ahead of its predicted return, a full
 host's victims are stored instead of dropped, a ``tool_end`` reads a stored session back), the
 same code the plugin runs on a server; the fleet adds no policy of its own.

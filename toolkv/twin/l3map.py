@@ -8,7 +8,7 @@ Configurations (each run is one twin server, the constrained device pool):
 - ``stock-l3``: stock sglang, 16 GB host, L3 (:mod:`toolkv.twin.storage`: sglang's own storage
   path, write-through to L3 and a read on arrival with ``wait_complete``);
 - ``offload-l3``: the same server with toolkv ``offload`` (tool names sent), toolkv's manager
-  driving its L3 path (``toolkv/core/l3.py``) on the same storage backend.
+  driving its L3 path (``toolkv/core/session/l3.py``) on the same storage backend.
 
 Each row gives closed throughput, resumed-turn TTFT p90 and reuse, the ratios of the 16 GB rows to
 the same cell and seed's ``stock64``, toolkv's L3 counters (``l3_store``, ``demoted_l3``,

@@ -4,7 +4,7 @@ and plots.
 - ``l3``: one server, the long-tool shape, host pool size x {stock, stock-l3, toolkv, toolkv-l3}:
   resumed-turn reuse and TTFT against host GB, with the optimal-retention bound on the host alone
   (moves free and never late: :mod:`toolkv.twin.opt`). L3 is sglang's storage tier
-  (:mod:`toolkv.twin.storage`) and toolkv's L3 decisions its manager's (``toolkv/core/l3.py``).
+  (:mod:`toolkv.twin.storage`) and toolkv's L3 decisions its manager's (``toolkv/core/session/l3.py``).
 - ``fleet``: N servers behind a session-id router sharing one L3; a share of the servers is drained
   part-way, so their sessions' next turns land elsewhere: reuse and TTFT of all resumed turns and
   of the moved ones, against N.

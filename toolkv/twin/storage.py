@@ -11,7 +11,7 @@ What is sglang's own code, run unchanged:
 - ``HiCacheController``'s storage operations: ``write_storage``, ``prefetch``, the hit query
   ``_storage_hit_query``, ``_page_backup`` and ``_page_transfer`` (with the zero-copy page
   functions, ``interface_v1``), ``append_host_mem_release``;
-- toolkv's real L3 path (``toolkv/core/l3.py`` over ``core/backends/hicache_storage.py``): it sees
+- toolkv's real L3 path (``toolkv/core/session/l3.py`` over ``core/backends/hicache_storage.py``): it sees
   a tree with ``enable_storage`` and drives it as on a server.
 
 What is not sglang's:

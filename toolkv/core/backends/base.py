@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from toolkv.core.policy import Pressure
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode, attached, is_root, node_key, path_to, same_node
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
 

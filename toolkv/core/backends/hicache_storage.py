@@ -1,5 +1,5 @@
 """HiRadixCache's L3 storage tier for toolkv (``spec/storage/StorageTier.tla``), the backend half
-of ``toolkv.core.l3``: the :class:`~toolkv.core.capabilities.StorageTier` abilities of
+of ``toolkv.core.session.l3``: the :class:`~toolkv.core.capabilities.StorageTier` abilities of
 :class:`~toolkv.core.backends.hiradix.HiRadixBackend`, in a module of their own.
 
 A protected session's host copy goes down to sglang's storage backend and comes back through the
@@ -19,7 +19,7 @@ import torch
 
 from toolkv.core.backends.base import Agreement, ProtectionLedger
 from toolkv.core.backends.mooncake_tier import Manifest, MooncakeTier, is_mooncake
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tree, TreeNode, is_root, path_to, walk
 
 

@@ -44,7 +44,7 @@ from toolkv.core.backends.base import (
 from toolkv.core.backends.hicache_storage import HiCacheStorage, StorageCopy, _ntok
 from toolkv.core.backends.mirrors import drop_mirror, drop_order, mirror_ok, mirror_room, mirror_tokens
 from toolkv.core.policy import Pressure
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, is_loading, path_to, tier
 
 

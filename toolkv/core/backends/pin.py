@@ -19,7 +19,7 @@ from toolkv.core.backends.base import (
     offload_lock_cost,
 )
 from toolkv.core.policy import Pressure
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import HostMemoryFull
 

@@ -19,7 +19,7 @@ import torch
 
 from toolkv.core.backends.base import Agreement, LocalAgreement, LockPins, SynchronousLoads, device_pressure
 from toolkv.core.policy import Pressure
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to, walk
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull
 

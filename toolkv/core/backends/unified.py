@@ -76,7 +76,7 @@ from toolkv.core.backends.mirrors import drop_order, mirror_tokens
 from toolkv.core.backends.unified_mirrors import UnifiedMirrors, host_copy
 from toolkv.core.backends.unified_storage import UnifiedStorage
 from toolkv.core.policy import Pressure
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Tier, Tree, TreeNode, attached, path_to
 from toolkv.errors import Unsupported
 

@@ -55,7 +55,7 @@ from typing import Any
 
 from toolkv.core.backends.base import Agreement, host_full, offload_lock_cost, path_resident
 from toolkv.core.backends.unified import UnifiedBackend, _ntok
-from toolkv.core.session import SessionRecord
+from toolkv.core.record import SessionRecord
 from toolkv.core.treeops import Handle, Tier, Tree, TreeNode, attached, handle_tree, path_to
 from toolkv.errors import Unsupported
 

@@ -1,11 +1,7 @@
-"""One agent session as the manager sees it: its record (the spec's per-session variables) and its
-phases (``Phase``, the lifecycle table's states as an enum).
+"""The session machine (``toolkv.core.session.machine``) and its parts: its state (``state``), the
+copy path (``copies``), the loads (``loads``), the hand-over (``handover``), the policy's actions
+(``policy_actions``) and the L3 sub-machine (``l3``).
 
-The session machine itself (``toolkv.core.session.machine``) is not imported here: the backends
-import the record, and the machine imports the backends.
+Nothing is imported here: the records and phases every floor reads are on core's ground floor
+(``toolkv.core.record``, ``toolkv.core.phases``), below the backends that this floor imports.
 """
-
-from toolkv.core.session.phases import Phase
-from toolkv.core.session.record import SessionRecord
-
-__all__ = ["Phase", "SessionRecord"]

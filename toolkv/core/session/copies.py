@@ -10,17 +10,31 @@ and is checked inside the action, which raises before changing anything when it 
 from __future__ import annotations
 
 from toolkv.core.lifecycle import fire
+from toolkv.core.phases import OFFLOADED, Phase
 from toolkv.core.policy import keep_fits
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session.core import MachineCore, log
-from toolkv.core.session.phases import OFFLOADED, Phase
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.session.handover import Handover
+from toolkv.core.session.l3 import L3Tier
+from toolkv.core.session.loads import Loads
+from toolkv.core.session.policy_actions import PolicyActions
+from toolkv.core.session.state import MachineState, log
 from toolkv.core.timers import Timers
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, UnknownSession, WrongState
 
 
-class CopyActions(MachineCore):
-    """ToolStart, WriteAck, ToolEnd, LoadAck, Prefetch."""
+class Copies:
+    """ToolStart, WriteAck, ToolEnd, LoadAck, Prefetch: the top part, which calls the others (the
+    hand-over's room checks and hand-over, the policy's demotion order, the loads, the L3 tier)."""
+
+    def __init__(
+        self, s: MachineState, handover: Handover, policy: PolicyActions, loads: Loads, l3: L3Tier
+    ) -> None:
+        self.s = s
+        self.handover = handover
+        self.policy = policy
+        self.loads = loads
+        self.l3 = l3
 
     # ---- ToolStart ------------------------------------------------------------------------------------
     def can_tool_start(self, rec: SessionRecord) -> bool:
@@ -36,49 +50,49 @@ class CopyActions(MachineCore):
         stored (spec ``Store``), never dropped unless predicted back after ``returns_at``; a 507
         only when none can yield. Once ``Offloaded`` the session itself may go to L3 at the next
         tick if it is away long (``L3Tier.store_early``)."""
-        rec = self._get(session_id)
+        rec = self.s._get(session_id)
         if not self.can_tool_start(rec):
             raise WrongState(
                 f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state
             )
-        node = self._live_node(rec)
+        node = self.s._live_node(rec)
         if node is None:
             had = rec.node is not None
             rec.node = None
-            self.counters["kv_lost"] += 1
+            self.s.counters["kv_lost"] += 1
             raise SessionKVLost(
                 f"session {session_id!r} has no KV in the cache" + (" any more" if had else " yet"),
                 session_id=session_id,
             )
-        rec.node, rec.tree_gen = node, self.tree_gen
-        self._check_offload_room(rec, node)  # raises DeviceMemoryFull before changing anything
+        rec.node, rec.tree_gen = node, self.s.tree_gen
+        self.handover.check_offload_room(rec, node)  # raises DeviceMemoryFull before changing anything
         tried: set[str] = set()  # each victim once: one whose store is refused stays a candidate
         while True:
             try:
-                clean = self.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
+                clean = self.s.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
                 break
             except HostMemoryFull:
-                cands = self._demotion_candidates(session_id, returns_at) if demote else []
+                cands = self.policy.demotion_candidates(session_id, returns_at) if demote else []
                 victims = [v for v in cands if v not in tried]
                 if not victims:
                     raise
                 tried.add(victims[0])
-                self._yield_host(victims[0], returns_at)
+                self.l3.yield_host(victims[0], returns_at)
         rec.epoch += 1
-        self._arm_deadline(rec)
+        self.s._arm_deadline(rec)
         if self._free_at_tool_start(clean):
             self._free_or_leave([rec])
             fire(rec, "tool_start", Phase.OFFLOADED)
-            self._offloaded(rec)
+            self.l3.offloaded(rec)
         else:
             fire(rec, "tool_start", Phase.OFFLOADING)
-            self._offloading[session_id] = rec
-        self.counters["tool_start"] += 1
-        self.counters["offloaded_tokens"] += rec.offload_tokens
+            self.s._offloading[session_id] = rec
+        self.s.counters["tool_start"] += 1
+        self.s.counters["offloaded_tokens"] += rec.offload_tokens
         log.debug(
             "tool_start %s epoch=%d state=%s tokens=%d", session_id, rec.epoch, rec.state, rec.offload_tokens
         )
-        return self.view(rec)
+        return self.s.view(rec)
 
     def _free_at_tool_start(self, clean: bool) -> bool:
         """Whether ``tool_start`` frees the GPU copies itself: only when no write on the path is
@@ -92,30 +106,30 @@ class CopyActions(MachineCore):
         Freeing buys room nobody may need: the regime map found that with few sessions stock
         sglang kept the copies toolkv had freed, and reused more. Left, they cost nothing that
         sglang cannot take back the moment it needs the room."""
-        lazy = self.caps.lazy_free
-        if self.config.lazy_free and lazy is not None:
+        lazy = self.s.caps.lazy_free
+        if self.s.config.lazy_free and lazy is not None:
             lazy.leave_gpu(recs)
             for r in recs:
                 r.freed_tokens = 0
-                self.counters["left_tokens"] += r.offload_tokens
+                self.s.counters["left_tokens"] += r.offload_tokens
         else:
-            self.backend.free_gpu(recs)
+            self.s.backend.free_gpu(recs)
 
     # ---- WriteAck -------------------------------------------------------------------------------------
     def write_ack(self) -> int:
         """Spec ``WriteAck``: finish every offload whose path writes are all acknowledged (its GPU
         copies are freed); returns how many."""
-        if not self._offloading:
+        if not self.s._offloading:
             return 0
-        done = [r for r in self._offloading.values() if not self.backend.offload_pending(r)]
+        done = [r for r in self.s._offloading.values() if not self.s.backend.offload_pending(r)]
         if not done:
             return 0
         self._free_or_leave(done)
         for rec in done:
-            del self._offloading[rec.session_id]
+            del self.s._offloading[rec.session_id]
             fire(rec, "write_ack", Phase.OFFLOADED)
-            self._offloaded(rec)
-            self.counters["freed_tokens"] += rec.freed_tokens
+            self.l3.offloaded(rec)
+            self.s.counters["freed_tokens"] += rec.freed_tokens
         return len(done)
 
     # ---- ToolEnd --------------------------------------------------------------------------------------
@@ -127,65 +141,36 @@ class CopyActions(MachineCore):
         (restore from host or L3, hand a kept or early-restored path over, or nothing to do for a
         released one). A stale epoch changes nothing (``StaleEpoch``)."""
         try:
-            rec = self._get(session_id)
+            rec = self.s._get(session_id)
         except UnknownSession as unknown:  # stored by a server that is gone: SharedTier.tla
-            return self.view(self._adopt(session_id, epoch, unknown))
-        self._check_epoch(rec, epoch, count=True)
+            return self.s.view(self.l3.adopt(session_id, epoch, unknown))
+        self.s._check_epoch(rec, epoch, count=True)
         if rec.state == Phase.KEPT:  # the pin stays until the next request holds the path
-            self._settle(rec, "tool_end")
-            self._hand_over(rec, "tool_end")
+            self.s._settle(rec, "tool_end")
+            self.handover.hand_over(rec, "tool_end")
             self._tool_end_done(rec)
-            return self.view(rec)
+            return self.s.view(rec)
         if rec.state == Phase.PREFETCHING:  # the early restore becomes the restore
-            del self._prefetching[session_id]
-            self._restoring[session_id] = rec
+            del self.s._prefetching[session_id]
+            self.s._restoring[session_id] = rec
             fire(rec, "tool_end", Phase.RESTORING)
             self._tool_end_done(rec)
-            return self.view(rec)
+            return self.s.view(rec)
         if rec.state == Phase.RELEASED:  # nothing was held: the next turn recomputes what is missing
             fire(rec, "tool_end", Phase.RUNNING)
             self._tool_end_done(rec)
-            return self.view(rec)
+            return self.s.view(rec)
         if rec.state not in OFFLOADED:
             return self._tool_end_not_offloaded(rec)
-        if rec.l3 and self._tool_end_l3(rec):
-            return self.view(rec)
-        self._restore_from_host(rec)
+        if rec.l3 and self.l3.tool_end_l3(rec):
+            return self.s.view(rec)
+        self.loads.restore_from_host(rec)
         self._tool_end_done(rec)
-        return self.view(rec)
+        return self.s.view(rec)
 
     def _tool_end_done(self, rec: SessionRecord) -> None:
-        self._observe_call(rec)
-        self.counters["tool_end"] += 1
-
-    def _restore_from_host(self, rec: SessionRecord) -> None:
-        """Spec ``ToolEnd`` from a protected host copy: the host→GPU load, or the hand-over at once
-        when nothing is to load. When the device cannot take it now, spec ``Park`` (with
-        ``adaptive``): the host copy stays protected and the next request's admission loads it;
-        without ``adaptive``, ``DeviceMemoryFull`` (nothing changed)."""
-        session_id = rec.session_id
-        try:
-            self._check_pin_room(rec, queued=self.config.adaptive)
-            runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
-        except DeviceMemoryFull:
-            if self.config.adaptive and self._parks():
-                self._park(rec)
-                return
-            self._restore_refused(rec)
-            raise
-        self._offloading.pop(session_id, None)
-        if runnable:  # nothing to load: pin what is resident until the next request holds it
-            self._settle(rec, "tool_end")
-            self._pin_for_handover(rec)
-            self._hand_over(rec, "tool_end")
-        else:
-            fire(rec, "tool_end", Phase.RESTORING)
-            self._restoring[session_id] = rec
-            rec.restore_started_at = self.now
-        self.counters["restored_tokens"] += rec.restored_tokens
-        if rec.recompute_tokens:  # nothing worth loading: the next request recomputes the suffix
-            self.counters["restore_below_threshold"] += 1
-        log.debug("tool_end %s epoch=%d state=%s", session_id, rec.epoch, rec.state)
+        self.s._observe_call(rec)
+        self.s.counters["tool_end"] += 1
 
     def _tool_end_not_offloaded(self, rec: SessionRecord) -> SessionView:
         """A current-epoch tool_end for a session that is not offloaded (already restoring, or
@@ -194,32 +179,27 @@ class CopyActions(MachineCore):
             f"tool_end needs an offloaded session; {rec.session_id!r} is {rec.state}", state=rec.state
         )
 
-    def _restore_refused(self, rec: SessionRecord) -> None:
-        """The backend refused the restore before changing anything: the session stays offloaded
-        and protected (caveat 1: its host protection is kept, for a retry or the TTL to release)."""
-        self.counters["restore_deferred"] += 1
-
     # ---- LoadAck --------------------------------------------------------------------------------------
     def load_ack(self) -> int:
         """Spec ``LoadAck``: forget acknowledged loads; every restoring session whose path is now
         readable is handed over (its protection is released, the load's pin stays), every early
         restore that is readable is ``Kept`` until its tool_end."""
-        if not self._restoring and not self._prefetching and not self.backend.loads_in_flight():
+        if not self.s._restoring and not self.s._prefetching and not self.s.backend.loads_in_flight():
             return 0
-        self.backend.poll_loads()
-        done = [r for r in self._restoring.values() if not self.backend.restore_pending(r)]
-        warm = [r for r in self._prefetching.values() if self._prefetch_readable(r)]
+        self.s.backend.poll_loads()
+        done = [r for r in self.s._restoring.values() if not self.s.backend.restore_pending(r)]
+        warm = [r for r in self.s._prefetching.values() if self.s._prefetch_readable(r)]
         for rec in done:  # readable: the load's pin stays as the hand-over's, the protection goes
-            self.backend.release_protection(rec)
-            self._settle(rec, "load_ack")
-            self._hand_over(rec, "load_ack")
-            self._measured_restore(rec)
+            self.s.backend.release_protection(rec)
+            self.s._settle(rec, "load_ack")
+            self.handover.hand_over(rec, "load_ack")
+            self.s._measured_restore(rec)
         for rec in warm:  # an early restore is readable: Kept (pinned) until its tool_end
-            self.backend.release_protection(rec)
-            del self._prefetching[rec.session_id]
+            self.s.backend.release_protection(rec)
+            del self.s._prefetching[rec.session_id]
             fire(rec, "load_ack", Phase.KEPT)
-            self._measured_restore(rec)
-            self._arm_warm(rec)
+            self.s._measured_restore(rec)
+            self.s._arm_warm(rec)
         return len(done) + len(warm)
 
     # ---- Prefetch -------------------------------------------------------------------------------------
@@ -231,45 +211,30 @@ class CopyActions(MachineCore):
         that the KV is on the GPU when the tool returns. The session keeps its protection until
         the load is acknowledged, then it is Kept (pinned) until tool_end or the TTL. Raises
         ``DeviceMemoryFull`` (nothing changed) when the device cannot take it now."""
-        rec = self._get(session_id)
+        rec = self.s._get(session_id)
         if not self.can_prefetch(rec):
             raise WrongState(
                 f"prefetch needs an Offloaded session; {session_id!r} is {rec.state}", state=rec.state
             )
-        if rec.l3 and self._l3_prefetch(rec):
-            return self.view(rec)
-        runnable = self.backend.restore(rec)  # raises DeviceMemoryFull before changing anything
-        rec.prefetch_at = float("inf")
-        if runnable:  # nothing to load: the path is resident; pin it (the pin backend's offload pin is it)
-            kept = rec.pinned is not None or (rec.node is not None and self.backend.keep(rec, rec.node))
-            assert kept, "a restored path must be resident"
-            fire(rec, "prefetch", Phase.KEPT)
-            self._arm_warm(rec)
-        elif self._prefetch_readable(rec):  # never, with a load in flight (restore pinned the path)
-            self.backend.release_protection(rec)
-            fire(rec, "prefetch", Phase.KEPT)
-            self._arm_warm(rec)
-        else:
-            fire(rec, "prefetch", Phase.PREFETCHING)
-            self._prefetching[session_id] = rec
-            rec.restore_started_at = self.now
-        self.counters["prefetched"] += 1
-        return self.view(rec)
+        if rec.l3 and self.l3.prefetch_l3(rec):
+            return self.s.view(rec)
+        self.loads.prefetch_from_host(rec)
+        return self.s.view(rec)
 
     def run_prefetches(self) -> int:
         """Start the early restores that are due (policy ``auto``). A device that cannot take one
         now defers it to a later tick; a suffix sglang would not load is left to tool_end."""
         n = 0
-        for when, _seq, sid in Timers.due(self.timers.prefetch_due, self.now):
-            rec = self.sessions.get(sid)
+        for when, _seq, sid in Timers.due(self.s.timers.prefetch_due, self.s.now):
+            rec = self.s.sessions.get(sid)
             if rec is None or rec.prefetch_at != when or rec.state not in OFFLOADED:
                 continue
             if rec.l3 == "fetching" or rec.l3_then:  # being read back from L3 already
                 continue
             if rec.state == Phase.OFFLOADING:  # its writes are still in flight: look again shortly
-                self._defer_prefetch(rec, 0.05)
+                self.s._defer_prefetch(rec, 0.05)
                 break
-            if not rec.l3 and not self.backend.worth_prefetching(rec):
+            if not rec.l3 and not self.s.backend.worth_prefetching(rec):
                 continue
             try:
                 if not self._spare_for(rec):
@@ -280,8 +245,8 @@ class CopyActions(MachineCore):
                 self.prefetch(sid)
                 n += 1
             except DeviceMemoryFull:
-                self.counters["prefetch_deferred"] += 1
-                self._defer_prefetch(rec, 0.25)
+                self.s.counters["prefetch_deferred"] += 1
+                self.s._defer_prefetch(rec, 0.25)
                 break  # the device is full for the others too; try again later
         return n
 
@@ -289,7 +254,7 @@ class CopyActions(MachineCore):
         """Whether the device has spare room for the session's KV by the keep rule
         (``policy.keep_fits``: free after promised and queued tokens, less the reserve).
         Backends without the notion always have room."""
-        if self.backend.pressure().device_spare_tokens is None:  # the backend's kind: alike on all ranks
+        if self.s.backend.pressure().device_spare_tokens is None:  # the backend's kind: alike on all ranks
             return True
-        p = self.pressure()  # agreed across TP ranks: every rank restores early, or none
-        return keep_fits(p, rec.offload_tokens, self.config.policy_config.device_reserve)
+        p = self.s.pressure()  # agreed across TP ranks: every rank restores early, or none
+        return keep_fits(p, rec.offload_tokens, self.s.config.policy_config.device_reserve)

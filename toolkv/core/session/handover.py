@@ -14,20 +14,24 @@ from collections.abc import Callable
 
 from toolkv.core.backends.base import device_full, offload_room_full
 from toolkv.core.lifecycle import fire
+from toolkv.core.phases import OFFLOADED, Phase
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session.core import MachineCore, log
-from toolkv.core.session.phases import OFFLOADED, Phase
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.session.state import MachineState, log
 from toolkv.core.treeops import Tree, TreeNode
 from toolkv.errors import WrongState
 
 
-class HandoverActions(MachineCore):
-    """Handover, Admit, Park, Unpin, and the device-room checks a pin needs."""
+class Handover:
+    """Handover, Admit, Park, Unpin, and the device-room checks a pin or a write lock needs. Calls
+    only the state: the other parts call it."""
+
+    def __init__(self, s: MachineState) -> None:
+        self.s = s
 
     # ---- Park -----------------------------------------------------------------------------------------
     def can_park(self, rec: SessionRecord) -> bool:
-        return rec.state in OFFLOADED and not rec.l3 and self._parks()
+        return rec.state in OFFLOADED and not rec.l3 and self.parks()
 
     def park(self, session_id: str, epoch: int) -> SessionView:
         """Spec ``Park`` as an explicit call: the tool call of ``epoch`` is over and the session's
@@ -35,24 +39,24 @@ class HandoverActions(MachineCore):
         its own when the device cannot take the restore next to the queued requests; the
         conformance replay takes the spec's step with this call. Refused (nothing changed) for a
         stale epoch or a session that is not ``Offloading``/``Offloaded`` on its host copy."""
-        rec = self._get(session_id)
-        self._check_epoch(rec, epoch, count=False)
+        rec = self.s._get(session_id)
+        self.s._check_epoch(rec, epoch, count=False)
         if not self.can_park(rec):
             raise WrongState(
                 f"park needs an offloaded session on a backend with a host tier; {session_id!r} is {rec.state}",
                 state=rec.state,
             )
-        self._park(rec)
-        self._observe_call(rec)
-        self.counters["tool_end"] += 1
-        return self.view(rec)
+        self.park_step(rec)
+        self.s._observe_call(rec)
+        self.s.counters["tool_end"] += 1
+        return self.s.view(rec)
 
-    def _parks(self) -> bool:
+    def parks(self) -> bool:
         """Whether the backend can leave a restore to sglang's own load-back: only on HiCache, whose
         host copy lives in the tree (a plain RadixCache's pin or shadow copy has none to load)."""
-        return self.caps.parks
+        return self.s.caps.parks
 
-    def _park(self, rec: SessionRecord) -> None:
+    def park_step(self, rec: SessionRecord) -> None:
         """Spec ``Park``: the tool call is over but its next request would wait behind others (the
         device cannot take the restore's pin next to what running and queued requests need).
         Loading now would hold device room for a request that is not running; so nothing is
@@ -60,11 +64,11 @@ class HandoverActions(MachineCore):
         frees nothing), and sglang's own ``load_back`` brings the KV in when the request is
         admitted (spec ``Admit`` of a parked session), which ends the protection. The TTL bounds
         a request that never comes."""
-        self._offloading.pop(rec.session_id, None)  # its write ack frees nothing: the request is coming
+        self.s._offloading.pop(rec.session_id, None)  # its write ack frees nothing: the request is coming
         fire(rec, "park", Phase.PARKED)
-        self._arm_deadline(rec)
+        self.s._arm_deadline(rec)
         rec.restore, rec.restored_tokens, rec.recompute_tokens = "parked", 0, 0
-        self.counters["parked"] += 1
+        self.s.counters["parked"] += 1
         log.debug(
             "tool_end %s epoch=%d parked (device room is needed by queued requests)",
             rec.session_id,
@@ -72,7 +76,7 @@ class HandoverActions(MachineCore):
         )
 
     # ---- the device room a pin takes --------------------------------------------------------------------
-    def _check_pin_room(self, rec: SessionRecord, *, queued: bool = False) -> None:
+    def check_pin_room(self, rec: SessionRecord, *, queued: bool = False) -> None:
         """The hand-over pins the session's whole path, which takes its resident part out of
         what sglang may evict. sglang has promised running requests device tokens it counts on
         finding free or evictable (the rest of a chunked prefill over-commits otherwise, and the
@@ -82,15 +86,15 @@ class HandoverActions(MachineCore):
         and the ones still to load (``pin_cost``). With ``queued``, the tokens the waiting
         requests need count as promised too: a pin taken while they queue takes their room.
         Agreed across ranks."""
-        priced = self.caps.pin_priced
+        priced = self.s.caps.pin_priced
         if priced is None or rec.node is None:
             return
         need = int(priced.pin_cost(rec.node))
         free, evictable, reserved = self._device_room(queued=queued)
-        if not self.agree.all_true(need + reserved <= free + evictable):
+        if not self.s.agree.all_true(need + reserved <= free + evictable):
             raise device_full(rec, need, free, evictable, reserved)
 
-    def _check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
+    def check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
         """Spec ``ToolStart``'s device guard (``PromiseFits``): the offload's locks (a write locks
         the node it copies and its path until the ack) take the path's resident unlocked tokens out
         of what sglang may evict, while sglang counts on free + evictable covering what it promised
@@ -99,25 +103,25 @@ class HandoverActions(MachineCore):
         exits). Refuse the offload (``DeviceMemoryFull``, nothing changed: the KV stays in sglang's
         cache) unless free + evictable, less what was promised, still covers what the locks take.
         Agreed across ranks."""
-        priced = self.caps.lock_priced
+        priced = self.s.caps.lock_priced
         if priced is None:
             return
         need = int(priced.offload_lock_cost(leaf))
         if need == 0:
             return
         free, evictable, reserved = self._room_of(priced.tree, priced.headroom)
-        if not self.agree.all_true(need + reserved <= free + evictable):
-            self.counters["offload_room_refused"] += 1
+        if not self.s.agree.all_true(need + reserved <= free + evictable):
+            self.s.counters["offload_room_refused"] += 1
             raise offload_room_full(rec, need, free, evictable, reserved)
 
     def _device_room(self, *, queued: bool) -> tuple[int, int, int]:
         """(free, evictable, promised) device tokens; ``queued``: the waiting requests' count as
         promised too."""
-        priced = self.caps.pin_priced
+        priced = self.s.caps.pin_priced
         assert priced is not None, "only a backend that prices pins has a device room to check"
         free, evictable, reserved = self._room_of(priced.tree, priced.headroom)
         if queued:
-            reserved += int(self.queued_demand())
+            reserved += int(self.s.queued_demand())
         return free, evictable, reserved
 
     @staticmethod
@@ -132,9 +136,9 @@ class HandoverActions(MachineCore):
         """Whether the device is short for what running and queued requests need: free and
         evictable tokens less than the promised and queued ones. Agreed across ranks: short when
         any rank is short (a queued request needs its room on every rank; the pin's room check,
-        :meth:`_check_pin_room`, refuses by the same rule)."""
+        :meth:`check_pin_room`, refuses by the same rule)."""
         free, evictable, reserved = self._device_room(queued=True)
-        return not self.agree.all_true(reserved <= free + evictable)
+        return not self.s.agree.all_true(reserved <= free + evictable)
 
     # ---- Unpin ------------------------------------------------------------------------------------------
     def unpin_for_room(self) -> int:
@@ -143,10 +147,10 @@ class HandoverActions(MachineCore):
         there or none is left. A session whose path is backed up on host is protected there
         again (``Parked``: its admission loads whatever sglang evicted meanwhile); one that is
         not (a kept path never written) is ``Runnable``. Returns how many pins went."""
-        if not self._handover or not self.config.adaptive or not self._parks():
+        if not self.s._handover or not self.s.config.adaptive or not self.parks():
             return 0
         n = 0
-        for rec in reversed(list(self._handover.values())):
+        for rec in reversed(list(self.s._handover.values())):
             if not self._room_short():
                 break
             self._unpin(rec)
@@ -159,44 +163,44 @@ class HandoverActions(MachineCore):
     def unpin(self, session_id: str) -> SessionView:
         """Spec ``Unpin`` of one hand-over, as an explicit call (the conformance replay takes the
         spec's step with it; the tick's :meth:`unpin_for_room` decides when on a server)."""
-        rec = self._get(session_id)
+        rec = self.s._get(session_id)
         if not self.can_unpin(rec):
             raise WrongState(
                 f"unpin needs a Handover session; {session_id!r} is {rec.state}", state=rec.state
             )
         self._unpin(rec)
-        return self.view(rec)
+        return self.s.view(rec)
 
     def _unpin(self, rec: SessionRecord) -> None:
         assert rec.state == Phase.HANDOVER, rec.state
-        self.backend.unpin(rec)
-        self._handover.pop(rec.session_id, None)
-        parking = self.caps.parking
+        self.s.backend.unpin(rec)
+        self.s._handover.pop(rec.session_id, None)
+        parking = self.s.caps.parking
         if parking is not None and parking.reprotect(rec):
             fire(rec, "unpin", Phase.PARKED)
-            self._arm_deadline(rec)
-            self.counters["unpinned_parked"] += 1
+            self.s._arm_deadline(rec)
+            self.s.counters["unpinned_parked"] += 1
         else:
             fire(rec, "unpin", Phase.RUNNABLE)
-            self.counters["unpinned_runnable"] += 1
+            self.s.counters["unpinned_runnable"] += 1
 
     # ---- Handover ---------------------------------------------------------------------------------------
-    def _pin_for_handover(self, rec: SessionRecord) -> None:
+    def pin_for_handover(self, rec: SessionRecord) -> None:
         """A restore that needed no load returned the protection and holds no pin yet: pin the
         resident path (the recorded node, possibly the device prefix left below sglang's
         ``load_back_threshold``) so that it survives until the next request holds it."""
-        if rec.node is not None and rec.pinned is None and not self.backend.keep(rec, rec.node):
+        if rec.node is not None and rec.pinned is None and not self.s.backend.keep(rec, rec.node):
             # never with a correct backend (the restore found the path resident); a backend that
             # says so with a load in flight (mutant EarlyRunnable) is caught by HandoverResident
             log.error("session %s: the restored path is not resident; handed over unpinned", rec.session_id)
 
-    def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
+    def hand_over(self, rec: SessionRecord, trigger: str) -> None:
         """The tool call is over and the KV is on the GPU, pinned (spec ``Handover``): armed with
         the hand-over TTL. A request already admitted while the load ran ends it at once."""
         fire(rec, trigger, Phase.HANDOVER)
-        self._handover[rec.session_id] = rec
-        self._arm_deadline(rec, min(self.config.ttl_s, self.config.handover_ttl_s))
-        self.counters["handover"] += 1
+        self.s._handover[rec.session_id] = rec
+        self.s._arm_deadline(rec, min(self.s.config.ttl_s, self.s.config.handover_ttl_s))
+        self.s.counters["handover"] += 1
         if rec.admit_pending:
             self._admit(rec)
 
@@ -208,17 +212,17 @@ class HandoverActions(MachineCore):
         is still in flight (Restoring) ends the hand-over as soon as the load is acknowledged.
         Returns True when a hand-over ended; anything else is a no-op (the request is served
         whatever toolkv holds)."""
-        rec = self.sessions.get(session_id)
+        rec = self.s.sessions.get(session_id)
         if rec is None:
             return False
         if rec.state == Phase.RESTORING or (rec.l3 == "fetching" and rec.l3_then == "tool_end"):
             rec.admit_pending = True
             return False
         if rec.state == Phase.PARKED:  # sglang's load_back took the host copy; the request's lock holds it
-            self.backend.release_protection(rec)
-            self._settle(rec, "admit")
+            self.s.backend.release_protection(rec)
+            self.s._settle(rec, "admit")
             fire(rec, "admit", Phase.RUNNABLE)
-            self.counters["admitted_parked"] += 1
+            self.s.counters["admitted_parked"] += 1
             return True
         if rec.state != Phase.HANDOVER:
             return False
@@ -226,8 +230,8 @@ class HandoverActions(MachineCore):
         return True
 
     def _admit(self, rec: SessionRecord) -> None:
-        self.backend.unpin(rec)
-        self._handover.pop(rec.session_id, None)
+        self.s.backend.unpin(rec)
+        self.s._handover.pop(rec.session_id, None)
         rec.admit_pending = False
         fire(rec, "admit", Phase.RUNNABLE)
-        self.counters["admitted"] += 1
+        self.s.counters["admitted"] += 1

@@ -18,11 +18,31 @@ spec action               method (``can_<action>``: the phase part of its guard)
 ``TtlSweep``              :meth:`ttl_sweep` (and the idle expiry, :meth:`forget_idle`)
 ``Close``                 :meth:`close`
 ``TreeReset``             :meth:`tree_reset`
-``Tick``                  :meth:`tick` (the clock); :meth:`iterate` runs it, then every enabled
-                          action, once per scheduler iteration
+``Tick``                  :meth:`tick`, once per scheduler iteration: the clock moves
+                          (:meth:`set_clock`, the bare step the conformance replay takes), then
+                          every enabled action
 ``Store`` (StorageTier)   :meth:`store`; ``StoreAck``/``PrefetchAck`` in
-                          :meth:`process_storage_acks` (``toolkv.core.l3``)
+                          :meth:`process_storage_acks` (``toolkv.core.session.l3``)
 ========================= =====================================================================
+
+The machine is the state (:class:`~toolkv.core.session.state.MachineState`) and owns the parts
+that hold the actions, each built with the state and the parts it calls, nothing else:
+
+============ ======================================== =========================================
+part         actions                                   calls
+============ ======================================== =========================================
+``handover`` Handover, Admit, Park, Unpin; room checks (the state only)
+``policy``   Keep, LetGo, Demote; demotion order       ``handover`` (a keep's room check)
+``loads``    ToolEnd's restore or Park, Prefetch's load ``handover``
+``l3``       Store, StoreAck, StoragePrefetch, ...     ``policy``, ``loads``, the machine's Insert
+``copies``   ToolStart, WriteAck, ToolEnd, LoadAck,    all four
+             Prefetch
+============ ======================================== =========================================
+
+Insert, TtlSweep, Close, TreeReset and Tick are the machine's own; every other action is one line
+here that calls its part, so the manager above speaks to one object in the spec's words. A seeded
+defect (``verify.toolkv.mutants``) is a part, or the machine, with one method put back wrong: the
+``*_class`` attributes name the parts a machine builds.
 
 Which of ``ToolStart``, ``Keep`` and ``LetGo`` a tool call gets is not the machine's business: the
 call policies of ``toolkv.core.calls`` decide it, and the manager (``toolkv.core.manager``) is the
@@ -33,24 +53,107 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import ClassVar
 
-from toolkv.core.l3 import L3Tier
+from toolkv.core.backends.base import Agreement, Backend
+from toolkv.core.config import ManagerConfig
 from toolkv.core.lifecycle import EXPIRING, HOLDING, fire
+from toolkv.core.phases import IDLE, RESET_LOSES, Phase
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session.copies import CopyActions
-from toolkv.core.session.core import log
-from toolkv.core.session.handover import HandoverActions
-from toolkv.core.session.phases import IDLE, RESET_LOSES, Phase
+from toolkv.core.session.copies import Copies
+from toolkv.core.session.handover import Handover
+from toolkv.core.session.l3 import L3Tier
+from toolkv.core.session.loads import Loads
 from toolkv.core.session.policy_actions import PolicyActions
-from toolkv.core.session.record import SessionRecord
+from toolkv.core.session.state import MachineState, log
 from toolkv.core.timers import Timers
-from toolkv.core.treeops import walk
+from toolkv.core.treeops import Tree, walk
 from toolkv.errors import BadRequest, WrongState
 
 
-class SessionMachine(CopyActions, PolicyActions, HandoverActions, L3Tier):
+class SessionMachine(MachineState):
     """Every session's phase, moved only by the spec's actions (``lifecycle.fire`` checks each
     move against the table that ``model_tests/test_tables.py`` checks against TLC)."""
+
+    handover_class: ClassVar[type[Handover]] = Handover
+    policy_class: ClassVar[type[PolicyActions]] = PolicyActions
+    loads_class: ClassVar[type[Loads]] = Loads
+    l3_class: ClassVar[type[L3Tier]] = L3Tier
+    copies_class: ClassVar[type[Copies]] = Copies
+    #: the ``*_class`` attributes, in the order the parts are built
+    PARTS: ClassVar[tuple[str, ...]] = ("handover", "policy", "loads", "l3", "copies")
+
+    def __init__(self, tree: Tree, backend: Backend, *, config: ManagerConfig, agree: Agreement) -> None:
+        super().__init__(tree, backend, config=config, agree=agree)
+        self.handover = self.handover_class(self)
+        self.policy = self.policy_class(self, self.handover)
+        self.loads = self.loads_class(self, self.handover)
+        self.l3 = self.l3_class(self, self.policy, self.loads, self.insert)
+        self.copies = self.copies_class(self, self.handover, self.policy, self.loads, self.l3)
+
+    # ---- the parts' actions, in the spec's words ------------------------------------------------------
+    def tool_start(
+        self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
+    ) -> SessionView:
+        """Spec ``ToolStart`` (:meth:`Copies.tool_start`)."""
+        return self.copies.tool_start(session_id, demote=demote, returns_at=returns_at)
+
+    def write_ack(self) -> int:
+        """Spec ``WriteAck`` (:meth:`Copies.write_ack`)."""
+        return self.copies.write_ack()
+
+    def tool_end(self, session_id: str, epoch: int) -> SessionView:
+        """Spec ``ToolEnd`` (:meth:`Copies.tool_end`)."""
+        return self.copies.tool_end(session_id, epoch)
+
+    def load_ack(self) -> int:
+        """Spec ``LoadAck`` (:meth:`Copies.load_ack`)."""
+        return self.copies.load_ack()
+
+    def prefetch(self, session_id: str) -> SessionView:
+        """Spec ``Prefetch`` (:meth:`Copies.prefetch`)."""
+        return self.copies.prefetch(session_id)
+
+    def run_prefetches(self) -> int:
+        """The early restores that are due (:meth:`Copies.run_prefetches`)."""
+        return self.copies.run_prefetches()
+
+    def keep(self, session_id: str) -> SessionView:
+        """Spec ``Keep`` (:meth:`PolicyActions.keep`)."""
+        return self.policy.keep(session_id)
+
+    def let_go(self, session_id: str) -> SessionView:
+        """Spec ``LetGo`` (:meth:`PolicyActions.let_go`)."""
+        return self.policy.let_go(session_id)
+
+    def demote(self, session_id: str) -> SessionView:
+        """Spec ``Demote`` (:meth:`PolicyActions.demote`)."""
+        return self.policy.demote(session_id)
+
+    def park(self, session_id: str, epoch: int) -> SessionView:
+        """Spec ``Park`` (:meth:`Handover.park`)."""
+        return self.handover.park(session_id, epoch)
+
+    def unpin(self, session_id: str) -> SessionView:
+        """Spec ``Unpin`` (:meth:`Handover.unpin`)."""
+        return self.handover.unpin(session_id)
+
+    def unpin_for_room(self) -> int:
+        """Spec ``Unpin`` of the hand-overs whose pins queued requests need."""
+        return self.handover.unpin_for_room()
+
+    def admit(self, session_id: str) -> bool:
+        """Spec ``Admit`` (:meth:`Handover.admit`)."""
+        return self.handover.admit(session_id)
+
+    def store(self, session_id: str) -> SessionView:
+        """StorageTier.tla's ``Store`` (:meth:`L3Tier.store`)."""
+        return self.l3.store(session_id)
+
+    def process_storage_acks(self) -> int:
+        """StorageTier.tla's ``StoreAck`` and ``PrefetchAck`` (:meth:`L3Tier.process_storage_acks`)."""
+        return self.l3.process_storage_acks()
 
     # ---- Insert ---------------------------------------------------------------------------------------
     def can_insert(self, rec: SessionRecord | None) -> bool:
@@ -86,10 +189,6 @@ class SessionMachine(CopyActions, PolicyActions, HandoverActions, L3Tier):
             fire(rec, "insert", Phase.RUNNING)
         self._touch(rec)
         self.counters["turns"] += 1
-
-    def _insert_adopted(self, session_id: str, tokens: array[int], extra_key: str | None) -> None:
-        """The adopted session's record (``L3Tier._adopt``): spec ``Insert`` of its turn."""
-        self.insert(session_id, tokens, extra_key)
 
     # ---- StartLoads -----------------------------------------------------------------------------------
     def start_loads(self) -> bool:
@@ -245,17 +344,17 @@ class SessionMachine(CopyActions, PolicyActions, HandoverActions, L3Tier):
             self._arm_warm(rec)
 
     # ---- Tick -----------------------------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        """Spec ``Tick``: the agreed clock moves to ``now`` (never back)."""
+    def set_clock(self, now: float) -> None:
+        """Spec ``Tick`` as the bare step: the agreed clock moves to ``now`` (never back)."""
         if now < self.now:
             raise ValueError(f"the agreed clock went backwards ({now} < {self.now})")
         self.now = now
 
-    def iterate(self, now: float) -> None:
-        """Once per scheduler iteration, after sglang processed its acks: ``Tick``, then every
-        enabled manager action. ``now`` must already be agreed across ranks. Idle cost: a few
-        emptiness checks."""
-        self.tick(now)
+    def tick(self, now: float) -> None:
+        """Spec ``Tick`` as a scheduler iteration takes it, after sglang processed its acks: the
+        clock moves (:meth:`set_clock`), then every enabled manager action runs. ``now`` must
+        already be agreed across ranks. Idle cost: a few emptiness checks."""
+        self.set_clock(now)
         if self._offloading:
             self.write_ack()
         if self.caps.storage is not None:  # the L3 tier: store and prefetch acks, released prefetches

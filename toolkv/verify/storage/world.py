@@ -220,11 +220,11 @@ class StorageWorld:
         self.io: dict[str, _Io] = {s: _Io() for s in self.b.sessions}
         self.kv_checked = 0
         for s, toks in self.tokens.items():
-            self.mgr.admitted(s)
+            self.mgr.admit(s)
             if not self.h.run_request(toks):
                 raise WorldFailure("no device memory for a session's turn")
             self.h.fill_kv(self.h.match(toks).device_indices, toks)
-            self.mgr.record_turn(s, toks)
+            self.mgr.insert(s, toks)
         self.gate.close_gate()
         self.live = True
         self.used = False  # no action taken since Init

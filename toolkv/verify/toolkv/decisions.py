@@ -415,7 +415,7 @@ def step(sess: _Session, d: Decision) -> tuple[Violation, str] | None:
         return None
     after = apply(here, triggers)
     # the line is written right after the call: the one step a call takes after its own is the
-    # admission of a request that was admitted while the load ran (ToolKVManager._hand_over)
+    # admission of a request that was admitted while the load ran (ToolKVManager.hand_over)
     after |= apply(after, IN_CALL.get(d.op, ()))
     if d.op == "tree_reset":
         # the flush reset the tree when it ran; its line comes at the next tick, after lines of

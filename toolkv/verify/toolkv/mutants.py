@@ -4,9 +4,10 @@ testing). Named as in the spec's BUG constant. Nothing in ``toolkv.core`` or ``t
 imports this module.
 
 Each defect overrides one small production method that holds the correct behaviour (the session
-machine's ``_epoch_matches``, ``_node_current``, ...; the backends' ``_take_host_protection``,
-``_free_candidate_ready``, ...), so the defective variant is a few lines and the production method
-bodies exist once. :func:`mutant_manager` builds a manager (and, when it builds the backend too,
+machine's ``_epoch_matches``, ``_node_current``, ...; one of its parts', as the copy path's
+``_free_at_tool_start``; the backends' ``_take_host_protection``, ``_free_candidate_ready``, ...),
+so the defective variant is a few lines and the production method bodies exist once. A defect in
+a part is a machine whose ``*_class`` attribute names the defective part. :func:`mutant_manager` builds a manager (and, when it builds the backend too,
 the backend) with any set of defects switched on, by composing these subclasses; the mutation
 runner, the conformance replay and the fuzz campaigns construct their managers through it.
 """
@@ -23,34 +24,47 @@ from toolkv.core.backends.hiradix import HiRadixBackend
 from toolkv.core.backends.unified import UnifiedBackend
 from toolkv.core.backends.unified_rust import RustUnifiedBackend
 from toolkv.core.manager import ManagerConfig, ToolKVManager, make_backend
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session import SessionRecord
+from toolkv.core.session.copies import Copies
+from toolkv.core.session.handover import Handover
+from toolkv.core.session.l3 import L3Tier
+from toolkv.core.session.loads import Loads
 from toolkv.core.session.machine import SessionMachine
+from toolkv.core.session.policy_actions import PolicyActions
 from toolkv.core.treeops import Tree, TreeNode, path_to
 from toolkv.errors import DeviceMemoryFull
 
 # ---- manager defects --------------------------------------------------------------------------------
 
 
+class HostLockLeakLoads(Loads):
+    def _restore_refused(self, rec: SessionRecord) -> None:
+        super()._restore_refused(rec)
+        self.s._settle(rec)
+        rec.state = "Expired"
+
+
 class HostLockLeakMachine(SessionMachine):
     """Caveat 1 (``HostLockLeak``): a refused restore gives the session up without releasing its
     host protection."""
 
-    def _restore_refused(self, rec: SessionRecord) -> None:
-        super()._restore_refused(rec)
-        self._settle(rec)
-        rec.state = "Expired"
+    loads_class = HostLockLeakLoads
+
+
+class DoubleLoadCopies(Copies):
+    def _tool_end_not_offloaded(self, rec: SessionRecord) -> SessionView:
+        if rec.state == "Restoring":
+            self.s.backend.restore(rec)
+            return self.s._meta(rec)
+        return super()._tool_end_not_offloaded(rec)
 
 
 class DoubleLoadMachine(SessionMachine):
     """Caveat 2 (``DoubleLoad``): a retried tool_end of a restoring session issues a second load
     for a node already loading."""
 
-    def _tool_end_not_offloaded(self, rec: SessionRecord) -> SessionView:
-        if rec.state == "Restoring":
-            self.backend.restore(rec)
-            return self._meta(rec)
-        return super()._tool_end_not_offloaded(rec)
+    copies_class = DoubleLoadCopies
 
 
 class StaleNodeMachine(SessionMachine):
@@ -68,12 +82,16 @@ class NoTtlMachine(SessionMachine):
         return 0
 
 
+class FreeBeforeAckCopies(Copies):
+    def _free_at_tool_start(self, clean: bool) -> bool:
+        return True
+
+
 class FreeBeforeAckMachine(SessionMachine):
     """Caveat 7 (``FreeBeforeAck``, manager half): tool_start frees the GPU copies at once, with
     the writes still in flight (the backend half skips the per-node ack check)."""
 
-    def _free_at_tool_start(self, clean: bool) -> bool:
-        return True
+    copies_class = FreeBeforeAckCopies
 
 
 class NoEpochCheckMachine(SessionMachine):
@@ -91,12 +109,16 @@ class EpochReuseMachine(SessionMachine):
         rec.epoch = 0
 
 
+class DemoteKeepsRefPolicy(PolicyActions):
+    def demote_release(self, rec: SessionRecord) -> None:
+        return None
+
+
 class DemoteKeepsRefMachine(SessionMachine):
     """``DemoteKeepsRef`` (policy): a demoted session keeps its host protection — released in
     name, protected in fact, and the host budget never recovers."""
 
-    def _demote_release(self, rec: SessionRecord) -> None:
-        return None
+    policy_class = DemoteKeepsRefPolicy
 
 
 class EarlyKeptMachine(SessionMachine):
@@ -123,14 +145,25 @@ class WarmFullTtlMachine(SessionMachine):
         return None
 
 
+class EarlyReleaseHandover(Handover):
+    def hand_over(self, rec: SessionRecord, trigger: str) -> None:
+        self.s.backend.unpin(rec)
+        super().hand_over(rec, trigger)
+
+
 class EarlyReleaseMachine(SessionMachine):
     """``EarlyRelease`` (the manager before the hand-over): a restored or kept session lets go of
     its pin at the load ack / tool_end, so while its next request waits in sglang's queue the KV
     it was restored for may be evicted."""
 
-    def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
-        self.backend.unpin(rec)
-        super()._hand_over(rec, trigger)
+    handover_class = EarlyReleaseHandover
+
+
+class ResidentNoPinHandover(Handover):
+    def pin_for_handover(self, rec: SessionRecord) -> None:
+        if rec.restore == "resident":
+            return
+        super().pin_for_handover(rec)
 
 
 class ResidentNoPinMachine(SessionMachine):
@@ -139,10 +172,7 @@ class ResidentNoPinMachine(SessionMachine):
     before the session's next request holds it -- the usual case once offloads leave their GPU
     copies to sglang's eviction."""
 
-    def _pin_for_handover(self, rec: SessionRecord) -> None:
-        if rec.restore == "resident":
-            return
-        super()._pin_for_handover(rec)
+    handover_class = ResidentNoPinHandover
 
 
 class ClosedKeepsRefMachine(SessionMachine):
@@ -268,14 +298,23 @@ class EarlyRunnableMixin:
         return True
 
 
+class ParkUnprotectedHandover(Handover):
+    def park_step(self, rec: SessionRecord) -> None:
+        super().park_step(rec)
+        self.s.backend.release_protection(rec)
+
+
 class ParkUnprotectedMachine(SessionMachine):
     """Load-adaptive protection (``ParkUnprotected``, as the spec's BUG): a parked session's host
     protection is dropped at the park, so HiCache may evict the host copy while its request
     waits in the queue (spec invariant ``ParkedKeepsKV``)."""
 
-    def _park(self, rec: SessionRecord) -> None:
-        super()._park(rec)
-        self.backend.release_protection(rec)
+    handover_class = ParkUnprotectedHandover
+
+
+class WriteLockFreeHandover(Handover):
+    def check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
+        return None
 
 
 class WriteLockFreeMachine(SessionMachine):
@@ -283,8 +322,7 @@ class WriteLockFreeMachine(SessionMachine):
     though each write locks the resident node it copies, and its path, until the ack; under a
     promise (a chunked prefill's rest) the unchecked next chunk then finds nothing to evict."""
 
-    def _check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
-        return None
+    handover_class = WriteLockFreeHandover
 
 
 class PinPricedByLoadMixin:
@@ -366,7 +404,20 @@ def manager_class(caveats: frozenset[str]) -> type[ToolKVManager]:
     if not bases:
         return ToolKVManager
     name = "".join(sorted(c for c in caveats if c in MANAGER_MUTANTS))
-    return _manager_running(name, type(name + "Machine", bases, {}))
+    return _manager_running(name, type(name + "Machine", bases, _composed_parts(name, bases)))
+
+
+def _composed_parts(name: str, machines: Sequence[type[SessionMachine]]) -> dict[str, type]:
+    """The ``*_class`` attributes of a machine with every defect of ``machines`` on: where two
+    defects are in the same part, a part class made of both (each defect overrides its own
+    method, so their composition is each one's)."""
+    out: dict[str, type] = {}
+    for part in SessionMachine.PARTS:
+        attr = f"{part}_class"
+        own = [vars(m)[attr] for m in machines if attr in vars(m)]
+        if len(own) > 1:
+            out[attr] = type(name + own[0].__mro__[-2].__name__, tuple(own), {})
+    return out
 
 
 @cache
@@ -469,16 +520,20 @@ class ReleaseDropsPinBackend(HiRadixBackend):
         self._l3.pop(rec.session_id, None)
 
 
+class RestoreBeforeStoreAckL3(L3Tier):
+    def _store_left_for_host(self, rec: SessionRecord) -> bool:
+        self.s._storing.pop(rec.session_id, None)
+        self.s.backend.release_protection(rec)
+        rec.l3 = "stored"  # taken for done, as a whole StoreAck would leave it
+        return False
+
+
 class RestoreBeforeStoreAckMachine(SessionMachine):
     """``RestoreBeforeStoreAck`` (manager half): a tool_end while the session's store is in flight
     takes the store for done, gives up the host protection as a whole ``StoreAck`` would, and
     reads the session back from storage instead of from its host copy (``_store_left_for_host``)."""
 
-    def _store_left_for_host(self, rec: SessionRecord) -> bool:
-        self._storing.pop(rec.session_id, None)
-        self.backend.release_protection(rec)
-        rec.l3 = "stored"  # taken for done, as a whole StoreAck would leave it
-        return False
+    l3_class = RestoreBeforeStoreAckL3
 
 
 class RestoreBeforeStoreAckBackend(HiRadixBackend):
@@ -492,13 +547,17 @@ class RestoreBeforeStoreAckBackend(HiRadixBackend):
         return super()._read_from(copy, node, matched)
 
 
+class ArrivalKeepsPinL3(L3Tier):
+    def _arrival_release(self, rec: SessionRecord) -> None:
+        pass
+
+
 class ArrivalKeepsPinMachine(SessionMachine):
     """``ArrivalKeepsPin``: the tool_end at arrival (``l3_read_at_arrival``) of a Stored session
     releases nothing (``_arrival_release``): the session is Running and still holds its storage
     copy's protection (spec ``ReleasedHoldsNothing``), which the backend may then never evict."""
 
-    def _arrival_release(self, rec: SessionRecord) -> None:
-        pass
+    l3_class = ArrivalKeepsPinL3
 
 
 # storage-tier defect -> (manager class, HiRadix backend class) that seed it

@@ -24,7 +24,7 @@ refuses any other ``Ring``). ``load_back`` only enqueues (spec ``queued``); a st
 
 * ``StartLoads`` is toolkv's ``start_loads`` as the manager's ``tick`` calls it. The tick also
   runs the TTL sweep, a spec action of its own; when a protection is due the executor runs the
-  tick's other two steps (``start_loads``, then ``process_load_acks``) without the sweep.
+  tick's other two steps (``start_loads``, then ``load_ack``) without the sweep.
 * ``SysStart`` is a prefill batch of another request with a host hit: ``load_back`` of a
   host-only prefix, then sglang's ``ready_to_load_host_cache``, which merges toolkv's queued loads
   into the same start. Those prefixes are not spec nodes (the spec abstracts sglang's own loads to
@@ -509,7 +509,7 @@ class Replayer:
         assert matched == len(tokens)
         self.nodes.add(n, leaf, self.mgr.tree_gen)
         self.tokens[n] = tokens
-        self.mgr.record_turn(s, tokens)
+        self.mgr.insert(s, tokens)
 
     def split(self, n: str, m: str) -> None:
         """A request diverges inside ``n``: sglang's ``_split_node`` (via ``match_prefix``) makes the
@@ -703,11 +703,11 @@ def admit(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
                 r.request_loads.append((o, chain[0].parent))
             tree.inc_lock_ref(o)
             r.ext.add(n)
-        r.mgr.admitted(a[0])
+        r.mgr.admit(a[0])
         return
     r.h.tree.inc_lock_ref(o)
     r.ext.add(n)
-    r.mgr.admitted(a[0])
+    r.mgr.admit(a[0])
 
 
 def admit_loading(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -718,7 +718,7 @@ def admit_loading(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     (:meth:`Replayer._take_pending_admits` takes the request's lock there)."""
     if pre["phase"][a[0]] != "Restoring":
         raise NotApplicable("only a session whose load is in flight")
-    assert r.mgr.admitted(a[0]) is False, "an admission while loading ends no hand-over yet"
+    assert r.mgr.admit(a[0]) is False, "an admission while loading ends no hand-over yet"
     r.pending_admits[a[0]] = pre["ref"][a[0]]
 
 
@@ -738,7 +738,7 @@ def hi_write_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         tree.writing_check()
     finally:
         queue.extend(held)
-    r.mgr.process_write_acks()
+    r.mgr.write_ack()
 
 
 def hi_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -801,7 +801,7 @@ def hi_load_ack(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
         _start_queued(r, a[0])
         _complete_ack(r, tree.cache_controller.ack_load_queue, a[0])
     tree.loading_check()
-    r.mgr.process_load_acks()
+    r.mgr.load_ack()
     r.retire_others()
 
 
@@ -813,7 +813,7 @@ def hi_start_loads(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     due = any(pre["phase"][s] in specstep.EXPIRING and pre["deadline"][s] <= pre["now"] for s in r.b.sessions)
     if due:
         mgr.backend.start_loads()
-        mgr.process_load_acks()
+        mgr.load_ack()
     else:
         mgr.tick(mgr.now)
 
@@ -977,7 +977,7 @@ def hi_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.others.clear()
     r.starts.clear()
     r.resets += 1
-    r.mgr.on_tree_reset()
+    r.mgr.tree_reset()
 
 
 def tick(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -1073,8 +1073,8 @@ def rx_tool_end(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
 def rx_acks(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     """A synchronous backend finished every copy inside the call: the manager's ack hooks find
     nothing to do (the spec's in-flight phases collapse onto the settled ones)."""
-    r.mgr.process_write_acks()
-    r.mgr.process_load_acks()
+    r.mgr.write_ack()
+    r.mgr.load_ack()
 
 
 def rx_gpu_evict(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
@@ -1103,7 +1103,7 @@ def rx_tree_reset(r: Replayer, a: list[str], pre: Mapping[str, Any]) -> None:
     r.h.tree.reset()
     r.h.allocator.clear()
     r.resets += 1
-    r.mgr.on_tree_reset()
+    r.mgr.tree_reset()
 
 
 #: spec action -> executor on a plain RadixCache (the pin and shadow backends).

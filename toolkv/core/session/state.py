@@ -1,11 +1,13 @@
-"""The session machine's state and the helpers every action shares (``MachineCore``).
+"""The session machine's state and the helpers every part of it shares (:class:`MachineState`).
 
-The actions of ``spec/ToolKV.tla`` are split by concern over small mixins (``copies``: the
-offload/restore path; ``calls``: Keep, LetGo, Demote; ``handover``: Handover, Admit, Park, Unpin;
-``toolkv.core.l3``: the storage tier; ``machine``: Insert, TtlSweep, Close, TreeReset, Tick), all
-over this one state, as sglang's ``RadixCache`` keeps its tree and its eviction in one object. The
-actions call each other across mixins (a tool_end parks, a store demotes); the calls that cross are
-declared here as ``NotImplementedError`` stubs so that each mixin type-checks on its own.
+``spec/ToolKV.tla``'s actions are split by concern over parts that the machine
+(:class:`~toolkv.core.session.machine.SessionMachine`, which *is* this state) owns: ``copies``
+(ToolStart, WriteAck, ToolEnd, LoadAck, Prefetch), ``loads`` (the host→GPU loads of ToolEnd and
+Prefetch), ``handover`` (Handover, Admit, Park, Unpin), ``policy`` (Keep, LetGo, Demote) and
+``l3`` (the storage tier). Each part holds this state and the parts it calls, given to it by the
+machine, and nothing else: a call that crosses parts names the part it goes to. Everything here is
+state, or a helper that reads and writes only state (and the backend), so no part needs another
+to use it.
 
 Single-threaded by design: every method runs on the scheduler thread (inside a request handler or
 the per-iteration tick), so on every tensor-parallel rank the same calls happen at the same
@@ -25,17 +27,18 @@ from typing import Any
 from toolkv.core.backends.base import Agreement, Backend, agreed_pressure
 from toolkv.core.capabilities import Capabilities, capabilities_of
 from toolkv.core.config import ManagerConfig
+from toolkv.core.phases import L3, fire_l3
 from toolkv.core.policy import DurationModel, Pressure, with_queued
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session.record import SessionRecord
 from toolkv.core.timers import Timers
-from toolkv.core.treeops import Tree, TreeNode, attached, path_to, walk
+from toolkv.core.treeops import Tree, attached, path_to, walk
 from toolkv.errors import BadRequest, StaleEpoch, UnknownSession
 
 log = logging.getLogger("toolkv")
 
 
-class MachineCore:
+class MachineState:
     """Every session's record and what is in flight for it, over one backend."""
 
     def __init__(self, tree: Tree, backend: Backend, *, config: ManagerConfig, agree: Agreement) -> None:
@@ -53,6 +56,9 @@ class MachineCore:
         # the L3 storage tier (spec/storage/StorageTier.tla): stores and prefetches in flight
         self._storing: dict[str, SessionRecord] = {}
         self._fetching: dict[str, SessionRecord] = {}
+        # stores in flight that the policy made early (by predicted return), not for a full host:
+        # only these are read back ahead (a victim read back at once would take the room again)
+        self._early: set[str] = set()
         self.timers = Timers()
         self.durations = DurationModel(self.config.policy_config)
         self.restore_rate = self.config.restore_tokens_per_s  # EWMA of measured restores
@@ -66,6 +72,10 @@ class MachineCore:
         # needed the host room): the scheduler writes it as a decision line of its own, so an
         # operator sees why a session toolkv had accepted came back with nothing.
         self.on_demote: Callable[[str], None] = lambda session_id: None
+        # told of every store the manager makes of its own accord, with why ("l3_early": a long
+        # tool; "host_room": a full host's victim) and of every read-ahead ("l3_readahead"): the
+        # scheduler writes a decision line for each, as for on_demote
+        self.on_store: Callable[[str, str], None] = lambda session_id, why: None
 
     def pressure(self) -> Pressure:
         """The backend's pressure with the queued requests' tokens taken off the spare room,
@@ -84,11 +94,6 @@ class MachineCore:
         if rec is None:
             raise UnknownSession(f"unknown session {session_id!r}", session_id=session_id)
         return rec
-
-    def _adopt(self, session_id: str, epoch: int, unknown: UnknownSession) -> SessionRecord:
-        """A tool_end for a session this server does not know: adopted from a shared tier that
-        holds it (``L3Tier``); without one it stays ``unknown``."""
-        raise unknown
 
     def view(self, rec: SessionRecord) -> SessionView:
         """What a call answers about the session (``kv_meta``'s per-session object)."""
@@ -212,57 +217,12 @@ class MachineCore:
         each of its (by default 10,000) sessions."""
         rec.tokens, rec.backend_state, rec.node = array("q"), None, None
 
-    # ---- actions of other mixins that these call (see the module docstring) ---------------------------
-    def demote(self, session_id: str) -> SessionView:
-        raise NotImplementedError
-
-    def _demote_release(self, rec: SessionRecord) -> None:
-        raise NotImplementedError
-
-    def prefetch(self, session_id: str) -> SessionView:
-        raise NotImplementedError
-
-    def close(self, session_id: str) -> SessionView:
-        raise NotImplementedError
-
-    def _restore_from_host(self, rec: SessionRecord) -> None:
-        raise NotImplementedError
-
-    def _park(self, rec: SessionRecord) -> None:
-        raise NotImplementedError
-
-    def _parks(self) -> bool:
-        raise NotImplementedError
-
-    def _hand_over(self, rec: SessionRecord, trigger: str) -> None:
-        raise NotImplementedError
-
-    def _pin_for_handover(self, rec: SessionRecord) -> None:
-        raise NotImplementedError
-
-    def _check_pin_room(self, rec: SessionRecord, *, queued: bool = False) -> None:
-        raise NotImplementedError
-
-    def _check_offload_room(self, rec: SessionRecord, leaf: TreeNode) -> None:
-        raise NotImplementedError
-
-    def _demotion_candidates(self, but: str, returns_at: float = float("inf")) -> list[str]:
-        raise NotImplementedError
-
-    def _yield_host(self, session_id: str, returns_at: float = float("inf")) -> bool:
-        raise NotImplementedError
-
+    # ---- the L3 tier's switch and its sub-phase's end (every protection's end goes through it) ------
     def _storage_on(self) -> bool:
-        raise NotImplementedError
-
-    def _offloaded(self, rec: SessionRecord) -> None:
-        raise NotImplementedError
+        storage = self.caps.storage
+        return bool(self.config.l3 and storage is not None and storage.storage_enabled())
 
     def _l3_release(self, rec: SessionRecord, why: str) -> None:
-        raise NotImplementedError
-
-    def _tool_end_l3(self, rec: SessionRecord) -> bool:
-        raise NotImplementedError
-
-    def _l3_prefetch(self, rec: SessionRecord) -> bool:
-        raise NotImplementedError
+        """The session's protection ends (``why``: the action) and with it its L3 sub-phase."""
+        self._early.discard(rec.session_id)
+        fire_l3(rec, why, L3.NONE)

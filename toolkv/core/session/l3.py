@@ -1,5 +1,6 @@
-"""The L3 storage tier's sub-machine (``spec/storage/StorageTier.tla``): its phases, its transition
-table, and the session machine's actions on it.
+"""The L3 storage tier's sub-machine (``spec/storage/StorageTier.tla``): the session machine's
+actions on it. Its phases and transition table are ground-floor data in :mod:`toolkv.core.phases`
+(``L3``, ``L3_TRANSITIONS``, ``fire_l3``), read by the records and the backends too.
 
 An ``Offloaded`` session's copy can go down to sglang's storage backend
 (``--hicache-storage-backend``) instead of being dropped when the host must make room. The session
@@ -28,76 +29,21 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Callable
-from enum import StrEnum
+from collections.abc import Callable, Sequence
 
-from toolkv.core.backends.base import Agreement, Backend
 from toolkv.core.capabilities import StorageTier
-from toolkv.core.config import ManagerConfig
-from toolkv.core.lifecycle import IllegalTransition, Row, fire, relation
+from toolkv.core.lifecycle import fire
+from toolkv.core.phases import L3, Phase, fire_l3
 from toolkv.core.policy import l3_store_early
+from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session.core import MachineCore, log
-from toolkv.core.session.phases import Phase
-from toolkv.core.session.record import SessionRecord
-from toolkv.core.treeops import Tree
+from toolkv.core.session.loads import Loads
+from toolkv.core.session.policy_actions import PolicyActions
+from toolkv.core.session.state import MachineState, log
 from toolkv.errors import DeviceMemoryFull, StaleEpoch, UnknownSession, WrongState
 
 
-class L3(StrEnum):
-    """Where an offloaded session's copy is, relative to the storage tier (``rec.l3``)."""
-
-    NONE = ""
-    STORING = "storing"
-    STORED = "stored"
-    FETCHING = "fetching"
-
-
-#: StorageTier.tla's phase of each sub-phase; every other spec phase is :attr:`L3.NONE`
-SPEC_PHASE: dict[L3, str] = {L3.STORING: "Storing", L3.STORED: "Stored", L3.FETCHING: "Prefetching"}
-
-
-def of_spec_phase(phase: str) -> L3:
-    """The sub-phase of a StorageTier.tla phase (``Offloaded``, ``Running``, ... are NONE)."""
-    return next((k for k, v in SPEC_PHASE.items() if v == phase), L3.NONE)
-
-
-_IN_L3 = (L3.STORING, L3.STORED, L3.FETCHING)
-
-#: The sub-machine's moves, by the StorageTier.tla action that makes them (snake_case). Equal to
-#: the relation TLC's state graph of the storage spec projects onto the sub-phases.
-L3_TRANSITIONS: tuple[Row, ...] = (
-    ("store", L3.NONE, L3.STORING),  # a long tool, or the host must make room: write it to L3
-    ("store_ack", L3.STORING, L3.STORED),  # whole: the host protection goes, the L3 copy is kept
-    ("store_ack", L3.STORING, L3.NONE),  # short: never restored from; back on the host copy
-    ("tool_end_from_host", (L3.STORING, L3.STORED), L3.NONE),  # the host copy is whole: read it
-    ("storage_prefetch", L3.STORED, L3.FETCHING),  # tool_end (or an early restore) reads L3
-    ("tool_end_at_arrival", L3.STORED, L3.NONE),  # l3_read_at_arrival: sglang reads it, not toolkv
-    ("prefetch_ack", L3.FETCHING, L3.NONE),  # read back to host (or nothing came back)
-    ("expire", _IN_L3, L3.NONE),  # the TTL releases the copy
-    ("close", _IN_L3, L3.NONE),
-)
-
-#: Moves made by ToolKV.tla actions that StorageTier.tla does not model (its sessions are never
-#: demoted and its tree is never reset): the copy's protection goes with the session's.
-L3_OUTSIDE: tuple[Row, ...] = (
-    ("demote", _IN_L3, L3.NONE),
-    ("tree_reset", _IN_L3, L3.NONE),
-)
-
-_REL = relation(L3_TRANSITIONS) | relation(L3_OUTSIDE)
-
-
-def fire_l3(rec: SessionRecord, trigger: str, dest: L3) -> None:
-    """Move ``rec.l3`` to ``dest`` through the StorageTier.tla action ``trigger``; a move the
-    tables do not have is a bug (``IllegalTransition``)."""
-    src = L3(rec.l3)
-    if (src, dest, trigger) not in _REL:
-        raise IllegalTransition(f"{trigger}: l3 {src.value!r} -> {dest.value!r} is not in the L3 table")
-    rec.l3 = dest.value
-
-
-class L3Tier(MachineCore):
+class L3Tier:
     """The session machine's actions on the storage tier.
 
     L3 as capacity, not only overflow: an ``Offloaded`` session predicted to stay away longer than
@@ -107,53 +53,46 @@ class L3Tier(MachineCore):
     (:meth:`run_l3_readaheads`), so the host holds the sessions due soon. Every time-dependent
     choice reads the agreed clock ``now`` and the duration model every rank feeds alike."""
 
-    def __init__(self, tree: Tree, backend: Backend, *, config: ManagerConfig, agree: Agreement) -> None:
-        super().__init__(tree, backend, config=config, agree=agree)
+    def __init__(
+        self,
+        s: MachineState,
+        policy: PolicyActions,
+        loads: Loads,
+        insert: Callable[[str, Sequence[int], str | None], None],
+    ) -> None:
+        self.s = s
+        self.policy = policy  # a full host's victim is demoted; a tool_end at arrival demotes
+        self.loads = loads  # a copy read back to the host is restored or prefetched from there
+        self.insert = insert  # spec Insert of an adopted session's turn (the machine's)
         # sessions offloaded since the last tick, by id (insertion order: the same on every rank):
         # the tick decides whether each goes to L3 now (store_early), once its call is noted
         self._store_check: dict[str, tuple[int, SessionRecord]] = {}
         # (when, seq, session id, epoch): reads back to the host ahead of the predicted return
         self._readahead: list[tuple[float, int, str, int]] = []
-        # stores in flight that the policy made early (by predicted return), not for a full host:
-        # only these are read back ahead (a victim read back at once would take the room again)
-        self._early: set[str] = set()
-        # told of every store the manager makes of its own accord, with why ("l3_early": a long
-        # tool; "host_room": a full host's victim) and of every read-ahead ("l3_readahead"): the
-        # scheduler writes a decision line for each, as for on_demote
-        self.on_store: Callable[[str, str], None] = lambda session_id, why: None
         # Mooncake's soft pin outlives the TTL (spec/storage/SharedTier.tla, mutant PinTtlShort):
         # it may lapse only once toolkv no longer relies on the copy
-        if hasattr(backend, "pin_ttl_ms"):
-            backend.pin_ttl_ms = int(2000 * max(config.ttl_s, 1.0))
+        if hasattr(s.backend, "pin_ttl_ms"):
+            s.backend.pin_ttl_ms = int(2000 * max(s.config.ttl_s, 1.0))
 
     def _storage(self) -> StorageTier:
-        storage = self.caps.storage
+        storage = self.s.caps.storage
         assert storage is not None, "an L3 action on a backend without a storage tier"
         return storage
 
-    def _storage_on(self) -> bool:
-        storage = self.caps.storage
-        return bool(self.config.l3 and storage is not None and storage.storage_enabled())
-
-    def _l3_release(self, rec: SessionRecord, why: str) -> None:
-        """The session's protection ends (``why``: the action) and with it its L3 sub-phase."""
-        self._early.discard(rec.session_id)
-        fire_l3(rec, why, L3.NONE)
-
     # ---- Store, StoreAck ------------------------------------------------------------------------------
     def can_store(self, rec: SessionRecord) -> bool:
-        return rec.state == Phase.OFFLOADED and not rec.l3 and self._storage_on()
+        return rec.state == Phase.OFFLOADED and not rec.l3 and self.s._storage_on()
 
     def store(self, session_id: str) -> SessionView:
         """Spec ``Store`` of the storage tier on its own: write an ``Offloaded`` session's protected
         host copy to L3; the host copy stays protected until a whole ``StoreAck``, which the tick
-        takes. It is what the host-room rule does to a victim (``_yield_host``), callable as
+        takes. It is what the host-room rule does to a victim (``yield_host``), callable as
         ``demote`` is, so that the storage-tier conformance replay and fuzz campaign can take the
         spec's ``Store`` step through the manager. Refused (``WrongState``) unless the session is
         ``Offloaded`` on its host copy and a storage tier is on; a backend that cannot store it now
         (a host write in flight, no page hashes, a backend that evicts on its own) changes nothing
         (``l3_store_refused``)."""
-        rec = self._get(session_id)
+        rec = self.s._get(session_id)
         if not self.can_store(rec):
             raise WrongState(
                 f"store needs an Offloaded session on its host copy and a storage tier; {session_id!r} is "
@@ -161,21 +100,21 @@ class L3Tier(MachineCore):
                 state=rec.state,
             )
         self._store(rec)
-        return self.view(rec)
+        return self.s.view(rec)
 
-    def _yield_host(self, session_id: str, returns_at: float = float("inf")) -> bool:
+    def yield_host(self, session_id: str, returns_at: float = float("inf")) -> bool:
         """Make host room with one victim: with a storage tier, Store its host copy to L3 (the host
         copy goes only after the StoreAck; if sglang holds every page already the ack comes at
         once). Else, or if the backend refuses or cuts the write short, ``demote`` (drop) it, but
         only a victim predicted back after ``returns_at`` (the session that needs the room): with
         a storage tier any offloaded session may be a victim, since storing is not dropping, and
         one due sooner is never dropped for a later one. False: the victim changed nothing."""
-        rec = self.sessions[session_id]
-        if self._storage_on() and self._store(rec, "host_room") and rec.l3:
+        rec = self.s.sessions[session_id]
+        if self.s._storage_on() and self._store(rec, "host_room") and rec.l3:
             return True
-        if self._predicted_end(rec) <= returns_at:
+        if self.s._predicted_end(rec) <= returns_at:
             return False
-        self.demote(session_id)
+        self.policy.demote(session_id)
         return True
 
     def _store(self, rec: SessionRecord, why: str = "") -> bool:
@@ -183,24 +122,24 @@ class L3Tier(MachineCore):
         nothing changed. ``why`` (a manager's own move: "l3_early", "host_room") is counted and
         told to :attr:`on_store`."""
         if not self._storage().store(rec):
-            self.counters["l3_store_refused"] += 1
+            self.s.counters["l3_store_refused"] += 1
             return False
         fire_l3(rec, "store", L3.STORING)
-        self._storing[rec.session_id] = rec
-        self.counters["l3_store"] += 1
+        self.s._storing[rec.session_id] = rec
+        self.s.counters["l3_store"] += 1
         if why:
-            self.counters[f"l3_store_{why}"] += 1
-            self.on_store(rec.session_id, why)
+            self.s.counters[f"l3_store_{why}"] += 1
+            self.s.on_store(rec.session_id, why)
         if why == "l3_early":
-            self._early.add(rec.session_id)
+            self.s._early.add(rec.session_id)
         self._store_ack(rec)
         return True
 
     # ---- Store by predicted return (L3 as capacity) ---------------------------------------------------
-    def _offloaded(self, rec: SessionRecord) -> None:
+    def offloaded(self, rec: SessionRecord) -> None:
         """The session just became ``Offloaded`` (tool_start or write_ack): the next tick, once the
         call policy has noted its tool call, decides whether it goes to L3 at once."""
-        if self._storage_on() and not rec.l3:
+        if self.s._storage_on() and not rec.l3:
             self._store_check[rec.session_id] = (rec.epoch, rec)
 
     def can_store_early(self, rec: SessionRecord) -> bool:
@@ -209,9 +148,9 @@ class L3Tier(MachineCore):
         than writing it to L3 and reading it back, with the margin (``policy.l3_store_early``)."""
         if not self.can_store(rec):
             return False
-        remaining = self._predicted_end(rec) - self.now
+        remaining = self.s._predicted_end(rec) - self.s.now
         return l3_store_early(
-            remaining, rec.offload_tokens, self.config.policy_config, self.config.l3_read_tokens_per_s
+            remaining, rec.offload_tokens, self.s.config.policy_config, self.s.config.l3_read_tokens_per_s
         )
 
     def store_early(self, session_id: str) -> bool:
@@ -220,7 +159,7 @@ class L3Tier(MachineCore):
         sooner (counted as such once the ``StoreAck`` releases its protection). Its read back to
         the host is armed ahead of the predicted return (:meth:`run_l3_readaheads`). False: not
         eligible (:meth:`can_store_early`), or the backend refused; nothing changed."""
-        rec = self._get(session_id)
+        rec = self.s._get(session_id)
         if not self.can_store_early(rec):
             return False
         return self._store(rec, "l3_early")
@@ -231,7 +170,7 @@ class L3Tier(MachineCore):
         checks, self._store_check = self._store_check, {}
         n = 0
         for sid, (epoch, rec) in checks.items():
-            if self.sessions.get(sid) is rec and rec.epoch == epoch and self.store_early(sid):
+            if self.s.sessions.get(sid) is rec and rec.epoch == epoch and self.store_early(sid):
                 n += 1
         return n
 
@@ -239,9 +178,11 @@ class L3Tier(MachineCore):
         """Read a session stored in L3 back to the host ahead of its predicted return: its L3 read
         time plus the margin before it (agreed clock and model: the same time on every rank).
         Sessions with an early restore of their own (``prefetch_at``) read L3 through it."""
-        read_s = rec.offload_tokens / self.config.l3_read_tokens_per_s
-        when = max(self.now, self._predicted_end(rec) - read_s - self.config.policy_config.l3_store_margin_s)
-        heapq.heappush(self._readahead, (when, self.timers.next_seq(), rec.session_id, rec.epoch))
+        read_s = rec.offload_tokens / self.s.config.l3_read_tokens_per_s
+        when = max(
+            self.s.now, self.s._predicted_end(rec) - read_s - self.s.config.policy_config.l3_store_margin_s
+        )
+        heapq.heappush(self._readahead, (when, self.s.timers.next_seq(), rec.session_id, rec.epoch))
 
     def run_l3_readaheads(self) -> int:
         """Once per tick on every rank: start the reads back to the host that are due (spec
@@ -249,16 +190,16 @@ class L3Tier(MachineCore):
         still there: protected again). At the ack the session is ``Offloaded`` on its protected
         host copy, and its tool_end restores from the host. Returns how many were started."""
         n = 0
-        while self._readahead and self._readahead[0][0] <= self.now:
+        while self._readahead and self._readahead[0][0] <= self.s.now:
             _when, _seq, sid, epoch = heapq.heappop(self._readahead)
-            rec = self.sessions.get(sid)
+            rec = self.s.sessions.get(sid)
             if rec is None or rec.epoch != epoch or rec.state != Phase.OFFLOADED or rec.l3 != L3.STORED:
                 continue
             if rec.l3_then or rec.prefetch_at != float("inf"):
                 continue
             self._fetch(rec, "host")
-            self.counters["l3_readahead"] += 1
-            self.on_store(sid, "l3_readahead")
+            self.s.counters["l3_readahead"] += 1
+            self.s.on_store(sid, "l3_readahead")
             n += 1
         return n
 
@@ -268,22 +209,22 @@ class L3Tier(MachineCore):
         got = self._storage().store_ack(rec)
         if got is None:
             return None
-        del self._storing[rec.session_id]
-        early = rec.session_id in self._early
-        self._early.discard(rec.session_id)
+        del self.s._storing[rec.session_id]
+        early = rec.session_id in self.s._early
+        self.s._early.discard(rec.session_id)
         if got:
             fire_l3(rec, "store_ack", L3.STORED)
-            self.counters["demoted_l3"] += 1
-            self.counters["l3_stored_tokens"] += rec.offload_tokens
+            self.s.counters["demoted_l3"] += 1
+            self.s.counters["l3_stored_tokens"] += rec.offload_tokens
             if rec.prefetch_at != float("inf"):  # the early restore now reads L3 first: start sooner
-                lead = rec.offload_tokens / self.config.l3_read_tokens_per_s
-                self.timers.arm_prefetch(rec, max(self.now, rec.prefetch_at - lead))
-            elif early and not self.config.l3_read_at_arrival:  # read it back before its return
+                lead = rec.offload_tokens / self.s.config.l3_read_tokens_per_s
+                self.s.timers.arm_prefetch(rec, max(self.s.now, rec.prefetch_at - lead))
+            elif early and not self.s.config.l3_read_at_arrival:  # read it back before its return
                 self._arm_readahead(rec)
             log.debug("session %s demoted to L3", rec.session_id)
         else:
             fire_l3(rec, "store_ack", L3.NONE)
-            self.counters["l3_store_short"] += 1
+            self.s.counters["l3_store_short"] += 1
         return got
 
     # ---- ToolEnd from L3: StoragePrefetch, ToolEndFromHost --------------------------------------------
@@ -292,32 +233,32 @@ class L3Tier(MachineCore):
         ("prefetch") or a read back to the host ahead of its return ("host"): ``storage_prefetch``. "host": the host copy was still there and is protected
         again (the caller restores from it); "prefetching": sglang reads it into the host pool,
         :meth:`process_storage_acks` goes on at its ack; "refused": retried at the next tick."""
-        rid = f"toolkv-l3:{rec.session_id}:{rec.epoch}:{self.timers.next_seq()}"  # the same on every rank
+        rid = f"toolkv-l3:{rec.session_id}:{rec.epoch}:{self.s.timers.next_seq()}"  # the same on every rank
         got: str = self._storage().storage_prefetch(rec, rid)
         rec.l3_then = then
         rec.prefetch_at = float("inf")  # the read is the early restore, or tool_end came first
         if got == "host":
             fire_l3(rec, "tool_end_from_host", L3.NONE)
             rec.l3_then = ""
-            self._fetching.pop(rec.session_id, None)
-            self.counters["l3_from_host"] += 1
+            self.s._fetching.pop(rec.session_id, None)
+            self.s.counters["l3_from_host"] += 1
             return got
-        self._fetching[rec.session_id] = rec  # "refused" stays "stored": retried by the tick
+        self.s._fetching[rec.session_id] = rec  # "refused" stays "stored": retried by the tick
         if got == "prefetching":
             fire_l3(rec, "storage_prefetch", L3.FETCHING)
-            rec.restore_started_at = self.now
-            self.counters["l3_prefetch"] += 1
+            rec.restore_started_at = self.s.now
+            self.s.counters["l3_prefetch"] += 1
         else:
-            self.counters["l3_prefetch_refused"] += 1
+            self.s.counters["l3_prefetch_refused"] += 1
         return got
 
-    def _tool_end_l3(self, rec: SessionRecord) -> bool:
+    def tool_end_l3(self, rec: SessionRecord) -> bool:
         """tool_end of a session with an L3 copy. True: handled here (the restore goes on at the
         prefetch's ack, or sglang's read at arrival brings it); False: the host copy is protected,
         restore from it as usual."""
         if rec.l3 == L3.STORING and self._store_left_for_host(rec):  # ToolEndFromHost
             return False
-        if rec.l3 == L3.STORED and not rec.l3_then and self.config.l3_read_at_arrival:
+        if rec.l3 == L3.STORED and not rec.l3_then and self.s.config.l3_read_at_arrival:
             return self._tool_end_at_arrival(rec)
         if rec.l3_then == "tool_end":  # this call's tool_end was accepted already
             raise WrongState(
@@ -327,9 +268,9 @@ class L3Tier(MachineCore):
             rec.l3_then = "tool_end"
         elif self._fetch(rec, "tool_end") == "host":
             return False
-        self._observe_call(rec)
-        self.counters["tool_end"] += 1
-        self.counters["tool_end_l3"] += 1
+        self.s._observe_call(rec)
+        self.s.counters["tool_end"] += 1
+        self.s.counters["tool_end_l3"] += 1
         return True
 
     def _tool_end_at_arrival(self, rec: SessionRecord) -> bool:
@@ -343,22 +284,22 @@ class L3Tier(MachineCore):
         keeps the storage one), and the main machine moves Offloaded → Released → Running through
         ToolKV.tla's ``Demote`` and ``ToolEnd`` rows."""
         self._arrival_release(rec)
-        self._settle(rec, "tool_end_at_arrival")
+        self.s._settle(rec, "tool_end_at_arrival")
         fire(rec, "demote", Phase.RELEASED)
-        self.counters["demoted"] += 1
-        self.on_demote(rec.session_id)
+        self.s.counters["demoted"] += 1
+        self.s.on_demote(rec.session_id)
         fire(rec, "tool_end", Phase.RUNNING)
-        self._observe_call(rec)
-        self.counters["tool_end"] += 1
-        self.counters["tool_end_l3_arrival"] += 1
+        self.s._observe_call(rec)
+        self.s.counters["tool_end"] += 1
+        self.s.counters["tool_end_l3_arrival"] += 1
         return True
 
     def _arrival_release(self, rec: SessionRecord) -> None:
         """What the tool_end at arrival gives back: what a demotion does (the host protection, the
         storage copy's protection; a Stored copy has no prefetch pin)."""
-        self._demote_release(rec)
+        self.policy.demote_release(rec)
 
-    def _l3_prefetch(self, rec: SessionRecord) -> bool:
+    def prefetch_l3(self, rec: SessionRecord) -> bool:
         """The early restore (spec ``Prefetch``) of a session with an L3 copy. True: handled here
         (a storage prefetch, then the host→GPU prefetch at its ack)."""
         if rec.l3 == L3.STORING and self._store_left_for_host(rec):  # prefetch from the host copy
@@ -373,13 +314,13 @@ class L3Tier(MachineCore):
         never from a storage copy whose write is not acknowledged whole (``RestoreSourceWhole``;
         mutant ``RestoreBeforeStoreAck`` reads it). True: restore from the host copy."""
         self._storage().drop_storage(rec)
-        self._storing.pop(rec.session_id, None)
-        self._early.discard(rec.session_id)
+        self.s._storing.pop(rec.session_id, None)
+        self.s._early.discard(rec.session_id)
         fire_l3(rec, "tool_end_from_host", L3.NONE)
         return True
 
     # ---- ToolEnd on a server that does not know the session (SharedTier.tla) ----------------------
-    def _adopt(self, session_id: str, epoch: int, unknown: UnknownSession) -> SessionRecord:
+    def adopt(self, session_id: str, epoch: int, unknown: UnknownSession) -> SessionRecord:
         """SharedTier.tla's ``ToolEnd`` on a server with ``owner = NoServer``: the session was
         stored whole by a server that is gone (drained), so no record of it is here. The shared
         tier's manifest names its epoch and tokens: a tool_end of that epoch adopts it, a record
@@ -389,8 +330,8 @@ class L3Tier(MachineCore):
         epoch is ``StaleEpoch`` (the fence holds across servers; mutant ``NoEpochFence``); no
         manifest (never stored whole, or its pin lapsed and the master evicted it) is the
         ``UnknownSession`` it was. Nothing is held: the pin lapses at its deadline."""
-        storage = self.caps.storage
-        shared = getattr(storage, "shared_tier", None) if self.config.l3 else None
+        storage = self.s.caps.storage
+        shared = getattr(storage, "shared_tier", None) if self.s.config.l3 else None
         tier = shared() if shared is not None else None
         manifest = tier.find_manifest(session_id) if tier is not None else None
         if isinstance(epoch, bool) or not isinstance(epoch, int):
@@ -409,25 +350,22 @@ class L3Tier(MachineCore):
                 session_id=session_id,
             )
         if epoch != manifest.epoch:
-            self.counters["stale_epoch"] += 1
+            self.s.counters["stale_epoch"] += 1
             raise StaleEpoch(
                 f"epoch {epoch} is stale for session {session_id!r} (current {manifest.epoch}, from the shared tier)",
                 current_epoch=manifest.epoch,
             )
-        self._insert_adopted(session_id, manifest.tokens, manifest.extra_key)
-        rec = self.sessions[session_id]
+        self.insert(session_id, manifest.tokens, manifest.extra_key)
+        rec = self.s.sessions[session_id]
         rec.epoch = manifest.epoch
         rec.tokens = array("q", manifest.tokens)  # this server's tree holds none of it yet
         rec.restore = "l3_at_arrival"
         tier.drop_manifest(session_id)
-        self.counters["turns"] -= 1  # not a turn of this server's: the adoption of one
-        self.counters["tool_end"] += 1
-        self.counters["tool_end_adopted"] += 1
+        self.s.counters["turns"] -= 1  # not a turn of this server's: the adoption of one
+        self.s.counters["tool_end"] += 1
+        self.s.counters["tool_end_adopted"] += 1
         log.info("session %s adopted from the shared tier at epoch %d", session_id, rec.epoch)
         return rec
-
-    def _insert_adopted(self, session_id: str, tokens: array[int], extra_key: str | None) -> None:
-        raise NotImplementedError  # SessionMachine.insert (spec Insert)
 
     # ---- StoreAck, PrefetchAck (the tick) -------------------------------------------------------------
     def process_storage_acks(self) -> int:
@@ -441,10 +379,10 @@ class L3Tier(MachineCore):
             self.run_store_checks()
         if self._readahead:
             self.run_l3_readaheads()
-        for rec in list(self._storing.values()):
+        for rec in list(self.s._storing.values()):
             if self._store_ack(rec) is not None:
                 n += 1
-        for rec in list(self._fetching.values()):
+        for rec in list(self.s._fetching.values()):
             if rec.l3 == L3.STORED:  # sglang refused the prefetch last time: ask again
                 then = rec.l3_then
                 if self._fetch(rec, then) == "host":
@@ -455,13 +393,13 @@ class L3Tier(MachineCore):
                 continue
             n += 1
             then = rec.l3_then
-            del self._fetching[rec.session_id]
+            del self.s._fetching[rec.session_id]
             fire_l3(rec, "prefetch_ack", L3.NONE)
             rec.l3_then = ""
             if got:
-                self.counters["l3_restored"] += 1
+                self.s.counters["l3_restored"] += 1
             else:  # a page was missing: restore what came back, the next turn recomputes the rest
-                self.counters["l3_prefetch_short"] += 1
+                self.s.counters["l3_prefetch_short"] += 1
                 if not storage.protect_host_prefix(rec):
                     self._nothing_came_back(rec, then)
                     continue
@@ -479,21 +417,27 @@ class L3Tier(MachineCore):
             return
         try:
             if then == "tool_end":
-                self._restore_from_host(rec)
+                self.loads.restore_from_host(rec)
                 if rec.restore:
-                    rec.recompute_tokens = max(rec.recompute_tokens, whole - self._path_tokens(rec))
-            else:
-                self.prefetch(rec.session_id)
+                    rec.recompute_tokens = max(rec.recompute_tokens, whole - self.s._path_tokens(rec))
+            else:  # spec Prefetch of a session back on its host copy (its L3 sub-phase is over)
+                if rec.state != Phase.OFFLOADED:
+                    raise WrongState(
+                        f"prefetch needs an Offloaded session; {rec.session_id!r} is {rec.state}",
+                        state=rec.state,
+                    )
+                assert not rec.l3, rec.l3
+                self.loads.prefetch_from_host(rec)
         except DeviceMemoryFull:
             rec.admit_pending = False  # nothing to hand over: the request runs on what sglang has
             if then != "tool_end":
-                self.counters["prefetch_deferred"] += 1
-                self._defer_prefetch(rec, 0.25)
+                self.s.counters["prefetch_deferred"] += 1
+                self.s._defer_prefetch(rec, 0.25)
 
     def _nothing_came_back(self, rec: SessionRecord, then: str) -> None:
         """A prefetch that read no page: nothing is held; the next turn recomputes it all."""
-        self.backend.release(rec)
-        self._settle(rec, "prefetch_ack")
+        self.s.backend.release(rec)
+        self.s._settle(rec, "prefetch_ack")
         rec.admit_pending = False
         fire(rec, "demote", Phase.RELEASED)
         if then == "tool_end":
