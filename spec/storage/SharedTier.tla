@@ -70,7 +70,7 @@ CONSTANTS
     BUG        \* "none" or the name of one seeded defect
 
 Bugs == {"none", "NoSoftPin", "PinTtlShort", "NoEpochFence", "ManifestAtStore", "ManifestKept",
-         "AckByPuts", "PinAtAck", "ShortKeepsPin"}
+         "AckByPuts", "PinAtAck", "ShortKeepsPin", "LetGoEarly"}
 
 ASSUME /\ P \in Nat \ {0} /\ MaxEpoch \in Nat /\ BUG \in Bugs /\ NoServer \notin Servers
        /\ Restart \in BOOLEAN
@@ -211,6 +211,19 @@ Release(s) ==
     /\ ppin' = [ppin EXCEPT ![s] = {}]
     /\ UNCHANGED <<owner, epoch, l3, put, manifest, spin, alive, adopted, stale, lost, wiped>>
 
+\* A server that is drained but stays up (the router sends it nothing new) lets go of a session
+\* the tier holds whole: its record goes as Drain's would, the copy and its manifest stay, pinned,
+\* for the server its next tool_end reaches (which adopts it, owner = NoServer).  Only a Stored
+\* one: a store in flight has no manifest yet (LetGoEarly lets it go: UnknownOnlyStored).  The
+\* other sessions of a drained server are let go by Release (nothing of theirs is in the tier
+\* whole; their next turn, routed elsewhere, recomputes them), once nothing of theirs is in flight.
+LetGo(s) ==
+    /\ Known(s) /\ alive[owner[s]]
+    /\ phase[s] = "Stored" \/ (BUG = "LetGoEarly" /\ phase[s] = "Storing")
+    /\ owner' = [owner EXCEPT ![s] = NoServer]
+    /\ UNCHANGED <<phase, epoch, l3, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
+                   wiped>>
+
 -----------------------------------------------------------------------------
 (* The fleet and the tier *)
 
@@ -276,6 +289,7 @@ MasterRestart ==
 Next ==
     \/ \E s \in Sessions :
         \/ Store(s) \/ StoreAck(s) \/ ArrivalRead(s) \/ Release(s) \/ PinLapse(s) \/ PutPinLapse(s)
+        \/ LetGo(s)
         \/ MasterEvictManifest(s)
         \/ \E p \in Pg : StorePage(s, p) \/ MasterEvictPage(s, p)
         \/ \E v \in Servers, e \in 0..MaxEpoch : ToolEnd(s, v, e)
