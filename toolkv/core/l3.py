@@ -125,6 +125,9 @@ class L3Tier(MachineCore):
         # it may lapse only once toolkv no longer relies on the copy
         if hasattr(backend, "pin_ttl_ms"):
             backend.pin_ttl_ms = int(2000 * max(config.ttl_s, 1.0))
+        # a drained server (SharedTier.tla's LetGo): the router sends it nothing new
+        self.draining = False
+        self._drain_stored: set[str] = set()  # sessions the drain has stored once already
 
     def _storage(self) -> StorageTier:
         storage = self.caps.storage
@@ -428,6 +431,51 @@ class L3Tier(MachineCore):
 
     def _insert_adopted(self, session_id: str, tokens: array[int], extra_key: str | None) -> None:
         raise NotImplementedError  # SessionMachine.insert (spec Insert)
+
+    # ---- a drained server that stays up (SharedTier.tla's LetGo) -------------------------------------
+    def drain(self) -> None:
+        """The router sends this server nothing new from now on: each tick (:meth:`run_drain`) it
+        lets go of the sessions it holds. A session's next tool_end and turn reach another
+        server, so what this one keeps for it serves nobody until its TTL."""
+        self.draining = True
+
+    def run_drain(self) -> int:
+        """Once per tick on a drained server, every rank alike. A session the shared tier holds
+        whole (``Stored``, no read of it in flight) is let go (SharedTier.tla's ``LetGo``): its
+        record goes, its copy and manifest stay pinned for the server that adopts it. One on its
+        host copy is stored first when the tier is shared (``Store``; let go at its whole ack).
+        Any other that holds something, once no copy of it is in flight (no shared tier, its
+        store short or refused, an early restore kept, a hand-over whose request went
+        elsewhere), is closed (``Release``): nothing of it is anywhere another server reads, and
+        its next turn there recomputes it. Returns how many were let go or closed."""
+        n = 0
+        tier = self._shared_tier()
+        for sid, rec in list(self.sessions.items()):
+            if rec.state not in (Phase.OFFLOADED, Phase.KEPT, Phase.HANDOVER, Phase.PARKED):
+                continue  # holds nothing, or a copy is in flight: looked at again next tick
+            if rec.l3 == L3.STORED and sid not in self._fetching and self._storage().let_go_storage(rec):
+                self.close(sid)
+                self.counters["drain_let_go"] += 1
+                n += 1
+                continue
+            if rec.l3:
+                continue  # storing or reading: its ack first
+            if rec.state == Phase.OFFLOADED and tier is not None and sid not in self._drain_stored:
+                self._drain_stored.add(sid)
+                if self._store(rec, "drain"):
+                    continue
+            self._drain_stored.discard(sid)
+            self.close(sid)
+            self.counters["drain_closed"] += 1
+            n += 1
+        return n
+
+    def _shared_tier(self) -> object | None:
+        """The shared tier (Mooncake's semantics) when the storage tier is on, else None."""
+        if not self._storage_on():
+            return None
+        shared = getattr(self.caps.storage, "shared_tier", None)
+        return shared() if shared is not None else None
 
     # ---- StoreAck, PrefetchAck (the tick) -------------------------------------------------------------
     def process_storage_acks(self) -> int:

@@ -252,6 +252,12 @@ class ToolKVManager:
         """Spec ``Close``."""
         return self.machine.close(session_id).as_dict()
 
+    def drain(self) -> None:
+        """This server is drained (the router sends it nothing new): from the next tick it lets go
+        of its sessions, handing over what the shared tier holds whole (SharedTier.tla's
+        ``LetGo``)."""
+        self.machine.drain()
+
     def on_tree_reset(self) -> None:
         """Spec ``TreeReset``: the tree was replaced (flush_cache)."""
         self.machine.tree_reset()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import torch
@@ -38,6 +38,11 @@ class StorageCopy:
     whole: bool = False  # StoreAck found every page in storage
     rid: str | None = None  # the request id of the prefetch reading the copy (its pin)
     released: bool = False  # the session let go while the prefetch read: dropped at its ack
+    #: on Mooncake (SharedTier.tla ``ppin``): the pages whose put took a soft pin, and the host
+    #: slots of the protected host copy they were put from (until the whole ack: released from
+    #: them if the store is not acknowledged whole)
+    pinned: list[str] = field(default_factory=list)
+    host: torch.Tensor | None = None
 
 
 #: :meth:`HiCacheStorage._read_from`'s answer for "the host copy is whole: restore from it" (not
@@ -153,15 +158,30 @@ class HiCacheStorage:
         assert per_node is not None
         keys = [k for node_keys in per_node for k in node_keys]
         self._forget_manifest(rec.session_id)  # an older epoch's, left by a failed remove
-        have = self._stored_pages(keys)
-        done = 0
-        for m, node_keys in zip(path, per_node, strict=True):  # root-down, from the first page missing
-            n = len(node_keys)
-            if done + n > have and not self._storing(m):
-                self._write_to_storage(m)
-            done += n
-        self._l3[rec.session_id] = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
+        copy = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
+        tier = self.shared_tier()
+        if tier is not None:
+            self._put_pinned(tier, copy, path)
+        else:
+            have = self._stored_pages(keys)
+            done = 0
+            for m, node_keys in zip(path, per_node, strict=True):  # root-down, from the first page missing
+                n = len(node_keys)
+                if done + n > have and not self._storing(m):
+                    self._write_to_storage(m)
+                done += n
+        self._l3[rec.session_id] = copy
         return True
+
+    def _put_pinned(self, tier: MooncakeTier, copy: StorageCopy, path: Sequence[TreeNode]) -> None:
+        """SharedTier.tla's ``StorePage`` on Mooncake: every page of the copy put from the protected
+        host copy by one upsert whose ``ReplicateConfig`` carries the soft pin, so that from its put
+        on the master evicts none of them (sglang's backup puts carry no pin, and a page it put
+        could be evicted before the ack: mutant ``PinAtAck``, ``PutKept``). Pages already in the
+        tier (HiCache writes every host copy through) are pinned by the same upsert."""
+        host = torch.cat([m.host_value for m in path])[: copy.tokens]
+        copy.host = host
+        copy.pinned = tier.put_pinned(copy.keys, host)
 
     def _page_keys(self, path: Sequence[TreeNode]) -> list[list[str]] | None:
         """Each node's page hashes, root first; None unless every node has an acknowledged host
@@ -191,25 +211,43 @@ class HiCacheStorage:
         assert rec.protected is not None
         if any(self._storing(m) for m in path_to(self.tree, rec.protected)):  # lockstep on every rank
             return None
-        if not self.agree.all_true(self._store_whole(copy) and self._pin_in_tier(rec, copy)):
+        tier = self.shared_tier()
+        if not self.agree.all_true(tier is None or tier.landed(copy.keys)):  # the pinned put's time
+            return None
+        if not self.agree.all_true(self._store_whole(copy) and self._manifest_in_tier(rec, copy)):
+            self._unpin(copy, rec.session_id)
             del self._l3[rec.session_id]
             return False
         copy.whole = True
+        copy.host = None  # the host copy is HiCache's to evict from now on
         self._release_protection(rec)
         return True
 
-    def _pin_in_tier(self, rec: SessionRecord, copy: StorageCopy) -> bool:
-        """SharedTier.tla's ``StoreAck`` on Mooncake, before the host protection goes: every page
-        upserted from the host copy with Mooncake's soft pin, and the session's manifest beside
-        them (what a server that never saw the session adopts it by). The master honours nothing
-        else (mutant ``NoSoftPin`` trusts it with toolkv's record). True on ``file``."""
+    def _unpin(self, copy: StorageCopy, session_id: str) -> None:
+        """SharedTier.tla's ``PinsReleased``: the pins a store's puts took, released when the store
+        is not acknowledged whole (short, the session released or restored from host meanwhile),
+        from the host copy they were put from (still protected). A page another of this server's
+        copies holds too (a shared prefix) keeps its pin; mutant ``ShortKeepsPin`` leaves them to
+        their deadline. A whole copy's pins lapse at their deadline (``PinLapse``): the host copy
+        they came from is HiCache's by then, and another server may adopt the copy."""
+        tier = self.shared_tier()
+        if tier is None or not copy.pinned or copy.host is None:
+            return
+        held = {k for sid, c in self._l3.items() if sid != session_id for k in c.keys}
+        keys = [k for k in copy.pinned if k not in held]
+        if keys:
+            tier.unpin_pages(copy.keys, copy.host, set(keys))
+        copy.pinned = []
+
+    def _manifest_in_tier(self, rec: SessionRecord, copy: StorageCopy) -> bool:
+        """SharedTier.tla's ``StoreAck`` on Mooncake, before the host protection goes: every page's
+        put took the soft pin, and the session's manifest goes beside them, pinned alike (what a
+        server that never saw the session adopts it by). The master honours nothing else (mutant
+        ``NoSoftPin`` trusts it with toolkv's record). True on ``file``."""
         tier = self.shared_tier()
         if tier is None:
             return True
-        assert rec.protected is not None
-        path = path_to(self.tree, rec.protected)
-        host = torch.cat([m.host_value for m in path])
-        if not tier.pin_pages(copy.keys, host[: copy.tokens]):
+        if len(copy.pinned) != len(copy.keys):
             return False
         manifest = Manifest(
             rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key,
@@ -354,6 +392,18 @@ class HiCacheStorage:
         rec.protected = leaf
         self._ledger.take(rec.session_id, path_to(self.tree, leaf))
 
+    def let_go_storage(self, rec: SessionRecord) -> bool:
+        """SharedTier.tla's ``LetGo``: a server that is drained forgets a session whose copy the
+        shared tier holds whole (acknowledged, its pages and manifest pinned, no read of it in
+        flight); the record goes, the tier's copy and manifest stay for the server that adopts it.
+        False, changing nothing, for any other copy (mutant ``LetGoEarly`` lets a store in flight
+        go: no manifest names it, nobody can adopt it)."""
+        copy = self._l3.get(rec.session_id)
+        if copy is None or not copy.whole or copy.rid is not None or self.shared_tier() is None:
+            return False
+        del self._l3[rec.session_id]
+        return True
+
     def drop_storage(self, rec: SessionRecord) -> None:
         """The session is restored from its host copy while a store was in flight or done (spec
         ``ToolEndFromHost``: the storage protection is dropped; the host protection stays)."""
@@ -381,6 +431,8 @@ class HiCacheStorage:
             return
         if copy.whole:
             self._forget_manifest(rec.session_id)
+        else:
+            self._unpin(copy, rec.session_id)
         if copy.rid is not None:
             copy.released = True
         else:

@@ -273,3 +273,5 @@ class SessionMachine(CopyActions, PolicyActions, HandoverActions, L3Tier):
             self.ttl_sweep()
         if Timers.any_due(self.timers.idle, now):
             self.forget_idle()
+        if self.draining:
+            self.run_drain()
