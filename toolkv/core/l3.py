@@ -358,7 +358,9 @@ class L3Tier(MachineCore):
 
     def _arrival_release(self, rec: SessionRecord) -> None:
         """What the tool_end at arrival gives back: what a demotion does (the host protection, the
-        storage copy's protection; a Stored copy has no prefetch pin)."""
+        storage copy's protection; a Stored copy has no prefetch pin). On Mooncake the copy's soft
+        pins stay for sglang's read (``hold_pins_for_read``)."""
+        self._storage().hold_pins_for_read(rec)
         self._demote_release(rec)
 
     def _l3_prefetch(self, rec: SessionRecord) -> bool:

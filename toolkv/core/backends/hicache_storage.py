@@ -72,6 +72,12 @@ class HiCacheStorage:
     agree: Agreement
     _ledger: ProtectionLedger
     _l3: dict[str, StorageCopy]  # sessions' copies in the L3 storage tier, by session id
+    #: on Mooncake: a whole copy's page keys whose soft pins this server took and has not released,
+    #: by session, once the copy's record went for sglang's read at arrival (released at the
+    #: session's next store, close or TTL: the read has been made by then)
+    _held: dict[str, list[str]]
+    _reading: set[str]  # sessions whose whole copy sglang reads at arrival (the pins wait for it)
+    pins_left: int  # soft pins left to their deadline: the host held no longer the bytes to end them
     #: the soft pin's deadline on Mooncake (spec/storage/SharedTier.tla); the manager sets it past
     #: its TTL (L3Tier); Mooncake's own default is 30 minutes
     pin_ttl_ms: int = 30 * 60 * 1000
@@ -161,7 +167,10 @@ class HiCacheStorage:
         copy = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
         tier = self.shared_tier()
         if tier is not None:
+            old = self._pins_held().pop(rec.session_id, [])
             self._put_pinned(tier, copy, path)
+            kept = set(copy.pinned)  # the new epoch's put pinned its pages anew; the rest go now
+            self._release_pins(rec, [k for k in old if k not in kept])
         else:
             have = self._stored_pages(keys)
             done = 0
@@ -239,6 +248,56 @@ class HiCacheStorage:
             tier.unpin_pages(copy.keys, copy.host, set(keys))
         copy.pinned = []
 
+    def _pins_held(self) -> dict[str, list[str]]:
+        return self._held
+
+    def _held_elsewhere(self, session_id: str) -> set[str]:
+        """Page keys another of this server's sessions relies on the pin of (a shared prefix)."""
+        out = {k for sid, c in self._l3.items() if sid != session_id for k in c.keys}
+        out.update(k for sid, ks in self._pins_held().items() if sid != session_id for k in ks)
+        return out
+
+    def _release_pins(self, rec: SessionRecord, keys: Sequence[str]) -> None:
+        """``PinsReleased`` / ``PinLapse`` once toolkv no longer relies on a whole copy (read back,
+        its host copy restored, the session closed or expired, a new epoch stored): the soft pins
+        of ``keys`` (root first) end by an upsert with ``SoftPinAction.DISABLE`` from the host
+        copy, for the leading pages the host tree holds (the bytes the upsert writes). A page
+        another of this server's sessions relies on keeps its pin; a page the host no longer
+        holds keeps it to its deadline (counted: ``pins_left``)."""
+        tier = self.shared_tier()
+        if tier is None or not keys:
+            return
+        held = self._held_elsewhere(rec.session_id)
+        host = self._host_slots(rec, len(keys))
+        page = self.tree.page_size
+        n = int(host.numel()) // page
+        which = {k for k in keys[:n] if k not in held}
+        if which:
+            tier.unpin_pages(list(keys[:n]), host[: n * page], which)
+        self.pins_left += max(0, len(keys) - n)
+
+    def _host_slots(self, rec: SessionRecord, pages: int) -> torch.Tensor:
+        """The host slots of the leading pages of the session's path the host tree holds (at most
+        ``pages``)."""
+        node, _ = self._lookup(rec.tokens[: pages * self.tree.page_size], rec.extra_key)
+        node = self._host_anchor(node)
+        if is_root(self.tree, node):
+            return torch.empty(0, dtype=torch.int64)
+        vals = []
+        for m in path_to(self.tree, node):
+            if m.host_value is None:
+                break
+            vals.append(m.host_value)
+        if not vals:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat(vals)[: pages * self.tree.page_size]
+
+    def hold_pins_for_read(self, rec: SessionRecord) -> None:
+        """SharedTier.tla's ``ArrivalRead``: the tool_end of a session stored whole lets its record
+        go, and sglang reads the copy at the next request's arrival: its pins stay until the
+        session's next store, close or TTL (the read has been made by then)."""
+        self._reading.add(rec.session_id)
+
     def _manifest_in_tier(self, rec: SessionRecord, copy: StorageCopy) -> bool:
         """SharedTier.tla's ``StoreAck`` on Mooncake, before the host protection goes: every page's
         put took the soft pin, and the session's manifest goes beside them, pinned alike (what a
@@ -285,6 +344,7 @@ class HiCacheStorage:
             self._protect_host_path(rec, node)
             del self._l3[rec.session_id]
             self._forget_manifest(rec.session_id)
+            self._release_pins(rec, copy.keys)
             return "host"
         if not self._start_prefetch(rid, host_node, tokens, rec.extra_key):
             return "refused"
@@ -343,6 +403,7 @@ class HiCacheStorage:
             return None
         del self._l3[rec.session_id]
         self._forget_manifest(rec.session_id)
+        self._release_pins(rec, copy.keys)  # what was read is on host
         if copy.released:
             return False
         node, matched = self._lookup(rec.tokens[: copy.tokens], rec.extra_key)
@@ -365,8 +426,19 @@ class HiCacheStorage:
         for sid, copy in list(self._l3.items()):
             if copy.released and copy.rid is not None and self._prefetch_done(copy):
                 del self._l3[sid]
+                self._unpin_released(sid, copy)
                 ended += 1
         return ended
+
+    def _unpin_released(self, session_id: str, copy: StorageCopy) -> None:
+        """The pins of a released session's copy, once the prefetch that read it is done: the
+        record is gone, so only what this server's other sessions hold keeps a pin; the host slots
+        are looked up by the copy's keys (none: the pins keep to their deadline)."""
+        tier = self.shared_tier()
+        if tier is None:
+            return
+        held = self._held_elsewhere(session_id)
+        self.pins_left += sum(1 for k in copy.keys if k not in held)
 
     def _prefetch_done(self, copy: StorageCopy) -> bool:
         """sglang's ``check_prefetch_progress`` for the copy's prefetch: True once its pages are in
@@ -426,11 +498,20 @@ class HiCacheStorage:
         """Close or the TTL: the session's storage protection ends. A prefetch reading the copy
         keeps its pin until its own ack (``poll_storage``): dropping it now is mutant
         ``ReleaseDropsPin``, and the backend could delete a page the prefetch has still to read."""
+        held = self._pins_held()
+        reading = rec.session_id in self._reading
+        self._reading.discard(rec.session_id)
+        if not reading:  # an earlier copy's pins, kept for sglang's read at arrival: read by now
+            self._release_pins(rec, held.pop(rec.session_id, []))
         copy = self._l3.get(rec.session_id)
         if copy is None:
             return
         if copy.whole:
             self._forget_manifest(rec.session_id)
+            if reading:
+                held[rec.session_id] = copy.keys
+            elif copy.rid is None:
+                self._release_pins(rec, copy.keys)
         else:
             self._unpin(copy, rec.session_id)
         if copy.rid is not None:
