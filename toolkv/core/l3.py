@@ -125,7 +125,7 @@ class L3Tier(MachineCore):
         # it may lapse only once toolkv no longer relies on the copy
         if hasattr(backend, "pin_ttl_ms"):
             backend.pin_ttl_ms = int(2000 * max(config.ttl_s, 1.0))
-        # a drained server (SharedTier.tla's LetGo): the router sends it nothing new
+        # a server the router sends nothing new (SharedTier.tla's LetGo): it lets go of its sessions
         self.draining = False
         self._drain_stored: set[str] = set()  # sessions the drain has stored once already
 
@@ -435,8 +435,10 @@ class L3Tier(MachineCore):
         raise NotImplementedError  # SessionMachine.insert (spec Insert)
 
     # ---- a drained server that stays up (SharedTier.tla's LetGo) -------------------------------------
-    def drain(self) -> None:
-        """The router sends this server nothing new from now on: each tick (:meth:`run_drain`) it
+    def routed_away(self) -> None:
+        """The router sends this server nothing new from now on (the fleet drains it; the
+        operator's drain is another thing: there the sessions' calls still come here): each tick
+        (:meth:`run_drain`) it
         lets go of the sessions it holds. A session's next tool_end and turn reach another
         server, so what this one keeps for it serves nobody until its TTL."""
         self.draining = True

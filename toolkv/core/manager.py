@@ -252,11 +252,12 @@ class ToolKVManager:
         """Spec ``Close``."""
         return self.machine.close(session_id).as_dict()
 
-    def drain(self) -> None:
-        """This server is drained (the router sends it nothing new): from the next tick it lets go
-        of its sessions, handing over what the shared tier holds whole (SharedTier.tla's
-        ``LetGo``)."""
-        self.machine.drain()
+    def routed_away(self) -> None:
+        """The router sends this server nothing new (a fleet's drain: its sessions' next calls
+        reach other servers; not the operator's ``/session/drain``, where they still come here):
+        from the next tick it lets go of its sessions, handing over what the shared tier holds
+        whole (SharedTier.tla's ``LetGo``)."""
+        self.machine.routed_away()
 
     def on_tree_reset(self) -> None:
         """Spec ``TreeReset``: the tree was replaced (flush_cache)."""

@@ -326,7 +326,7 @@ class Fleet:
                             self.up.remove(k)
                             self.servers[k].up = False
                             self.servers[k].drained_at = tg
-                            self.servers[k].tk.manager.drain()  # it lets go of what it holds
+                            self.servers[k].tk.manager.routed_away()  # it lets go of what it holds
                     for t, kind, sid in self.agents.due(tg):
                         self._dispatch(t, kind, sid)
                     for s in self.servers:  # deliveries may have moved a server's time
