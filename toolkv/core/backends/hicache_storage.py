@@ -167,7 +167,7 @@ class HiCacheStorage:
         copy = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
         tier = self.shared_tier()
         if tier is not None:
-            old = self._pins_held().pop(rec.session_id, [])
+            old = self._held.pop(rec.session_id, [])
             self._put_pinned(tier, copy, path)
             kept = set(copy.pinned)  # the new epoch's put pinned its pages anew; the rest go now
             self._release_pins(rec, [k for k in old if k not in kept])
@@ -237,8 +237,7 @@ class HiCacheStorage:
         is not acknowledged whole (short, the session released or restored from host meanwhile),
         from the host copy they were put from (still protected). A page another of this server's
         copies holds too (a shared prefix) keeps its pin; mutant ``ShortKeepsPin`` leaves them to
-        their deadline. A whole copy's pins lapse at their deadline (``PinLapse``): the host copy
-        they came from is HiCache's by then, and another server may adopt the copy."""
+        their deadline. A whole copy's pins are :meth:`_release_pins`'."""
         tier = self.shared_tier()
         if tier is None or not copy.pinned or copy.host is None:
             return
@@ -248,13 +247,10 @@ class HiCacheStorage:
             tier.unpin_pages(copy.keys, copy.host, set(keys))
         copy.pinned = []
 
-    def _pins_held(self) -> dict[str, list[str]]:
-        return self._held
-
     def _held_elsewhere(self, session_id: str) -> set[str]:
         """Page keys another of this server's sessions relies on the pin of (a shared prefix)."""
         out = {k for sid, c in self._l3.items() if sid != session_id for k in c.keys}
-        out.update(k for sid, ks in self._pins_held().items() if sid != session_id for k in ks)
+        out.update(k for sid, ks in self._held.items() if sid != session_id for k in ks)
         return out
 
     def _release_pins(self, rec: SessionRecord, keys: Sequence[str]) -> None:
@@ -498,7 +494,7 @@ class HiCacheStorage:
         """Close or the TTL: the session's storage protection ends. A prefetch reading the copy
         keeps its pin until its own ack (``poll_storage``): dropping it now is mutant
         ``ReleaseDropsPin``, and the backend could delete a page the prefetch has still to read."""
-        held = self._pins_held()
+        held = self._held
         reading = rec.session_id in self._reading
         self._reading.discard(rec.session_id)
         if not reading:  # an earlier copy's pins, kept for sglang's read at arrival: read by now
