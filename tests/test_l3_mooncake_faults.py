@@ -121,19 +121,47 @@ def close_all(h: MooncakeCacheHarness, m: ToolKVManager, now: float, *sids: str)
     h.drain()
 
 
+def test_a_stores_pages_are_pinned_from_their_put_not_from_its_ack(mooncake: MooncakeStore) -> None:
+    """SharedTier.tla's ``PutKept``: the master evicts nothing a store put, between its put and its
+    ack. Before, the pages went through sglang's backup unpinned and were pinned only at the
+    StoreAck: another tenant's puts in between made the master evict them, and the store came
+    back short (mutant ``PinAtAck``). Then, once toolkv relies on the copy no longer (closed),
+    its pins are released: the master evicts its pages again (``PinsReleased``)."""
+    with MooncakeCacheHarness(CFG, mooncake) as a:
+        initial = a.accounting()
+        m = manager(a)
+        be = m.machine.backend
+        turn(a, m, "a", A)
+        m.tool_start("a")
+        step(a, m, 0.0, writes=True)
+        a.await_store_acks()  # sglang's own backup of the host copy, unpinned
+        fill_tier(a, 4 * SEGMENT // BLOB)  # the master evicts it for another tenant
+        assert a.storage_hit_tokens(A) < len(A)
+        m.store("a")  # toolkv stores the session
+        if a.tree.ongoing_backup:  # a store whose pages sglang's backup puts
+            wait_for_puts(a)
+        refused = fill_tier(a, 4 * SEGMENT // BLOB)  # before the ack: the master evicts what it may
+        settle(a, m, 1.0)
+        assert m.counters["l3_store_short"] == 0 and m.counters["demoted_l3"] == 1, (m.counters, refused)
+        assert a.storage_hit_tokens(A) == len(A), "every page the store put survived the eviction"
+        assert m.kv_meta("a")["l3"] == "stored"
+        close_all(a, m, 2.0, "a")
+        assert not be.storage_copies and not be._held and be.pins_left == 0, "every pin released"
+        fill_tier(a, 4 * SEGMENT // BLOB)
+        assert a.storage_hit_tokens(A) < len(A), "the released pages are the master's to evict again"
+        assert a.accounting() == initial, "every lock, host reference and slot returned"
+
+
 def test_master_restarted_mid_store(mooncake: MooncakeStore) -> None:
     with MooncakeCacheHarness(CFG, mooncake) as a:
         initial = a.accounting()
         m = manager(a)
         kv = turn(a, m, "a", A)
         epoch = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
-        step(a, m, 0.0, writes=True)
-        a.await_store_acks()  # sglang's own backup of the host copy, unpinned
-        fill_tier(a, 4 * SEGMENT // BLOB)  # the master evicts it for another tenant
-        assert a.storage_hit_tokens(A) < len(A)
-        m.store("a")  # toolkv stores the session: the evicted pages are written again
+        step(a, m, 0.0, writes=True)  # the host copy; sglang's own backup of it to the tier queued
+        assert a.tree.ongoing_backup, "sglang's backup is in flight"
+        m.store("a")  # toolkv's pinned put of every page; the ack waits for sglang's backup
         assert m.kv_meta("a")["l3"] == "storing", m.kv_meta("a")
-        wait_for_puts(a)
         assert a.storage_hit_tokens(A) == len(A), "the pages are in the tier, toolkv's ack not taken"
         mooncake.restart_master()  # mid-store: the master's objects are gone
         settle(a, m, 1.0)
@@ -185,14 +213,12 @@ def test_a_server_killed_mid_store_leaves_nothing_another_server_adopts(mooncake
         a.load_to_device(A)
         kv2 = turn(a, m, "a", A2)  # the next turn, then a tool call whose store is in flight
         e2 = int(m.tool_start("a")["epoch"])  # type: ignore[call-overload]
-        step(a, m, 2.0, writes=True)
-        a.await_store_acks()  # sglang's own backup of the new pages, unpinned
-        fill_tier(a, 4 * SEGMENT // BLOB)  # the master evicts them; a's first 24 pages are pinned
-        assert a.storage_hit_tokens(A2) == len(A), "the e1 copy's pins held"
-        m.store("a")  # toolkv stores the session: the missing pages are written again
+        step(a, m, 2.0, writes=True)  # sglang's own backup of the new pages queued
+        assert a.tree.ongoing_backup, "sglang's backup is in flight"
+        m.store("a")  # toolkv's pinned put of every page; the ack waits for sglang's backup
         assert m.kv_meta("a")["l3"] == "storing", m.kv_meta("a")
-        wait_for_puts(a)
-        # server A is killed here: the StoreAck is never taken (no manifest, no pin)
+        # server A is killed here: the StoreAck is never taken (no manifest); the pins its puts
+        # took stay to their deadline (SharedTier.tla's PutPinLapse: nobody is left to release them)
     with MooncakeCacheHarness(CFG, mooncake) as b:
         initial = b.accounting()
         m = manager(b)
@@ -201,17 +227,13 @@ def test_a_server_killed_mid_store_leaves_nothing_another_server_adopts(mooncake
                 m.tool_end("a", epoch)
             assert e.value.http_status == 404 and e.value.message
         assert m.counters["tool_end_adopted"] == 0
-        # the unacknowledged pages hold no pin: the master evicts them for another tenant
+        # the killed store's pages keep their pins to the deadline: the master evicts other objects
         refused = fill_tier(b, 4 * SEGMENT // BLOB)
-        assert b.storage_hit_tokens(A2) == len(A), (
-            f"the killed store's pages were evicted ({refused} refused)"
-        )
-        # the next turn reads the pinned first turn from the tier and recomputes the rest
-        assert b.prefetch("req-a", A2) == len(A)
-        dev = b.load_to_device(A)
-        assert torch.equal(b.device_kv(dev), kv2[:, :, : len(A)]), (
-            "the first turn's bytes, as A computed them"
-        )
+        assert b.storage_hit_tokens(A2) == len(A2), f"the killed store's pinned pages ({refused} refused)"
+        # the next turn's own prefetch (sglang's) reads them: no toolkv record, no adoption
+        assert b.prefetch("req-a", A2) == len(A2)
+        dev = b.load_to_device(A2)
+        assert torch.equal(b.device_kv(dev), kv2), "the bytes A computed"
         turn(b, m, "a", A2)
         close_all(b, m, 3.0, "a")
         assert b.accounting() == initial
@@ -227,8 +249,10 @@ def test_the_store_full_leaves_the_session_on_its_host_copy(mooncake: MooncakeSt
         step(a, m, 0.0, writes=True)
         a.await_store_acks()  # sglang's own backup: refused by the full store
         turn(a, m, "b", B)
-        with pytest.raises(HostMemoryFull) as e:  # a cannot yield its host room: its store is short
-            m.tool_start("b", expected_s=0.0)
+        # a cannot yield its host room: its store is short, and b is due later than a (a is not
+        # dropped for it)
+        with pytest.raises(HostMemoryFull) as e:
+            m.tool_start("b", expected_s=10_000.0)
         assert e.value.http_status == 507 and e.value.to_dict()["error"] == "host_memory_full"
         assert "'b'" in e.value.message
         settle(a, m, 1.0)  # the StoreAck of a's store: short

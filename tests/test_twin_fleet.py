@@ -39,6 +39,7 @@ def test_moved_sessions_are_read_from_the_shared_l3_not_recomputed() -> None:
     for r in (bare, tk):
         assert r["passed"], (r["checks"], r["crashed"], r["leaks"])
         assert r["drained"] == 1 and r["moved_turns"] > 0
+        assert r["drained_leaks"]["leaked"] == 0, r["drained_leaks"]
     assert bare["moved_reuse"] == 0.0 and bare["l3"] is None
     assert tk["moved_reuse"] > 0.5
     assert tk["l3"]["read_tokens"] > 0 and tk["l3"]["stored_pages"] > 0
@@ -117,5 +118,14 @@ def test_on_mooncake_a_moved_session_is_adopted_and_its_pinned_copy_read() -> No
     for r in (stock, tk):
         assert r["passed"], (r["checks"], r["crashed"], r["leaks"])
         assert r["moved_turns"] > 0 and r["l3"]["evicted_pages"] > 0, r["l3"]
+        # the drained server stays up: it let go of every session it held (SharedTier.tla's LetGo)
+        assert r["drained_leaks"]["leaked"] == 0 and r["drained_leaks"]["sessions_holding"] == 0, r[
+            "drained_leaks"
+        ]
+        # and soon, not at the sessions' TTL (600 s): within the longest tool call's store and ack
+        assert r["drained_held_s"] < 60.0, r["drained_held_s"]
     assert tk["toolkv_l3"].get("tool_end_adopted", 0) > 0, tk["toolkv_l3"]
+    assert tk["toolkv_l3"].get("drain_let_go", 0) + tk["toolkv_l3"].get("l3_store_drain", 0) > 0, tk[
+        "toolkv_l3"
+    ]
     assert tk["moved_reuse"] > stock["moved_reuse"], (tk["moved_reuse"], stock["moved_reuse"])

@@ -12,10 +12,17 @@
 (* lease is seconds long, from an exists or a read), not yet complete, or  *)
 (* soft-pinned while their soft-pin deadline is ahead (with the master's   *)
 (* allow_evict_soft_pinned_objects off).  So the protection toolkv holds   *)
-(* over a stored copy must be Mooncake's soft pin, taken when the copy is  *)
-(* acknowledged whole (an upsert of every page with soft_pin_action        *)
-(* ENABLE: sglang's own puts carry none) and with a deadline past the      *)
-(* session's TTL: the pin lapses only once toolkv no longer relies on it.  *)
+(* over a stored copy must be Mooncake's soft pin, with a deadline past    *)
+(* the session's TTL: the pin lapses only once toolkv no longer relies on  *)
+(* it.  The pin is taken by the put itself (toolkv writes the session's    *)
+(* pages with one upsert whose ReplicateConfig carries soft_pin_action     *)
+(* ENABLE; sglang's own backup puts carry none): between a page's put and  *)
+(* the StoreAck nothing else would keep the master from evicting it, and   *)
+(* a store whose pages went before the ack comes back short (mutant        *)
+(* PinAtAck, the pin taken only at the ack: PutKept).  The pins of a store *)
+(* that is not acknowledged whole (short, released, a new epoch) are       *)
+(* released at once (PinsReleased); only a server that died mid-store      *)
+(* leaves them to their deadline (mutant ShortKeepsPin keeps them).        *)
 (*                                                                         *)
 (* The fleet: servers run toolkv each, one shared tier.  A server that is  *)
 (* drained takes its toolkv records with it; the session is then known to  *)
@@ -63,7 +70,7 @@ CONSTANTS
     BUG        \* "none" or the name of one seeded defect
 
 Bugs == {"none", "NoSoftPin", "PinTtlShort", "NoEpochFence", "ManifestAtStore", "ManifestKept",
-         "AckByPuts"}
+         "AckByPuts", "PinAtAck", "ShortKeepsPin", "LetGoEarly"}
 
 ASSUME /\ P \in Nat \ {0} /\ MaxEpoch \in Nat /\ BUG \in Bugs /\ NoServer \notin Servers
        /\ Restart \in BOOLEAN
@@ -87,13 +94,16 @@ VARIABLES
     manifest,  \* [Sessions -> 0..MaxEpoch]: the epoch the session's manifest in the tier names
                \* (NoManifest: none)
     spin,      \* [Sessions -> BOOLEAN]: Mooncake's soft pin on the copy (deadline ahead)
+    ppin,      \* [Sessions -> SUBSET Pg]: pages the current store's puts soft-pinned, before its ack
     l3prot,    \* [Sessions -> BOOLEAN]: toolkv relies on the copy in the tier
     alive,     \* [Servers -> BOOLEAN]: the server has not been drained
     adopted,   \* [Sessions -> BOOLEAN]: history: a server other than the storing one took it
     stale,     \* [Sessions -> BOOLEAN]: history: a tool_end with a stale epoch was accepted
-    lost       \* [Sessions -> BOOLEAN]: history: a restart wiped the session's acknowledged copy
+    lost,      \* [Sessions -> BOOLEAN]: history: a restart wiped the session's acknowledged copy
+    wiped      \* [Sessions -> BOOLEAN]: history: a restart during the current store
 
-vars == <<phase, owner, epoch, l3, put, manifest, spin, l3prot, alive, adopted, stale, lost>>
+vars == <<phase, owner, epoch, l3, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
+          wiped>>
 
 Init ==
     /\ phase = [s \in Sessions |-> "Running"]
@@ -108,14 +118,17 @@ Init ==
     /\ adopted = [s \in Sessions |-> FALSE]
     /\ stale = [s \in Sessions |-> FALSE]
     /\ lost = [s \in Sessions |-> FALSE]
+    /\ ppin = [s \in Sessions |-> {}]
+    /\ wiped = [s \in Sessions |-> FALSE]
 
 Known(s) == owner[s] # NoServer
 
 -----------------------------------------------------------------------------
 (* toolkv on the session's server *)
 
-\* tool_start, then Store: the session's pages are put to the tier (sglang's backup thread; its
-\* puts carry no soft pin).  The epoch of the new call.  ManifestAtStore writes the manifest (and
+\* tool_start, then Store: the session's pages are put to the tier (toolkv's upsert from the
+\* protected host copy, each put soft-pinned; PinAtAck leaves the write to sglang's backup thread,
+\* whose puts carry no soft pin).  The epoch of the new call.  ManifestAtStore writes the manifest (and
 \* pins it) now, before any page is in the tier.
 Store(s) ==
     /\ phase[s] = "Running" /\ Known(s) /\ epoch[s] < MaxEpoch
@@ -123,25 +136,29 @@ Store(s) ==
     /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
     /\ put' = [put EXCEPT ![s] = {}]
     /\ lost' = [lost EXCEPT ![s] = FALSE]
+    /\ wiped' = [wiped EXCEPT ![s] = FALSE]
     /\ IF BUG = "ManifestAtStore"
        THEN /\ manifest' = [manifest EXCEPT ![s] = epoch[s] + 1]
             /\ spin' = [spin EXCEPT ![s] = TRUE]
        ELSE UNCHANGED <<manifest, spin>>
-    /\ UNCHANGED <<owner, l3, l3prot, alive, adopted, stale>>
+    /\ UNCHANGED <<owner, l3, ppin, l3prot, alive, adopted, stale>>
 
-\* The backup thread puts one more page (PutStart .. PutEnd: readable once complete).
+\* One more page is put (PutStart .. PutEnd: readable once complete), soft-pinned by its put's
+\* ReplicateConfig (none under PinAtAck, nor under NoSoftPin).
 StorePage(s, p) ==
     /\ phase[s] = "Storing" /\ p \notin put[s]
     /\ l3' = [l3 EXCEPT ![s] = @ \cup {p}]
     /\ put' = [put EXCEPT ![s] = @ \cup {p}]
-    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale, lost>>
+    /\ ppin' = [ppin EXCEPT ![s] = IF BUG \in {"PinAtAck", "NoSoftPin"} THEN @ ELSE @ \cup {p}]
+    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale, lost, wiped>>
 
-\* The StoreAck: every page exists (batch_is_exist), then one upsert of every page and of the
-\* manifest with soft_pin_action ENABLE (a page the master evicted meanwhile is put again by the
-\* upsert).  NoSoftPin trusts the master with toolkv's record alone, as sglang's puts do.  Short
-\* (a page missing at the check): the session stays on its protected host copy (Running here:
-\* its next turn needs nothing from the tier).  AckByPuts takes the backup thread's puts for the
-\* tier's word.
+\* The StoreAck: every page exists (batch_is_exist), then the manifest is put beside them with
+\* soft_pin_action ENABLE; the pages' pins, taken by their puts, are now the copy's (PinAtAck
+\* pins the pages only here, by an upsert of every page).  NoSoftPin trusts the master with
+\* toolkv's record alone, as sglang's puts do.  Short (a page missing at the check: only a
+\* restart takes a pinned page): the session stays on its protected host copy (Running here: its
+\* next turn needs nothing from the tier) and the pins its puts took are released (ShortKeepsPin
+\* keeps them).  AckByPuts takes the puts for the tier's word.
 StoreAck(s) ==
     /\ phase[s] = "Storing" /\ Known(s)
     /\ IF (IF BUG = "AckByPuts" THEN put[s] ELSE l3[s]) = Pg
@@ -149,9 +166,11 @@ StoreAck(s) ==
             /\ manifest' = [manifest EXCEPT ![s] = epoch[s]]
             /\ spin' = [spin EXCEPT ![s] = BUG # "NoSoftPin"]
             /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
+            /\ ppin' = [ppin EXCEPT ![s] = {}]
        ELSE /\ phase' = [phase EXCEPT ![s] = "Running"]
+            /\ ppin' = [ppin EXCEPT ![s] = IF BUG = "ShortKeepsPin" THEN @ ELSE {}]
             /\ UNCHANGED <<manifest, spin, l3prot>>
-    /\ UNCHANGED <<owner, epoch, l3, put, alive, adopted, stale, lost>>
+    /\ UNCHANGED <<owner, epoch, l3, put, alive, adopted, stale, lost, wiped>>
 
 \* A tool_end with epoch e reaches server v.  On the server that knows the session: accepted for
 \* its epoch (the read at arrival follows).  On a server that does not know it, whatever the
@@ -169,7 +188,7 @@ ToolEnd(s, v, e) ==
     /\ owner' = [owner EXCEPT ![s] = v]
     /\ stale' = [stale EXCEPT ![s] = @ \/ e # epoch[s]]
     /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
-    /\ UNCHANGED <<epoch, l3, put, manifest, spin, alive, lost>>
+    /\ UNCHANGED <<epoch, l3, put, manifest, spin, ppin, alive, lost, wiped>>
 
 \* The next request arrives on the session's server: sglang's prefetch reads what the tier holds
 \* (a lease covers each read) and toolkv's reliance on the copy ends; the pin lapses at its
@@ -180,22 +199,38 @@ ArrivalRead(s) ==
     /\ phase' = [phase EXCEPT ![s] = "Running"]
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
     /\ manifest' = [manifest EXCEPT ![s] = IF BUG = "ManifestKept" THEN @ ELSE NoManifest]
-    /\ UNCHANGED <<owner, epoch, l3, put, spin, alive, adopted, stale, lost>>
+    /\ UNCHANGED <<owner, epoch, l3, put, spin, ppin, alive, adopted, stale, lost, wiped>>
 
 \* The TTL or close, on the server that knows the session; for a session no server knows, its
-\* TTL passing (its pin's deadline is later still).
+\* TTL passing (its pin's deadline is later still).  A store in flight is let go: the pins its
+\* puts took are released.
 Release(s) ==
     /\ (Known(s) => alive[owner[s]]) /\ phase[s] # "Closed"
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<owner, epoch, l3, put, manifest, spin, alive, adopted, stale, lost>>
+    /\ ppin' = [ppin EXCEPT ![s] = {}]
+    /\ UNCHANGED <<owner, epoch, l3, put, manifest, spin, alive, adopted, stale, lost, wiped>>
+
+\* A server that is drained but stays up (the router sends it nothing new) lets go of a session
+\* the tier holds whole: its record goes as Drain's would, the copy and its manifest stay, pinned,
+\* for the server its next tool_end reaches (which adopts it, owner = NoServer).  Only a Stored
+\* one: a store in flight has no manifest yet (LetGoEarly lets it go: UnknownOnlyStored).  The
+\* other sessions of a drained server are let go by Release (nothing of theirs is in the tier
+\* whole; their next turn, routed elsewhere, recomputes them), once nothing of theirs is in flight.
+LetGo(s) ==
+    /\ Known(s) /\ alive[owner[s]]
+    /\ phase[s] = "Stored" \/ (BUG = "LetGoEarly" /\ phase[s] = "Storing")
+    /\ owner' = [owner EXCEPT ![s] = NoServer]
+    /\ UNCHANGED <<phase, epoch, l3, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
+                   wiped>>
 
 -----------------------------------------------------------------------------
 (* The fleet and the tier *)
 
 \* A server is drained (or killed): its toolkv records go with it.  Its Stored sessions are known
 \* to no server; their copies stay in the tier, pinned.  A session mid-store or running there is
-\* lost (its write was never acknowledged: no manifest, its pages unpinned).  One server stays.
+\* lost (its write was never acknowledged: no manifest; the pins its puts took stay to their
+\* deadline, PutPinLapse: nobody is left to release them).  One server stays.
 Drain(v) ==
     /\ alive[v] /\ \E w \in Servers \ {v} : alive[w]
     /\ alive' = [alive EXCEPT ![v] = FALSE]
@@ -205,26 +240,37 @@ Drain(v) ==
                     THEN "Closed" ELSE phase[s]]
     /\ l3prot' = [s \in Sessions |->
                     IF owner[s] = v /\ phase[s] # "Stored" THEN FALSE ELSE l3prot[s]]
-    /\ UNCHANGED <<epoch, l3, put, manifest, spin, adopted, stale, lost>>
+    /\ UNCHANGED <<epoch, l3, put, manifest, spin, ppin, adopted, stale, lost, wiped>>
 
 \* The soft pin's deadline passes.  toolkv sets it past the session's TTL, so it passes only once
 \* toolkv no longer relies on the copy (PinTtlShort: a deadline shorter than the TTL).
 PinLapse(s) ==
     /\ spin[s] /\ (~l3prot[s] \/ BUG = "PinTtlShort")
     /\ spin' = [spin EXCEPT ![s] = FALSE]
-    /\ UNCHANGED <<phase, owner, epoch, l3, put, manifest, l3prot, alive, adopted, stale, lost>>
+    /\ UNCHANGED <<phase, owner, epoch, l3, put, manifest, ppin, l3prot, alive, adopted, stale, lost,
+                   wiped>>
+
+\* The deadline of the pins a store's puts took passes; while the store is in flight it is ahead
+\* (the same deadline, past the TTL).
+PutPinLapse(s) ==
+    /\ ppin[s] # {} /\ (phase[s] # "Storing" \/ BUG = "PinTtlShort")
+    /\ ppin' = [ppin EXCEPT ![s] = {}]
+    /\ UNCHANGED <<phase, owner, epoch, l3, put, manifest, spin, l3prot, alive, adopted, stale, lost,
+                   wiped>>
 
 \* Mooncake's master evicts a complete object that is not soft-pinned (its lease, seconds long,
 \* is taken to have expired: any time).  toolkv's own record does not stop it.
 MasterEvictPage(s, p) ==
-    /\ p \in l3[s] /\ ~spin[s]
+    /\ p \in l3[s] /\ ~spin[s] /\ p \notin ppin[s]
     /\ l3' = [l3 EXCEPT ![s] = @ \ {p}]
-    /\ UNCHANGED <<phase, owner, epoch, put, manifest, spin, l3prot, alive, adopted, stale, lost>>
+    /\ UNCHANGED <<phase, owner, epoch, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
+                   wiped>>
 
 MasterEvictManifest(s) ==
     /\ manifest[s] # NoManifest /\ ~spin[s]
     /\ manifest' = [manifest EXCEPT ![s] = NoManifest]
-    /\ UNCHANGED <<phase, owner, epoch, l3, put, spin, l3prot, alive, adopted, stale, lost>>
+    /\ UNCHANGED <<phase, owner, epoch, l3, put, spin, ppin, l3prot, alive, adopted, stale, lost,
+                   wiped>>
 
 \* Restart: the master is restarted; it held every object's metadata in memory, so the tier is
 \* empty afterwards (the storage nodes mount their memory again, empty to the new master).  A
@@ -236,11 +282,14 @@ MasterRestart ==
     /\ l3' = [s \in Sessions |-> {}]
     /\ manifest' = [s \in Sessions |-> NoManifest]
     /\ spin' = [s \in Sessions |-> FALSE]
+    /\ ppin' = [s \in Sessions |-> {}]
+    /\ wiped' = [s \in Sessions |-> wiped[s] \/ phase[s] = "Storing"]
     /\ UNCHANGED <<phase, owner, epoch, put, l3prot, alive, adopted, stale>>
 
 Next ==
     \/ \E s \in Sessions :
-        \/ Store(s) \/ StoreAck(s) \/ ArrivalRead(s) \/ Release(s) \/ PinLapse(s)
+        \/ Store(s) \/ StoreAck(s) \/ ArrivalRead(s) \/ Release(s) \/ PinLapse(s) \/ PutPinLapse(s)
+        \/ LetGo(s)
         \/ MasterEvictManifest(s)
         \/ \E p \in Pg : StorePage(s, p) \/ MasterEvictPage(s, p)
         \/ \E v \in Servers, e \in 0..MaxEpoch : ToolEnd(s, v, e)
@@ -259,6 +308,7 @@ TypeOK ==
     /\ l3 \in [Sessions -> SUBSET Pg]
     /\ put \in [Sessions -> SUBSET Pg]
     /\ manifest \in [Sessions -> 0..MaxEpoch]
+    /\ ppin \in [Sessions -> SUBSET Pg]
     /\ alive \in [Servers -> BOOLEAN]
 
 \* A session no server knows is a Stored one whose server was drained (or a closed one).
@@ -280,6 +330,16 @@ FenceHeld == \A s \in Sessions : ~stale[s]
 
 \* The session has one owner among the live servers, or none.
 OwnerAlive == \A s \in Sessions : Known(s) /\ phase[s] # "Closed" => alive[owner[s]]
+
+\* A page put for the current store stays in the tier until the StoreAck, whatever the master's
+\* eviction does: only a restart takes it (wiped).  So a store all of whose puts landed is never
+\* short (mutant PinAtAck: pinned only at the ack, a page put first may be evicted before it).
+PutKept == \A s \in Sessions : phase[s] = "Storing" /\ ~wiped[s] => put[s] \subseteq l3[s]
+
+\* The pins a store's puts took outlive the store only on a server that died mid-store (nobody is
+\* left to release them; their deadline ends them): a short ack, a release, a new epoch let them
+\* go at once (mutant ShortKeepsPin).
+PinsReleased == \A s \in Sessions : ppin[s] # {} => phase[s] = "Storing" \/ (phase[s] = "Closed" /\ ~Known(s))
 
 (* Witnesses: refuted by TLC (the scenario is reachable) *)
 

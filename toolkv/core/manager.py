@@ -246,6 +246,13 @@ class ToolKVManager:
         """Spec ``Close``."""
         return self.machine.close(session_id).as_dict()
 
+    def routed_away(self) -> None:
+        """The router sends this server nothing new (a fleet's drain: its sessions' next calls
+        reach other servers; not the operator's ``/session/drain``, where they still come here):
+        from the next tick it lets go of its sessions, handing over what the shared tier holds
+        whole (SharedTier.tla's ``LetGo``)."""
+        self.machine.routed_away()
+
     def tree_reset(self) -> None:
         """Spec ``TreeReset``: the tree was replaced (flush_cache)."""
         self.machine.tree_reset()

@@ -130,6 +130,8 @@ class FleetServer(Twin):
         self.inbox: list[tuple[float, str, str]] = []
         self.ran = False
         self.up = True
+        self.drained_at: float | None = None
+        self.held_at: float | None = None  # drained: the last time it still held a session
 
     def ready_at(self) -> float:
         """When this server next has something to do: now if it has input or just ran a batch,
@@ -195,6 +197,12 @@ class FleetServer(Twin):
             raise Stalled(f"server {self.index}: batch_is_full with nothing running")
         if not self.samples or self.now - self.samples[-1]["t"] >= self.opts.sample_s:
             self._sample()
+        if not self.up and self.holding():
+            self.held_at = self.now
+
+    def holding(self) -> int:
+        """Sessions toolkv holds something for (the leak check's ``sessions_holding``)."""
+        return sum(1 for r in self.tk.manager.sessions.values() if r.state not in _HOLDS_NOTHING)
 
     def settle(self) -> dict[str, Any]:
         """Idle iterations after the run (acks land, TTLs fire), then :meth:`Twin.leaks`."""
@@ -317,6 +325,8 @@ class Fleet:
                         if k in self.up and len(self.up) > 1:
                             self.up.remove(k)
                             self.servers[k].up = False
+                            self.servers[k].drained_at = tg
+                            self.servers[k].tk.manager.routed_away()  # it lets go of what it holds
                     for t, kind, sid in self.agents.due(tg):
                         self._dispatch(t, kind, sid)
                     for s in self.servers:  # deliveries may have moved a server's time
@@ -352,6 +362,7 @@ class Fleet:
         out["refused_pages"] = store.refused if store is not None else 0
         out["evicted_pages"] = store.evicted if store is not None else 0
         out["pinned_writes"] = store.pinned_writes if store is not None else 0
+        out["unpinned"] = store.unpinned if store is not None else 0
         out["link_read_tokens"] = sum(io.rlink.tokens for io in ios)
         out["link_write_tokens"] = sum(io.wlink.tokens for io in ios)
         return out
@@ -361,12 +372,18 @@ class Fleet:
         out: dict[str, int] = {}
         for s in self.servers:
             for k, v in s.tk.manager.counters.items():
-                if k.startswith("l3_") or k in ("demoted_l3", "demoted", "tool_end_l3", "tool_end_adopted"):
+                if k.startswith(("l3_", "drain_")) or k in (
+                    "demoted_l3",
+                    "demoted",
+                    "tool_end_l3",
+                    "tool_end_adopted",
+                ):
                     out[k] = out.get(k, 0) + int(v)
         return out
 
 
 _FLEETS = itertools.count()
+_HOLDS_NOTHING = frozenset(("Closed", "Released", "Running", "Runnable", "Expired", "Lost", "New"))
 
 
 def simulate_fleet(
@@ -379,12 +396,22 @@ def simulate_fleet(
     f = Fleet(Sessions.lazy(w), cfg, profile, opts, n=n, l3=l3, drain=drain, tick_s=tick_s)
     f.run()
     leaks: dict[str, Any] = {"leaked": -1}
+    drained: dict[str, Any] = {"leaked": -1}
     if f.crashed is None:
         per = [s.settle() for s in f.servers]
         leaks = {k: sum(int(p[k]) for p in per) for k in per[0]}
+        gone = [p for s, p in zip(f.servers, per, strict=True) if not s.up]
+        drained = {k: sum(int(p[k]) for p in gone) for k in per[0]}
     st = f.l3_stats()
     f.close()
-    return summary(f, leaks, st, window=window, opt=opt, wall_s=time.perf_counter() - wall)
+    out = summary(f, leaks, st, window=window, opt=opt, wall_s=time.perf_counter() - wall)
+    out["drained_leaks"] = drained  # the drained servers' share of ``leaks`` (they stay up)
+    # how long after its drain a drained server still held a session (0: none after the drain)
+    out["drained_held_s"] = max(
+        (s.held_at - s.drained_at for s in f.servers if s.drained_at is not None and s.held_at is not None),
+        default=0.0,
+    )
+    return out
 
 
 def summary(

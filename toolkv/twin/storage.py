@@ -116,7 +116,8 @@ class L3Pages:
     pins: dict[str, float] = field(default_factory=dict)
     manifests: dict[str, tuple[bytes, float]] = field(default_factory=dict)
     evicted: int = 0  # pages the master evicted
-    pinned_writes: int = 0  # pages toolkv's pin upsert wrote again (they were evicted meanwhile)
+    pinned_writes: int = 0  # pages toolkv's pinned put wrote that the store did not hold
+    unpinned: int = 0  # pins toolkv released (a store not acknowledged whole)
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -178,6 +179,7 @@ def _backend_class() -> type:
                     STORES[name] = self.store
             self.mem_pool_host: Any = None
             self.io: Any = None  # the server's TimedStorageIO (it charges toolkv's pin writes)
+            self.pin_landing: dict[str, float] = {}  # toolkv's pinned puts in flight: when each lands
 
         def toolkv_shared_tier(self, pin_ttl_ms: int) -> TwinSharedTier | None:
             """What ``HiCacheStorage.shared_tier`` asks a backend for: the Mooncake calls toolkv
@@ -286,22 +288,51 @@ class TwinSharedTier:
 
         return int(time.time() * 1000) + self.pin_ttl_ms
 
-    def pin_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> bool:
+    def put_pinned(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[str]:
+        """``MooncakeTier.put_pinned``: every page upserted with the soft pin (a page not in the
+        store is written from the host copy; one that is keeps its bytes, as an upsert of the
+        same bytes does). The whole upsert takes its time on the server's write link, and
+        :meth:`landed` says when it has finished. Returns the keys written and pinned (a full
+        store whose every page is pinned refuses the rest)."""
         host = self.backend.mem_pool_host
         ps = int(host.page_size)
         idx = host_indices.to(torch.int64)
         until = self._until()
         rewritten = 0
+        done: list[str] = []
         for i, k in enumerate(keys):
             data = self.store.pages.get(k)
             if data is None:
                 data = host.kv_buffer[:, :, idx[i * ps : (i + 1) * ps]].clone()
                 rewritten += 1
             if not self.store.put(k, data, pin_until=until):
-                return False
+                break
+            done.append(k)
         self.store.pinned_writes += rewritten
-        if rewritten and self.backend.io is not None:
-            self.backend.io.charge_write(rewritten * ps)
+        if self.backend.io is not None and keys:
+            self.backend.pin_landing[keys[-1]] = self.backend.io.charge_write(len(done) * ps)
+        return done
+
+    def unpin_pages(self, keys: Sequence[str], host_indices: torch.Tensor, which: set[str]) -> None:
+        """``MooncakeTier.unpin_pages``: the pins of pages ``which`` end (an upsert with
+        ``SoftPinAction.DISABLE``, its write charged to the link)."""
+        n = 0
+        for k in keys:
+            if k in which and self.store.pins.pop(k, None) is not None:
+                n += 1
+        self.store.unpinned += n
+        if n and self.backend.io is not None:
+            self.backend.io.charge_write(n * int(self.backend.mem_pool_host.page_size))
+
+    def landed(self, keys: Sequence[str]) -> bool:
+        """The pinned put of ``keys`` has finished on the write link (the twin's clock)."""
+        due = self.backend.pin_landing.get(keys[-1]) if keys else None
+        if due is None:
+            return True
+        io = self.backend.io
+        if due > (io.now if io is not None else self.store.now) + 1e-12:
+            return False
+        del self.backend.pin_landing[keys[-1]]
         return True
 
     def put_manifest(self, m: Any) -> bool:
@@ -435,11 +466,11 @@ class TimedStorageIO:
         self.backend.io = self
         self.now = 0.0
 
-    def charge_write(self, tokens: int) -> None:
-        """A write made outside sglang's backup thread (toolkv's pin upsert): it takes its time on
-        the write link (the link is busy for it; the caller does not wait)."""
-        self.wlink.schedule(self.now, tokens)
+    def charge_write(self, tokens: int) -> float:
+        """A write made outside sglang's backup thread (toolkv's pinned put): it takes its time on
+        the write link (FIFO behind what is queued there). Returns when it finishes."""
         self.stats["pin_write_tokens"] += tokens
+        return float(self.wlink.schedule(self.now, tokens))
 
     # ---- the clock ---------------------------------------------------------------------------------
     def next_finish(self) -> float | None:

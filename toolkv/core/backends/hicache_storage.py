@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import torch
@@ -38,6 +38,11 @@ class StorageCopy:
     whole: bool = False  # StoreAck found every page in storage
     rid: str | None = None  # the request id of the prefetch reading the copy (its pin)
     released: bool = False  # the session let go while the prefetch read: dropped at its ack
+    #: on Mooncake (SharedTier.tla ``ppin``): the pages whose put took a soft pin, and the host
+    #: slots of the protected host copy they were put from (until the whole ack: released from
+    #: them if the store is not acknowledged whole)
+    pinned: list[str] = field(default_factory=list)
+    host: torch.Tensor | None = None
 
 
 #: :meth:`HiCacheStorage._read_from`'s answer for "the host copy is whole: restore from it" (not
@@ -67,6 +72,12 @@ class HiCacheStorage:
     agree: Agreement
     _ledger: ProtectionLedger
     _l3: dict[str, StorageCopy]  # sessions' copies in the L3 storage tier, by session id
+    #: on Mooncake: a whole copy's page keys whose soft pins this server took and has not released,
+    #: by session, once the copy's record went for sglang's read at arrival (released at the
+    #: session's next store, close or TTL: the read has been made by then)
+    _held: dict[str, list[str]]
+    _reading: set[str]  # sessions whose whole copy sglang reads at arrival (the pins wait for it)
+    pins_left: int  # soft pins left to their deadline: the host held no longer the bytes to end them
     #: the soft pin's deadline on Mooncake (spec/storage/SharedTier.tla); the manager sets it past
     #: its TTL (L3Tier); Mooncake's own default is 30 minutes
     pin_ttl_ms: int = 30 * 60 * 1000
@@ -153,15 +164,33 @@ class HiCacheStorage:
         assert per_node is not None
         keys = [k for node_keys in per_node for k in node_keys]
         self._forget_manifest(rec.session_id)  # an older epoch's, left by a failed remove
-        have = self._stored_pages(keys)
-        done = 0
-        for m, node_keys in zip(path, per_node, strict=True):  # root-down, from the first page missing
-            n = len(node_keys)
-            if done + n > have and not self._storing(m):
-                self._write_to_storage(m)
-            done += n
-        self._l3[rec.session_id] = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
+        copy = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
+        tier = self.shared_tier()
+        if tier is not None:
+            old = self._held.pop(rec.session_id, [])
+            self._put_pinned(tier, copy, path)
+            kept = set(copy.pinned)  # the new epoch's put pinned its pages anew; the rest go now
+            self._release_pins(rec, [k for k in old if k not in kept])
+        else:
+            have = self._stored_pages(keys)
+            done = 0
+            for m, node_keys in zip(path, per_node, strict=True):  # root-down, from the first page missing
+                n = len(node_keys)
+                if done + n > have and not self._storing(m):
+                    self._write_to_storage(m)
+                done += n
+        self._l3[rec.session_id] = copy
         return True
+
+    def _put_pinned(self, tier: MooncakeTier, copy: StorageCopy, path: Sequence[TreeNode]) -> None:
+        """SharedTier.tla's ``StorePage`` on Mooncake: every page of the copy put from the protected
+        host copy by one upsert whose ``ReplicateConfig`` carries the soft pin, so that from its put
+        on the master evicts none of them (sglang's backup puts carry no pin, and a page it put
+        could be evicted before the ack: mutant ``PinAtAck``, ``PutKept``). Pages already in the
+        tier (HiCache writes every host copy through) are pinned by the same upsert."""
+        host = torch.cat([m.host_value for m in path])[: copy.tokens]
+        copy.host = host
+        copy.pinned = tier.put_pinned(copy.keys, host)
 
     def _page_keys(self, path: Sequence[TreeNode]) -> list[list[str]] | None:
         """Each node's page hashes, root first; None unless every node has an acknowledged host
@@ -191,25 +220,89 @@ class HiCacheStorage:
         assert rec.protected is not None
         if any(self._storing(m) for m in path_to(self.tree, rec.protected)):  # lockstep on every rank
             return None
-        if not self.agree.all_true(self._store_whole(copy) and self._pin_in_tier(rec, copy)):
+        tier = self.shared_tier()
+        if not self.agree.all_true(tier is None or tier.landed(copy.keys)):  # the pinned put's time
+            return None
+        if not self.agree.all_true(self._store_whole(copy) and self._manifest_in_tier(rec, copy)):
+            self._unpin(copy, rec.session_id)
             del self._l3[rec.session_id]
             return False
         copy.whole = True
+        copy.host = None  # the host copy is HiCache's to evict from now on
         self._release_protection(rec)
         return True
 
-    def _pin_in_tier(self, rec: SessionRecord, copy: StorageCopy) -> bool:
-        """SharedTier.tla's ``StoreAck`` on Mooncake, before the host protection goes: every page
-        upserted from the host copy with Mooncake's soft pin, and the session's manifest beside
-        them (what a server that never saw the session adopts it by). The master honours nothing
-        else (mutant ``NoSoftPin`` trusts it with toolkv's record). True on ``file``."""
+    def _unpin(self, copy: StorageCopy, session_id: str) -> None:
+        """SharedTier.tla's ``PinsReleased``: the pins a store's puts took, released when the store
+        is not acknowledged whole (short, the session released or restored from host meanwhile),
+        from the host copy they were put from (still protected). A page another of this server's
+        copies holds too (a shared prefix) keeps its pin; mutant ``ShortKeepsPin`` leaves them to
+        their deadline. A whole copy's pins are :meth:`_release_pins`'."""
+        tier = self.shared_tier()
+        if tier is None or not copy.pinned or copy.host is None:
+            return
+        held = {k for sid, c in self._l3.items() if sid != session_id for k in c.keys}
+        keys = [k for k in copy.pinned if k not in held]
+        if keys:
+            tier.unpin_pages(copy.keys, copy.host, set(keys))
+        copy.pinned = []
+
+    def _held_elsewhere(self, session_id: str) -> set[str]:
+        """Page keys another of this server's sessions relies on the pin of (a shared prefix)."""
+        out = {k for sid, c in self._l3.items() if sid != session_id for k in c.keys}
+        out.update(k for sid, ks in self._held.items() if sid != session_id for k in ks)
+        return out
+
+    def _release_pins(self, rec: SessionRecord, keys: Sequence[str]) -> None:
+        """``PinsReleased`` / ``PinLapse`` once toolkv no longer relies on a whole copy (read back,
+        its host copy restored, the session closed or expired, a new epoch stored): the soft pins
+        of ``keys`` (root first) end by an upsert with ``SoftPinAction.DISABLE`` from the host
+        copy, for the leading pages the host tree holds (the bytes the upsert writes). A page
+        another of this server's sessions relies on keeps its pin; a page the host no longer
+        holds keeps it to its deadline (counted: ``pins_left``)."""
+        tier = self.shared_tier()
+        if tier is None or not keys:
+            return
+        held = self._held_elsewhere(rec.session_id)
+        host = self._host_slots(rec, len(keys))
+        page = self.tree.page_size
+        n = int(host.numel()) // page
+        which = {k for k in keys[:n] if k not in held}
+        if which:
+            tier.unpin_pages(list(keys[:n]), host[: n * page], which)
+        self.pins_left += max(0, len(keys) - n)
+
+    def _host_slots(self, rec: SessionRecord, pages: int) -> torch.Tensor:
+        """The host slots of the leading pages of the session's path the host tree holds (at most
+        ``pages``)."""
+        node, _ = self._lookup(rec.tokens[: pages * self.tree.page_size], rec.extra_key)
+        node = self._host_anchor(node)
+        if is_root(self.tree, node):
+            return torch.empty(0, dtype=torch.int64)
+        vals = []
+        for m in path_to(self.tree, node):
+            if m.host_value is None:
+                break
+            vals.append(m.host_value)
+        if not vals:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat(vals)[: pages * self.tree.page_size]
+
+    def hold_pins_for_read(self, rec: SessionRecord) -> None:
+        """SharedTier.tla's ``ArrivalRead``: the tool_end of a session stored whole lets its record
+        go, and sglang reads the copy at the next request's arrival: its pins stay until the
+        session's next store, close or TTL (the read has been made by then)."""
+        self._reading.add(rec.session_id)
+
+    def _manifest_in_tier(self, rec: SessionRecord, copy: StorageCopy) -> bool:
+        """SharedTier.tla's ``StoreAck`` on Mooncake, before the host protection goes: every page's
+        put took the soft pin, and the session's manifest goes beside them, pinned alike (what a
+        server that never saw the session adopts it by). The master honours nothing else (mutant
+        ``NoSoftPin`` trusts it with toolkv's record). True on ``file``."""
         tier = self.shared_tier()
         if tier is None:
             return True
-        assert rec.protected is not None
-        path = path_to(self.tree, rec.protected)
-        host = torch.cat([m.host_value for m in path])
-        if not tier.pin_pages(copy.keys, host[: copy.tokens]):
+        if len(copy.pinned) != len(copy.keys):
             return False
         manifest = Manifest(
             rec.session_id, rec.epoch, array("q", rec.tokens[: copy.tokens]), rec.extra_key,
@@ -247,6 +340,7 @@ class HiCacheStorage:
             self._protect_host_path(rec, node)
             del self._l3[rec.session_id]
             self._forget_manifest(rec.session_id)
+            self._release_pins(rec, copy.keys)
             return "host"
         if not self._start_prefetch(rid, host_node, tokens, rec.extra_key):
             return "refused"
@@ -305,6 +399,7 @@ class HiCacheStorage:
             return None
         del self._l3[rec.session_id]
         self._forget_manifest(rec.session_id)
+        self._release_pins(rec, copy.keys)  # what was read is on host
         if copy.released:
             return False
         node, matched = self._lookup(rec.tokens[: copy.tokens], rec.extra_key)
@@ -327,8 +422,19 @@ class HiCacheStorage:
         for sid, copy in list(self._l3.items()):
             if copy.released and copy.rid is not None and self._prefetch_done(copy):
                 del self._l3[sid]
+                self._unpin_released(sid, copy)
                 ended += 1
         return ended
+
+    def _unpin_released(self, session_id: str, copy: StorageCopy) -> None:
+        """The pins of a released session's copy, once the prefetch that read it is done: the
+        record is gone, so only what this server's other sessions hold keeps a pin; the host slots
+        are looked up by the copy's keys (none: the pins keep to their deadline)."""
+        tier = self.shared_tier()
+        if tier is None:
+            return
+        held = self._held_elsewhere(session_id)
+        self.pins_left += sum(1 for k in copy.keys if k not in held)
 
     def _prefetch_done(self, copy: StorageCopy) -> bool:
         """sglang's ``check_prefetch_progress`` for the copy's prefetch: True once its pages are in
@@ -354,6 +460,18 @@ class HiCacheStorage:
         rec.protected = leaf
         self._ledger.take(rec.session_id, path_to(self.tree, leaf))
 
+    def let_go_storage(self, rec: SessionRecord) -> bool:
+        """SharedTier.tla's ``LetGo``: a server that is drained forgets a session whose copy the
+        shared tier holds whole (acknowledged, its pages and manifest pinned, no read of it in
+        flight); the record goes, the tier's copy and manifest stay for the server that adopts it.
+        False, changing nothing, for any other copy (mutant ``LetGoEarly`` lets a store in flight
+        go: no manifest names it, nobody can adopt it)."""
+        copy = self._l3.get(rec.session_id)
+        if copy is None or not copy.whole or copy.rid is not None or self.shared_tier() is None:
+            return False
+        del self._l3[rec.session_id]
+        return True
+
     def drop_storage(self, rec: SessionRecord) -> None:
         """The session is restored from its host copy while a store was in flight or done (spec
         ``ToolEndFromHost``: the storage protection is dropped; the host protection stays)."""
@@ -376,11 +494,22 @@ class HiCacheStorage:
         """Close or the TTL: the session's storage protection ends. A prefetch reading the copy
         keeps its pin until its own ack (``poll_storage``): dropping it now is mutant
         ``ReleaseDropsPin``, and the backend could delete a page the prefetch has still to read."""
+        held = self._held
+        reading = rec.session_id in self._reading
+        self._reading.discard(rec.session_id)
+        if not reading:  # an earlier copy's pins, kept for sglang's read at arrival: read by now
+            self._release_pins(rec, held.pop(rec.session_id, []))
         copy = self._l3.get(rec.session_id)
         if copy is None:
             return
         if copy.whole:
             self._forget_manifest(rec.session_id)
+            if reading:
+                held[rec.session_id] = copy.keys
+            elif copy.rid is None:
+                self._release_pins(rec, copy.keys)
+        else:
+            self._unpin(copy, rec.session_id)
         if copy.rid is not None:
             copy.released = True
         else:

@@ -87,6 +87,9 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         self.counters_unmirrored_tokens = 0  # host tokens of mirrors dropped for room (spec HostUnmirror)
         # Sessions' copies in the L3 storage tier, by session id (spec/storage/StorageTier.tla).
         self._l3: dict[str, StorageCopy] = {}
+        self._held: dict[str, list[str]] = {}
+        self._reading: set[str] = set()
+        self.pins_left = 0
         # Under write_back: this manager's writes in flight, by ack id (sglang's ``node.id`` of the
         # written node, the key of ``ongoing_write_through``) -> the node the write locked
         self._drain_locks: dict[int, TreeNode] = {}

@@ -4,13 +4,15 @@
 Mooncake's master evicts on its own (above its high watermark, approximate LRU) and honours none
 of toolkv's records: only its leases (seconds), incomplete puts, hard pins and soft pins whose
 deadline is ahead (``-allow_evict_soft_pinned_objects=false`` makes a soft pin a guarantee, not a
-priority). sglang's ``MooncakeStore`` puts without a soft pin. So at a whole ``StoreAck`` toolkv
-re-writes the session's pages from its still-protected host copy with one
-``batch_upsert_from`` carrying ``soft_pin_action=ENABLE`` and a deadline past the session's TTL
-(spec ``StoreAck``: the upsert also puts back a page the master evicted since the check), and puts
-the session's manifest beside them, pinned alike: its epoch and tokens, which is what a server
-that never saw the session needs to adopt it (spec ``ToolEnd`` on a server with
-``owner = NoServer``).
+priority). sglang's ``MooncakeStore`` puts without a soft pin, and a page it put could be evicted
+before toolkv's ``StoreAck`` (mutant ``PinAtAck``). So at ``Store`` toolkv writes the session's
+pages itself from its protected host copy with one ``batch_upsert_from`` whose ``ReplicateConfig``
+carries ``soft_pin_action=ENABLE`` and a deadline past the session's TTL (spec ``StorePage``: the
+master commits the pin with the put, ``PutKept``); at a whole ``StoreAck`` it puts the session's
+manifest beside them, pinned alike: its epoch and tokens, which is what a server that never saw
+the session needs to adopt it (spec ``ToolEnd`` on a server with ``owner = NoServer``). A store
+not acknowledged whole has its pins released by an upsert with ``soft_pin_action=DISABLE``
+(``PinsReleased``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,21 @@ def soft_pin_config(ttl_ms: int) -> Any:
     config.soft_pin_action = SoftPinAction.ENABLE
     config.soft_pin_ttl_ms = int(ttl_ms)
     return config
+
+
+def soft_unpin_config() -> Any:
+    """Mooncake's ``ReplicateConfig`` of an upsert that ends its object's soft pin
+    (``SoftPinAction.DISABLE``): the master may evict it again."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    config = ReplicateConfig()
+    config.soft_pin_action = SoftPinAction.DISABLE
+    return config
+
+
+def page_rows(host_indices: torch.Tensor, page: int, which: Sequence[int]) -> torch.Tensor:
+    """The host slots of pages ``which`` (indices into the copy's pages) of ``host_indices``."""
+    return torch.cat([host_indices[i * page : (i + 1) * page] for i in which])
 
 
 class MooncakeTierError(RuntimeError):
@@ -94,19 +111,39 @@ class MooncakeTier:
     def _pin_config(self) -> Any:
         return soft_pin_config(self.pin_ttl_ms)
 
-    def pin_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> bool:
-        """Spec ``StoreAck``'s pin: one upsert of every page of ``keys`` (sglang's page hashes,
-        root first) from ``host_indices`` (the host copy, protected by the caller until this
-        returns), with the soft pin. True when every object was written and pinned."""
+    def _upsert(self, keys: Sequence[str], host_indices: torch.Tensor, config: Any) -> list[str]:
+        """One ``batch_upsert_from`` of ``keys`` (sglang's page hashes) from ``host_indices``;
+        the keys whose every object was written. A layout sglang splits over several buffers is
+        not written here (none)."""
         s = self.storage
-        if s.mem_pool_host.kv_buffer is None:
-            return False
+        if s.mem_pool_host.kv_buffer is None or not keys:
+            return []
         tagged = s._tag_keys(list(keys))
         key_strs, ptrs, sizes = s._batch_preprocess(tagged, host_indices)
-        if s._uses_multi_buffer(ptrs):  # a layout sglang splits over several buffers: not pinned here
-            return False
-        codes = self.client.batch_upsert_from(key_strs, ptrs, sizes, self._pin_config())
-        return all(int(c) == 0 for c in codes)
+        if s._uses_multi_buffer(ptrs):
+            return []
+        per = len(key_strs) // len(keys)  # objects per page (sglang may split a page, e.g. k and v)
+        codes = [int(c) for c in self.client.batch_upsert_from(key_strs, ptrs, sizes, config)]
+        return [k for i, k in enumerate(keys) if all(c == 0 for c in codes[i * per : (i + 1) * per])]
+
+    def put_pinned(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[str]:
+        """Spec ``StorePage``: one upsert of every page of ``keys`` (root first) from
+        ``host_indices`` (the host copy, protected by the caller), each put carrying the soft pin
+        (the master commits it with the put). Returns the keys written and pinned."""
+        return self._upsert(keys, host_indices, self._pin_config())
+
+    def unpin_pages(self, keys: Sequence[str], host_indices: torch.Tensor, which: set[str]) -> None:
+        """``PinsReleased``: the soft pins of the pages ``which`` (of the copy ``keys`` put from
+        ``host_indices``, still protected) end: an upsert with ``SoftPinAction.DISABLE``."""
+        idx = [i for i, k in enumerate(keys) if k in which]
+        if idx:
+            page = int(self.storage.mem_pool_host.page_size)
+            self._upsert([keys[i] for i in idx], page_rows(host_indices, page, idx), soft_unpin_config())
+
+    def landed(self, keys: Sequence[str]) -> bool:
+        """The pinned put of ``keys`` has finished: always (``batch_upsert_from`` returns when it
+        has)."""
+        return True
 
     def pin_deadline_ms(self) -> int:
         """The wall-clock deadline (ms) of a pin taken now, recorded in the manifest; a little

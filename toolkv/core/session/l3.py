@@ -59,11 +59,13 @@ class L3Tier:
         policy: PolicyActions,
         loads: Loads,
         insert: Callable[[str, Sequence[int], str | None], None],
+        close: Callable[[str], object],
     ) -> None:
         self.s = s
         self.policy = policy  # a full host's victim is demoted; a tool_end at arrival demotes
         self.loads = loads  # a copy read back to the host is restored or prefetched from there
         self.insert = insert  # spec Insert of an adopted session's turn (the machine's)
+        self.close = close  # spec Close of a session a drained server lets go (the machine's)
         # sessions offloaded since the last tick, by id (insertion order: the same on every rank):
         # the tick decides whether each goes to L3 now (store_early), once its call is noted
         self._store_check: dict[str, tuple[int, SessionRecord]] = {}
@@ -73,6 +75,9 @@ class L3Tier:
         # it may lapse only once toolkv no longer relies on the copy
         if hasattr(s.backend, "pin_ttl_ms"):
             s.backend.pin_ttl_ms = int(2000 * max(s.config.ttl_s, 1.0))
+        # a server the router sends nothing new (SharedTier.tla's LetGo): it lets go of its sessions
+        self.draining = False
+        self._drain_stored: set[str] = set()  # sessions the drain has stored once already
 
     def _storage(self) -> StorageTier:
         storage = self.s.caps.storage
@@ -296,7 +301,9 @@ class L3Tier:
 
     def _arrival_release(self, rec: SessionRecord) -> None:
         """What the tool_end at arrival gives back: what a demotion does (the host protection, the
-        storage copy's protection; a Stored copy has no prefetch pin)."""
+        storage copy's protection; a Stored copy has no prefetch pin). On Mooncake the copy's soft
+        pins stay for sglang's read (``hold_pins_for_read``)."""
+        self._storage().hold_pins_for_read(rec)
         self.policy.demote_release(rec)
 
     def prefetch_l3(self, rec: SessionRecord) -> bool:
@@ -366,6 +373,52 @@ class L3Tier:
         self.s.counters["tool_end_adopted"] += 1
         log.info("session %s adopted from the shared tier at epoch %d", session_id, rec.epoch)
         return rec
+
+    # ---- a drained server that stays up (SharedTier.tla's LetGo) -------------------------------------
+    def routed_away(self) -> None:
+        """The router sends this server nothing new from now on (the fleet drains it; the
+        operator's drain is another thing: there the sessions' calls still come here): each tick
+        (:meth:`run_drain`) it lets go of the sessions it holds. A session's next tool_end and
+        turn reach another server, so what this one keeps for it serves nobody until its TTL."""
+        self.draining = True
+
+    def run_drain(self) -> int:
+        """Once per tick on a drained server, every rank alike. A session the shared tier holds
+        whole (``Stored``, no read of it in flight) is let go (SharedTier.tla's ``LetGo``): its
+        record goes, its copy and manifest stay pinned for the server that adopts it. One on its
+        host copy is stored first when the tier is shared (``Store``; let go at its whole ack).
+        Any other that holds something, once no copy of it is in flight (no shared tier, its
+        store short or refused, an early restore kept, a hand-over whose request went
+        elsewhere), is closed (``Release``): nothing of it is anywhere another server reads, and
+        its next turn there recomputes it. Returns how many were let go or closed."""
+        n = 0
+        tier = self._shared_tier()
+        for sid, rec in list(self.s.sessions.items()):
+            if rec.state not in (Phase.OFFLOADED, Phase.KEPT, Phase.HANDOVER, Phase.PARKED):
+                continue  # holds nothing, or a copy is in flight: looked at again next tick
+            if rec.l3 == L3.STORED and sid not in self.s._fetching and self._storage().let_go_storage(rec):
+                self.close(sid)
+                self.s.counters["drain_let_go"] += 1
+                n += 1
+                continue
+            if rec.l3:
+                continue  # storing or reading: its ack first
+            if rec.state == Phase.OFFLOADED and tier is not None and sid not in self._drain_stored:
+                self._drain_stored.add(sid)
+                if self._store(rec, "drain"):
+                    continue
+            self._drain_stored.discard(sid)
+            self.close(sid)
+            self.s.counters["drain_closed"] += 1
+            n += 1
+        return n
+
+    def _shared_tier(self) -> object | None:
+        """The shared tier (Mooncake's semantics) when the storage tier is on, else None."""
+        if not self.s._storage_on():
+            return None
+        shared = getattr(self.s.caps.storage, "shared_tier", None)
+        return shared() if shared is not None else None
 
     # ---- StoreAck, PrefetchAck (the tick) -------------------------------------------------------------
     def process_storage_acks(self) -> int:

@@ -89,7 +89,7 @@ class SessionMachine(MachineState):
         self.handover = self.handover_class(self)
         self.policy = self.policy_class(self, self.handover)
         self.loads = self.loads_class(self, self.handover)
-        self.l3 = self.l3_class(self, self.policy, self.loads, self.insert)
+        self.l3 = self.l3_class(self, self.policy, self.loads, self.insert, self.close)
         self.copies = self.copies_class(self, self.handover, self.policy, self.loads, self.l3)
 
     # ---- the parts' actions, in the spec's words ------------------------------------------------------
@@ -245,6 +245,11 @@ class SessionMachine(MachineState):
     def can_close(self, rec: SessionRecord) -> bool:
         return rec.state != Phase.CLOSED
 
+    def routed_away(self) -> None:
+        """The router sends this server nothing new: it lets go of its sessions (SharedTier.tla's
+        ``LetGo``, :meth:`L3Tier.run_drain` at every tick)."""
+        self.l3.routed_away()
+
     def close(self, session_id: str) -> SessionView:
         """Spec ``Close``: release everything the session holds; its record stays (bounded) to
         answer kv_meta and fence old epochs."""
@@ -372,3 +377,5 @@ class SessionMachine(MachineState):
             self.ttl_sweep()
         if Timers.any_due(self.timers.idle, now):
             self.forget_idle()
+        if self.l3.draining:
+            self.l3.run_drain()
