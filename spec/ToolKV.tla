@@ -633,8 +633,10 @@ Admit(s) ==
     THEN LET C == {m \in Path(n) : ~dev[m]}
              loads == IF C = {} THEN 0 ELSE 1
          IN
-         /\ n # NoNode /\ status[n] = "InTree" /\ ~extLock[n] /\ loadAcks[n] = 0
-         /\ \A m \in Path(n) : loadKey[m] = NoNode
+         \* another session's load may be in flight on the path (a prefetch of a longer path
+         \* through this one): sglang's match sees those nodes on the device and the request's
+         \* forward waits for the load, so C holds only nodes nobody is loading
+         /\ n # NoNode /\ status[n] = "InTree" /\ ~extLock[n]
          /\ prot' = [prot EXCEPT ![s] = NoNode]
          /\ hostRef' = IF prot[s] # NoNode THEN [hostRef EXCEPT ![prot[s]] = @ - 1] ELSE hostRef
          /\ phase' = [phase EXCEPT ![s] = "Runnable"]

@@ -8,7 +8,7 @@ tests/test_settings_doc.py), the OpenAPI text of ``GET /session/status``'s ``set
 ``toolkv doctor`` prints. A new setting is a change in this file alone: its entry in
 :data:`SETTINGS` and its field in its layer's dataclass (:class:`PluginSettings`,
 :class:`ManagerSettings`, :class:`PolicySettings`), which the plugin's and the library's configs
-are built from (tests/test_new_setting.py shows it on a copy of the package).
+are built from (tests/test_extensions.py shows it on a copy of the package).
 
 Standard library only (and :mod:`toolkv.argtypes`): the plugin entry point reads the environment
 before toolkv's own dependencies are known to be installed.

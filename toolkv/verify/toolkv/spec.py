@@ -489,11 +489,11 @@ def _admit_parked(st: State, r: Rules, sid: str) -> State | None:
     (``ready_to_load_host_cache`` in the same scheduler step), as ``SysStart`` does."""
     n = st["ref"][sid]
     lim = len(r.nodes)
-    if n == NO or st["status"][n] != "InTree" or st["extLock"][n] or st["loadAcks"][n] != 0:
+    # another session's load may be in flight on the path: sglang's match sees those nodes on the
+    # device and the request's forward waits for the load (they are not in ``c`` below)
+    if n == NO or st["status"][n] != "InTree" or st["extLock"][n]:
         return None
     pn = path(st, n, lim)
-    if any(st["loadKey"][m] != NO for m in pn):
-        return None
     s = copy.deepcopy(st)
     if st["prot"][sid] != NO:
         s["hostRef"][st["prot"][sid]] -= 1
