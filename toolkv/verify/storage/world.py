@@ -214,6 +214,7 @@ class StorageWorld:
             # the storage spec's tool_end restores (no Park) and frees on the write's ack (no LazyFree)
             adaptive=False,
             lazy_free=False,
+            unmirror=False,  # the storage spec has no HostUnmirror (spec/ToolKV.tla's MC_unmirror checks it)
         )
         self.mgr: ToolKVManager = mcls(self.h.tree, self.be, config=cfg)
         self.epoch: dict[str, int] = {s: 0 for s in self.b.sessions}

@@ -60,6 +60,11 @@ class Bounds:
     lazy_free: bool = False  # spec LazyFree
     keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
     promised: int = 0  # spec Promised
+    # spec Unmirror: a ToolStart short of host room may drop mirrors (HostUnmirror). Not modelled
+    # by the executable spec and the replayer yet (configs.toml [conformance_pending]): the worlds
+    # run the manager with it off, as every config but MC_unmirror does; TLC and
+    # tests/test_unmirror.py check the mechanism
+    unmirror: bool = False
 
     @property
     def keep_for(self) -> int:
@@ -88,6 +93,7 @@ class Bounds:
             lazy_free=bool(consts.get("LazyFree", False)),
             keep_ttl=int(consts["KeepTTL"]) if "KeepTTL" in consts else None,
             promised=int(consts.get("Promised", 0)),
+            unmirror=bool(consts.get("Unmirror", False)),
         )
 
     def rules(self, *, bug: str = "none", fits: bool | None = None, slots: bool = True) -> Rules:

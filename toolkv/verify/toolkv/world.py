@@ -234,6 +234,7 @@ class Replayer:
                 prefetch=False,
                 idle_ttl_s=float("inf"),  # the spec closes sessions only when told to
                 lazy_free=self.b.lazy_free,  # spec LazyFree: leave finished offloads' GPU copies
+                unmirror=self.b.unmirror,  # spec Unmirror (off: the executable spec lacks HostUnmirror)
                 # the spec's Park and Unpin are steps of their own (the replayer calls them), not
                 # the tool_end's choice under load; no L3 tier here
                 adaptive=False,
