@@ -34,7 +34,7 @@ def _instances(b: Bounds) -> list[list[Any]]:
         for s in sess
     ]
     out += [["Park", s, e] for s in sess for e in range(1, b.max_epoch + 1)]
-    out += [["HostRoom", s, n] for s in sess for n in nodes]
+    out += [[a, s, n] for a in ("HostRoom", "HostUnmirror") for s in sess for n in nodes]
     out += [["ToolEnd", s, e] for s in sess for e in range(b.max_epoch + 1)]
     out += [
         [a, n]

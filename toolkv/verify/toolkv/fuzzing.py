@@ -83,7 +83,7 @@ def _depth(st: dict[str, Any], n: str) -> int:
 # the spec's manager actions (and the manager's tick): each must keep sglang's promise of device room
 MANAGER_STEPS = frozenset(
     {"ToolStart", "ToolEnd", "Keep", "LetGo", "Demote", "Prefetch", "Park", "Unpin", "Close", "TtlSweep",
-     "StartLoads", "HostRoom", "WriteAck", "LoadAck", "Tick"}
+     "StartLoads", "HostRoom", "HostUnmirror", "WriteAck", "LoadAck", "Tick"}
 )  # fmt: skip
 
 
@@ -111,6 +111,9 @@ class ToolKVMachine(RuleBasedStateMachine):
     keep_ttl: ClassVar[int] = 2  # spec KeepTTL: a kept pin is due before a host protection
     policy: ClassVar[str] = "offload"  # "auto": tool_start is the per-call policy's choice
     lazy_free: ClassVar[bool] = False  # spec LazyFree: finished offloads leave their GPU copies
+    # spec Unmirror: a tool_start short of host room drops mirrors of locked device copies (the
+    # plugin's default, TOOLKV_UNMIRROR=1; HiRadixCache under write_through)
+    unmirror: ClassVar[bool] = True
     examples: ClassVar[int] = 0  # examples built by this class (names the trace files)
 
     def __init__(self) -> None:
@@ -133,6 +136,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             policy=True,
             lazy_free=self.lazy_free,
             keep_ttl=self.keep_ttl,
+            unmirror=self.unmirror,
         )
         unit = 4 * max(16, self.page_size)
         self._pending_before: dict[str, str] = {}  # AdmitLoading admissions before the step (_do)
@@ -240,7 +244,8 @@ class ToolKVMachine(RuleBasedStateMachine):
         first, then the ``ToolEnd`` (an early restore, ``Prefetch``, makes room the same way).
         A ``ToolStart`` that found the host short of free room had sglang's ``evict_host`` free
         unprotected host copies first: that is the manager's ``HostRoom`` of each freed node,
-        leaves first. Every other action is one spec step."""
+        leaves first; still short, it dropped mirrors of locked device copies: ``HostUnmirror``
+        of each, leaves first. Every other action is one spec step."""
         if act[0] == "ToolStart":
             s = str(act[1])
             post_phase = self.state["phase"]
@@ -256,8 +261,9 @@ class ToolKVMachine(RuleBasedStateMachine):
                 if x != s and pre["phase"][x] == "Offloaded" and post_phase[x] == "Released"
             ]  # fmt: skip
             rooms = [["HostRoom", s, n] for n in self._host_evicted(pre)]
+            mirrors = [["HostUnmirror", s, n] for n in self._host_unmirrored(pre)]
             # each Demote releases one session's protection: they commute
-            return [*(["Demote", x] for x in sorted(demoted)), *rooms, main]
+            return [*(["Demote", x] for x in sorted(demoted)), *rooms, *mirrors, main]
         if act[0] == "WriteThrough":
             # sglang's write_backup frees host room itself when the pool is full (evict_host of
             # unprotected host leaves, hiradix_cache.py write_backup): the environment's HostEvict
@@ -285,6 +291,20 @@ class ToolKVMachine(RuleBasedStateMachine):
             if h and not post["host"].get(n, False) and post["status"].get(n) == "Gone"
         ]
         return sorted(gone, key=lambda n: _depth(pre, n), reverse=True)
+
+    def _host_unmirrored(self, pre: dict[str, Any]) -> list[str]:
+        """Nodes that lost their host copy in the last step but stay in the tree on the device
+        (a dropped mirror), leaves first."""
+        post = self.state
+        dropped = [
+            n
+            for n, h in pre["host"].items()
+            if h
+            and not post["host"].get(n, False)
+            and post["status"].get(n) == "InTree"
+            and post["dev"].get(n)
+        ]
+        return sorted(dropped, key=lambda n: _depth(pre, n), reverse=True)
 
     def _fresh_node(self) -> str:
         """A new spec node name, Unborn in the current state (the spec's functions range over it)."""
@@ -771,6 +791,7 @@ class ToolKVMachine(RuleBasedStateMachine):
             "caveats": sorted(self.caveats),
             "policy": True,
             "lazy_free": self.lazy_free,
+            "unmirror": self.unmirror,
         }
         with path.open("w") as f:
             f.write(json.dumps({"header": header}) + "\n")

@@ -115,6 +115,7 @@ class Bounds:
             lazy_free=self.lazy_free,
             keep_ttl=self.keep_ttl,
             promised=self.promised,
+            unmirror=self.unmirror,
             bug=bug,
             fits=fits,
             slots=slots,

@@ -61,6 +61,7 @@ class Rules:
     slots: bool = True  # False: InsertFits, WriteFits, SplitFits are TRUE (token pools decide)
     keep_ttl: int | None = None  # spec KeepTTL (None: the TTL)
     promised: int = 0  # spec Promised: device slots sglang promised and will allocate unchecked
+    unmirror: bool = False  # spec Unmirror: a ToolStart short of host room may drop mirrors (HostUnmirror)
 
     @property
     def keep_for(self) -> int:
@@ -220,12 +221,41 @@ def host_evictable(st: Mapping[str, Any], r: Rules) -> list[str]:
     return out
 
 
-def _host_fits(st: Mapping[str, Any], r: Rules, w: Sequence[str]) -> tuple[bool, bool]:
+def _mirror_ok(st: Mapping[str, Any], r: Rules, m: str, n: str) -> bool:
+    """Spec ``MirrorOk(m, n)``: the host copy of a device copy a request locks, off the path to
+    ``n``, not being loaded, written (unless ``UnmirrorInFlight``) or protected (unless
+    ``UnmirrorProtected``)."""
+    return (
+        st["host"][m] and st["dev"][m] and st["lockRef"][m] > 0 and m not in path(st, n, len(r.nodes))
+        and st["loadKey"][m] == NO
+        and (r.bug == "UnmirrorInFlight" or st["writeKey"][m] == NO)
+        and (r.bug == "UnmirrorProtected" or st["hostRef"][m] == 0)
+    )  # fmt: skip
+
+
+def mirror_room(st: Mapping[str, Any], r: Rules, n: str) -> list[str]:
+    """Spec ``MirrorRoom(n)``: the mirrors a ToolStart of the path to ``n`` may drop, each with
+    every host copy below it droppable too (a closed subtree)."""
+    if not r.unmirror:
+        return []
+    lim = len(r.nodes)
+    live = in_tree(st)
+    return [
+        m for m in live
+        if _mirror_ok(st, r, m, n)
+        and all(_mirror_ok(st, r, c, n) for c in live if st["host"][c] and m in path(st, c, lim))
+    ]  # fmt: skip
+
+
+def _host_fits(st: Mapping[str, Any], r: Rules, w: Sequence[str], n: str | None = None) -> tuple[bool, bool]:
     """(spec ``HostFits``, spec ``HostShort``). With the implementation's decision (``r.fits``)
-    the room it made shows as ``HostRoom`` steps before the ``ToolStart``: never short then."""
+    the room it made shows as ``HostRoom`` (and ``HostUnmirror``) steps before the ``ToolStart``:
+    never short then."""
     if r.fits is not None:
         return r.fits, False
     room = 0 if r.bug == "RoomIgnored" else len(host_evictable(st, r))
+    if r.bug != "RoomIgnored" and n is not None:
+        room += len(mirror_room(st, r, n))
     return len(w) <= st["hostFree"] + room, len(w) > st["hostFree"]
 
 
@@ -242,7 +272,7 @@ def tool_start(st: State, r: Rules, sid: str) -> State | None:
     lim = len(r.nodes)
     pn = path(st, n, lim)
     w = [m for m in pn if not st["host"][m]]
-    fits, short = _host_fits(st, r, w)
+    fits, short = _host_fits(st, r, w, n)
     if not fits:
         return s
     if short:
@@ -469,13 +499,35 @@ def host_room(st: State, r: Rules, sid: str, m: str) -> State | None:
     if not (ok and st["status"][n] == "InTree"):
         return None
     w = [x for x in path(st, n, len(r.nodes)) if not st["host"][x]]
-    fits, short = _host_fits(st, r, w)
+    fits, short = _host_fits(st, r, w, n)
     if r.fits is not None:  # the implementation made room: each evicted copy is one step
         fits, short = True, True
     if not (fits and short and m in host_evictable(st, r) and not kids(st, m)):
         return None
     s = copy.deepcopy(st)
     s["status"][m] = "Gone"
+    s["host"][m] = False
+    s["hostFree"] += 1
+    s["tgt"] = []
+    return s
+
+
+def host_unmirror(st: State, r: Rules, sid: str, m: str) -> State | None:
+    """Spec ``HostUnmirror``: once no evictable host copy is left, a ToolStart short of host room
+    drops one mirror ``m`` (a leaf of the host copies): the device copy stays, the node stays."""
+    n = st["ref"][sid]
+    ok = r.unmirror and st["phase"][sid] == "Running" and n != NO and st["epoch"][sid] < r.max_epoch
+    if not (ok and st["status"][n] == "InTree"):
+        return None
+    w = [x for x in path(st, n, len(r.nodes)) if not st["host"][x]]
+    fits, short = _host_fits(st, r, w, n)
+    if r.fits is not None:  # the implementation made room: each dropped mirror is one step
+        fits, short = True, True
+    if not (fits and short and not host_evictable(st, r) and m in mirror_room(st, r, n)):
+        return None
+    if any(st["host"][c] for c in kids(st, m)):
+        return None
+    s = copy.deepcopy(st)
     s["host"][m] = False
     s["hostFree"] += 1
     s["tgt"] = []
@@ -796,6 +848,7 @@ ACTIONS: dict[str, Action] = {
     "Demote": demote,
     "Prefetch": prefetch,
     "HostRoom": host_room,
+    "HostUnmirror": host_unmirror,
     "Admit": admit,
     "Park": park,
     "Unpin": unpin,

@@ -70,6 +70,7 @@ ACTIONS = {
     "Demote": "Demote(a[2])",
     "Prefetch": "Prefetch(a[2])",
     "HostRoom": "HostRoom(a[2], a[3])",
+    "HostUnmirror": "HostUnmirror(a[2], a[3])",
     "Admit": "Admit(a[2])",
     "Park": "Park(a[2], a[3])",
     "Unpin": "Unpin(a[2])",
@@ -151,8 +152,8 @@ TInit == /\\ i = 1
 \\* The implementation's capacity decisions replace the spec's node-slot guards.
 TFits == Trace[i + 1].fits
 THostFits(W, n) == TFits
-\\* room was made exactly where the trace says the manager made it (HostRoom steps before a ToolStart)
-THostShort(W) == Trace[i + 1].act[1] = "HostRoom"
+\\* room was made exactly where the trace says the manager made it (HostRoom and HostUnmirror steps before a ToolStart)
+THostShort(W) == Trace[i + 1].act[1] \\in {{"HostRoom", "HostUnmirror"}}
 TDevFits(C) == TFits
 \\* sglang's promise of device room is checked on the real pools by the campaign; the trace records
 \\* the implementation's decision (a pin or an offload refused for it is a step that did not fit)
@@ -196,7 +197,7 @@ TraceNext == TNext \\/ Done
     Policy = {"TRUE" if header.get("policy") else "FALSE"}
     LazyFree = {"TRUE" if header.get("lazy_free") else "FALSE"}
     Promised = 0
-    Unmirror = FALSE
+    Unmirror = {"TRUE" if header.get("unmirror") else "FALSE"}
     BUG = "none"
     HostFits <- THostFits
     PromiseFits <- TPromiseFits
