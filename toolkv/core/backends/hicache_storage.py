@@ -157,7 +157,8 @@ class HiCacheStorage:
         until :meth:`store_ack`. Nodes whose pages are all in storage already (HiCache writes
         every acknowledged host copy to storage itself) are not written again. Returns False,
         changing nothing, when the session is not offloaded to host (a host write still in
-        flight), the path has no page hashes, or the backend evicts on its own."""
+        flight), the path has no page hashes, the backend evicts on its own, or on a shared Mooncake
+        tier the pinned put would pass the pin budget (:meth:`can_pin`)."""
         leaf = rec.protected
         if not self.storage_enabled() or leaf is None or rec.session_id in self._l3:
             return False
