@@ -268,3 +268,43 @@ def test_the_store_full_leaves_the_session_on_its_host_copy(mooncake: MooncakeSt
         assert torch.equal(a.device_kv(a.match(A).device_indices), kv), "restored from the host copy"
         close_all(a, m, 3.0, "a", "b")
         assert a.accounting() == initial, "every lock, host reference and slot returned"
+
+
+def test_the_pin_budget_refuses_a_store_past_it_and_leaves_the_rest_to_the_master(
+    mooncake: MooncakeStore,
+) -> None:
+    """SharedTier.tla's ``PinFits`` / ``PinsWithinBudget``: the master evicts no soft-pinned page, so
+    pinned copies that fill the store make it refuse every later put. With ``l3_pin_tokens`` one
+    session's worth, a second session's store is refused (``l3_store_pin_cap``; it keeps its host
+    copy, restored from it bytes equal) and only the first's pages stay pinned: another tenant's
+    puts evict the second's pages sglang wrote through. Without the cap (mutant ``NoPinCap``) both
+    copies are pinned: the pinned pages pass the budget."""
+    with MooncakeCacheHarness(CFG, mooncake) as a:
+        initial = a.accounting()
+        be = HiRadixBackend(a.tree, host_budget_tokens=2 * BUDGET)
+        cfg = ManagerConfig(ttl_s=TTL, host_budget_tokens=2 * BUDGET, l3_pin_tokens=len(A))
+        m = ToolKVManager(a.tree, be, config=cfg)
+        kv = {}
+        for sid, toks in (("a", A), ("b", B)):
+            kv[sid] = turn(a, m, sid, toks)
+            m.tool_start(sid)
+            step(a, m, 0.0, writes=True)
+            a.await_store_acks()  # sglang's own write-through of the host copies, unpinned
+        m.store("a")  # one session's copy fits the budget
+        settle(a, m, 1.0)
+        assert m.kv_meta("a")["l3"] == "stored", m.counters
+        m.store("b")  # refused by the cap: changes nothing
+        assert m.counters["l3_store_pin_cap"] == 1 and m.counters["l3_store_refused"] == 1, m.counters
+        meta = m.kv_meta("b")
+        assert meta["state"] == "Offloaded" and meta["protected"] and not meta.get("l3"), meta
+        fill_tier(a, 4 * SEGMENT // BLOB)  # the master evicts what is not pinned
+        assert a.storage_hit_tokens(A) == len(A), "the copy within the budget stays pinned"
+        assert a.storage_hit_tokens(B) < len(B), "nothing of the refused store is pinned"
+        epoch_b = int(m.kv_meta("b")["epoch"])  # type: ignore[call-overload]
+        m.tool_end("b", epoch_b)
+        step(a, m, 2.0, loads=True)
+        step(a, m, 2.0, loads=True)
+        assert torch.equal(a.device_kv(a.match(B).device_indices), kv["b"]), "restored from the host copy"
+        close_all(a, m, 3.0, "a", "b")
+        assert not be.storage_copies and not be._held and be.pins_left == 0, "every pin released"
+        assert a.accounting() == initial, "every lock, host reference and slot returned"

@@ -57,6 +57,18 @@
 (* neither adopted (no manifest) nor restored from a partial copy; its     *)
 (* next turn recomputes what the tier no longer holds.  The store full is  *)
 (* StorageTier.tla's short write (a put refused): StoreAck short here.     *)
+(*                                                                         *)
+(* The pin budget.  The master evicts no page whose soft pin is ahead, so  *)
+(* pinned copies that fill the store make it refuse every later put.  A    *)
+(* server cannot ask Mooncake's client for the tier's capacity (its        *)
+(* MooncakeDistributedStore has no such call; only the master knows the    *)
+(* mounted segments), so the budget is per server: PinBudget pages that    *)
+(* this server's puts may hold soft-pinned at once (the operator's share   *)
+(* of the tier over the fleet).  A Store that would exceed it is not       *)
+(* pinned-put: it is refused, and the session stays on its protected host  *)
+(* copy as with any refused Store.  The pages a server's puts pinned stay  *)
+(* charged to it (pinner) when another server adopts the session.  Mutant  *)
+(* NoPinCap: no cap (PinsWithinBudget).                                    *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -67,13 +79,14 @@ CONSTANTS
     P,         \* pages per session
     MaxEpoch,  \* bound on tool calls per session
     Restart,   \* BOOLEAN: the master may be restarted (its objects lost)
+    PinBudget, \* pages one server's puts may hold soft-pinned in the tier at once
     BUG        \* "none" or the name of one seeded defect
 
 Bugs == {"none", "NoSoftPin", "PinTtlShort", "NoEpochFence", "ManifestAtStore", "ManifestKept",
-         "AckByPuts", "PinAtAck", "ShortKeepsPin", "LetGoEarly"}
+         "AckByPuts", "PinAtAck", "ShortKeepsPin", "LetGoEarly", "NoPinCap"}
 
 ASSUME /\ P \in Nat \ {0} /\ MaxEpoch \in Nat /\ BUG \in Bugs /\ NoServer \notin Servers
-       /\ Restart \in BOOLEAN
+       /\ Restart \in BOOLEAN /\ PinBudget \in Nat
 
 NoManifest == 0  \* manifest[s]: no manifest in the tier (epochs of stores start at 1)
 
@@ -100,10 +113,11 @@ VARIABLES
     adopted,   \* [Sessions -> BOOLEAN]: history: a server other than the storing one took it
     stale,     \* [Sessions -> BOOLEAN]: history: a tool_end with a stale epoch was accepted
     lost,      \* [Sessions -> BOOLEAN]: history: a restart wiped the session's acknowledged copy
-    wiped      \* [Sessions -> BOOLEAN]: history: a restart during the current store
+    wiped,     \* [Sessions -> BOOLEAN]: history: a restart during the current store
+    pinner     \* [Sessions -> Servers \cup {NoServer}]: the server whose puts took the session's pins
 
 vars == <<phase, owner, epoch, l3, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
-          wiped>>
+          wiped, pinner>>
 
 Init ==
     /\ phase = [s \in Sessions |-> "Running"]
@@ -120,8 +134,31 @@ Init ==
     /\ lost = [s \in Sessions |-> FALSE]
     /\ ppin = [s \in Sessions |-> {}]
     /\ wiped = [s \in Sessions |-> FALSE]
+    /\ pinner = [s \in Sessions |-> NoServer]
 
 Known(s) == owner[s] # NoServer
+
+\* The session's pages under a soft pin: those its current store's puts took, and its copy's.
+Pinned(s) == ppin[s] \cup (IF spin[s] THEN l3[s] ELSE {})
+
+RECURSIVE SumPinned(_)
+SumPinned(S) == IF S = {} THEN 0 ELSE LET t == CHOOSE t \in S : TRUE
+                                      IN Cardinality(Pinned(t)) + SumPinned(S \ {t})
+
+\* What the server counts against its budget for a session: a store in flight all its P pages
+\* (its puts are under way: the implementation puts them all in one upsert at the Store), else
+\* the pages its pins hold.
+Charge(t) == IF phase[t] = "Storing" THEN P ELSE Cardinality(Pinned(t))
+
+RECURSIVE SumCharge(_)
+SumCharge(S) == IF S = {} THEN 0 ELSE LET t == CHOOSE t \in S : TRUE
+                                      IN Charge(t) + SumCharge(S \ {t})
+
+\* Pages server v counts against its budget, leaving out session s (whose store replaces its own).
+PinnedBy(v, s) == SumCharge({t \in Sessions \ {s} : pinner[t] = v})
+
+\* The cap: a store of P pages fits the server's pin budget (NoPinCap: no cap).
+PinFits(s) == BUG = "NoPinCap" \/ PinnedBy(owner[s], s) + P <= PinBudget
 
 -----------------------------------------------------------------------------
 (* toolkv on the session's server *)
@@ -132,7 +169,9 @@ Known(s) == owner[s] # NoServer
 \* pins it) now, before any page is in the tier.
 Store(s) ==
     /\ phase[s] = "Running" /\ Known(s) /\ epoch[s] < MaxEpoch
+    /\ PinFits(s)
     /\ phase' = [phase EXCEPT ![s] = "Storing"]
+    /\ pinner' = [pinner EXCEPT ![s] = owner[s]]
     /\ epoch' = [epoch EXCEPT ![s] = @ + 1]
     /\ put' = [put EXCEPT ![s] = {}]
     /\ lost' = [lost EXCEPT ![s] = FALSE]
@@ -150,7 +189,7 @@ StorePage(s, p) ==
     /\ l3' = [l3 EXCEPT ![s] = @ \cup {p}]
     /\ put' = [put EXCEPT ![s] = @ \cup {p}]
     /\ ppin' = [ppin EXCEPT ![s] = IF BUG \in {"PinAtAck", "NoSoftPin"} THEN @ ELSE @ \cup {p}]
-    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale, lost, wiped>>
+    /\ UNCHANGED <<phase, owner, epoch, manifest, spin, l3prot, alive, adopted, stale, lost, wiped, pinner>>
 
 \* The StoreAck: every page exists (batch_is_exist), then the manifest is put beside them with
 \* soft_pin_action ENABLE; the pages' pins, taken by their puts, are now the copy's (PinAtAck
@@ -170,7 +209,7 @@ StoreAck(s) ==
        ELSE /\ phase' = [phase EXCEPT ![s] = "Running"]
             /\ ppin' = [ppin EXCEPT ![s] = IF BUG = "ShortKeepsPin" THEN @ ELSE {}]
             /\ UNCHANGED <<manifest, spin, l3prot>>
-    /\ UNCHANGED <<owner, epoch, l3, put, alive, adopted, stale, lost, wiped>>
+    /\ UNCHANGED <<owner, epoch, l3, put, alive, adopted, stale, lost, wiped, pinner>>
 
 \* A tool_end with epoch e reaches server v.  On the server that knows the session: accepted for
 \* its epoch (the read at arrival follows).  On a server that does not know it, whatever the
@@ -188,7 +227,7 @@ ToolEnd(s, v, e) ==
     /\ owner' = [owner EXCEPT ![s] = v]
     /\ stale' = [stale EXCEPT ![s] = @ \/ e # epoch[s]]
     /\ l3prot' = [l3prot EXCEPT ![s] = TRUE]
-    /\ UNCHANGED <<epoch, l3, put, manifest, spin, ppin, alive, lost, wiped>>
+    /\ UNCHANGED <<epoch, l3, put, manifest, spin, ppin, alive, lost, wiped, pinner>>
 
 \* The next request arrives on the session's server: sglang's prefetch reads what the tier holds
 \* (a lease covers each read) and toolkv's reliance on the copy ends; the pin lapses at its
@@ -199,7 +238,7 @@ ArrivalRead(s) ==
     /\ phase' = [phase EXCEPT ![s] = "Running"]
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
     /\ manifest' = [manifest EXCEPT ![s] = IF BUG = "ManifestKept" THEN @ ELSE NoManifest]
-    /\ UNCHANGED <<owner, epoch, l3, put, spin, ppin, alive, adopted, stale, lost, wiped>>
+    /\ UNCHANGED <<owner, epoch, l3, put, spin, ppin, alive, adopted, stale, lost, wiped, pinner>>
 
 \* The TTL or close, on the server that knows the session; for a session no server knows, its
 \* TTL passing (its pin's deadline is later still).  A store in flight is let go: the pins its
@@ -209,7 +248,7 @@ Release(s) ==
     /\ phase' = [phase EXCEPT ![s] = "Closed"]
     /\ l3prot' = [l3prot EXCEPT ![s] = FALSE]
     /\ ppin' = [ppin EXCEPT ![s] = {}]
-    /\ UNCHANGED <<owner, epoch, l3, put, manifest, spin, alive, adopted, stale, lost, wiped>>
+    /\ UNCHANGED <<owner, epoch, l3, put, manifest, spin, alive, adopted, stale, lost, wiped, pinner>>
 
 \* A server that is drained but stays up (the router sends it nothing new) lets go of a session
 \* the tier holds whole: its record goes as Drain's would, the copy and its manifest stay, pinned,
@@ -222,7 +261,7 @@ LetGo(s) ==
     /\ phase[s] = "Stored" \/ (BUG = "LetGoEarly" /\ phase[s] = "Storing")
     /\ owner' = [owner EXCEPT ![s] = NoServer]
     /\ UNCHANGED <<phase, epoch, l3, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
-                   wiped>>
+                   wiped, pinner>>
 
 -----------------------------------------------------------------------------
 (* The fleet and the tier *)
@@ -240,7 +279,7 @@ Drain(v) ==
                     THEN "Closed" ELSE phase[s]]
     /\ l3prot' = [s \in Sessions |->
                     IF owner[s] = v /\ phase[s] # "Stored" THEN FALSE ELSE l3prot[s]]
-    /\ UNCHANGED <<epoch, l3, put, manifest, spin, ppin, adopted, stale, lost, wiped>>
+    /\ UNCHANGED <<epoch, l3, put, manifest, spin, ppin, adopted, stale, lost, wiped, pinner>>
 
 \* The soft pin's deadline passes.  toolkv sets it past the session's TTL, so it passes only once
 \* toolkv no longer relies on the copy (PinTtlShort: a deadline shorter than the TTL).
@@ -248,7 +287,7 @@ PinLapse(s) ==
     /\ spin[s] /\ (~l3prot[s] \/ BUG = "PinTtlShort")
     /\ spin' = [spin EXCEPT ![s] = FALSE]
     /\ UNCHANGED <<phase, owner, epoch, l3, put, manifest, ppin, l3prot, alive, adopted, stale, lost,
-                   wiped>>
+                   wiped, pinner>>
 
 \* The deadline of the pins a store's puts took passes; while the store is in flight it is ahead
 \* (the same deadline, past the TTL).
@@ -256,7 +295,7 @@ PutPinLapse(s) ==
     /\ ppin[s] # {} /\ (phase[s] # "Storing" \/ BUG = "PinTtlShort")
     /\ ppin' = [ppin EXCEPT ![s] = {}]
     /\ UNCHANGED <<phase, owner, epoch, l3, put, manifest, spin, l3prot, alive, adopted, stale, lost,
-                   wiped>>
+                   wiped, pinner>>
 
 \* Mooncake's master evicts a complete object that is not soft-pinned (its lease, seconds long,
 \* is taken to have expired: any time).  toolkv's own record does not stop it.
@@ -264,13 +303,13 @@ MasterEvictPage(s, p) ==
     /\ p \in l3[s] /\ ~spin[s] /\ p \notin ppin[s]
     /\ l3' = [l3 EXCEPT ![s] = @ \ {p}]
     /\ UNCHANGED <<phase, owner, epoch, put, manifest, spin, ppin, l3prot, alive, adopted, stale, lost,
-                   wiped>>
+                   wiped, pinner>>
 
 MasterEvictManifest(s) ==
     /\ manifest[s] # NoManifest /\ ~spin[s]
     /\ manifest' = [manifest EXCEPT ![s] = NoManifest]
     /\ UNCHANGED <<phase, owner, epoch, l3, put, spin, ppin, l3prot, alive, adopted, stale, lost,
-                   wiped>>
+                   wiped, pinner>>
 
 \* Restart: the master is restarted; it held every object's metadata in memory, so the tier is
 \* empty afterwards (the storage nodes mount their memory again, empty to the new master).  A
@@ -284,7 +323,7 @@ MasterRestart ==
     /\ spin' = [s \in Sessions |-> FALSE]
     /\ ppin' = [s \in Sessions |-> {}]
     /\ wiped' = [s \in Sessions |-> wiped[s] \/ phase[s] = "Storing"]
-    /\ UNCHANGED <<phase, owner, epoch, put, l3prot, alive, adopted, stale>>
+    /\ UNCHANGED <<phase, owner, epoch, put, l3prot, alive, adopted, stale, pinner>>
 
 Next ==
     \/ \E s \in Sessions :
@@ -310,6 +349,7 @@ TypeOK ==
     /\ manifest \in [Sessions -> 0..MaxEpoch]
     /\ ppin \in [Sessions -> SUBSET Pg]
     /\ alive \in [Servers -> BOOLEAN]
+    /\ pinner \in [Sessions -> Servers \cup {NoServer}]
 
 \* A session no server knows is a Stored one whose server was drained (or a closed one).
 UnknownOnlyStored == \A s \in Sessions : ~Known(s) => phase[s] \in {"Stored", "Closed"}
@@ -340,6 +380,10 @@ PutKept == \A s \in Sessions : phase[s] = "Storing" /\ ~wiped[s] => put[s] \subs
 \* left to release them; their deadline ends them): a short ack, a release, a new epoch let them
 \* go at once (mutant ShortKeepsPin).
 PinsReleased == \A s \in Sessions : ppin[s] # {} => phase[s] = "Storing" \/ (phase[s] = "Closed" /\ ~Known(s))
+
+\* The pages one server's puts hold soft-pinned never exceed its pin budget: the store does not
+\* fill the tier with pins the master may not evict (mutant NoPinCap).
+PinsWithinBudget == \A v \in Servers : SumPinned({t \in Sessions : pinner[t] = v}) <= PinBudget
 
 (* Witnesses: refuted by TLC (the scenario is reachable) *)
 

@@ -326,6 +326,17 @@ SETTINGS: tuple[Setting, ...] = (
         doc="with an L3 tier: `1` makes a `tool_end` of a session stored whole in L3 read nothing itself: the session is demoted (`Released`, its copy stays in sglang's storage) and its next request's arrival read, sglang's own, brings it into whatever host room sglang's LRU makes; toolkv's reads ahead of a predicted return are off too. `0`: toolkv reads it back to the host at `tool_end` (and ahead of the predicted return for a session stored early), the behaviour `spec/storage/StorageTier.tla` models. In the twin `1` kept more with long and named tools ([benchmarks](benchmarks.md#16-gb-host--l3-against-stock-sglang-with-a-64-gb-host-the-regime-maps-loads))",
     ),
     Setting(
+        "l3_pin_tokens",
+        int,
+        None,
+        "cap on the tokens this server's puts keep soft-pinned in a shared Mooncake tier",
+        layer="manager",
+        bound=ints(1),
+        why=" (0 would refuse every store to the tier; unset it for no cap)",
+        shown="unlimited",
+        doc="with a shared Mooncake tier: the most tokens this server's stores may keep soft-pinned in it at once (`spec/storage/SharedTier.tla`'s `PinBudget`; a page shared by several sessions counts once). Mooncake's master evicts no soft-pinned page, so pinned copies that fill the store make it refuse every later put; a store that would pass the cap is refused (counter `l3_store_pin_cap`) and the session keeps its host copy. The server cannot ask Mooncake's client for the tier's capacity, so there is no default: set it to the share of the tier you leave to toolkv divided by the servers sharing it, in tokens (bytes / KV bytes per token). At least 1; unset: no cap. Without Mooncake it changes nothing",
+    ),
+    Setting(
         "session_header",
         str,
         "",
@@ -503,6 +514,7 @@ class ManagerSettings:
     l3: bool = default("l3")
     l3_read_tokens_per_s: float = default("l3_read_tokens_per_s")
     l3_read_at_arrival: bool = default("l3_read_at_arrival")
+    l3_pin_tokens: int | None = default("l3_pin_tokens")
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--l3-capacity-gb", type=positive_float, default=4000.0, help="l3/fleet: the shared L3 store's GB"
     )
+    p.add_argument(
+        "--l3-pin-share", type=share, default=None,
+        help="fleet on Mooncake: share of the store toolkv's servers may soft-pin, split evenly "
+        "(TOOLKV_L3_PIN_TOKENS each); unset: no cap",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     from toolkv.twin.regime_map import add_map_arguments
 
@@ -333,7 +338,7 @@ def do_fleet(a: argparse.Namespace) -> int:
 
 def _args(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("sessions", "duration", "seed", "regime", "device_tokens", "host_gb", "configs", "servers", "drain_share",
-            "drain_at", "l3_read_gbps", "l3_write_gbps", "l3_capacity_gb", "warmup", "profile")  # fmt: skip
+            "drain_at", "l3_read_gbps", "l3_write_gbps", "l3_capacity_gb", "l3_pin_share", "warmup", "profile")  # fmt: skip
     return {k: getattr(a, k) for k in keep}
 
 

@@ -240,6 +240,9 @@ class Fleet:
             server = replace(server, l3_gbps=self.l3cfg.read_gbps, l3_write_gbps=self.l3cfg.write_gbps,
                              l3_capacity_gb=self.l3cfg.capacity_gb, l3_store=self.store_name,
                              l3_mooncake=cfg.mooncake)  # fmt: skip
+            pin = self.l3cfg.pin_tokens(n, profile.kv_bytes_per_token) if cfg.mooncake else None
+            if pin is not None and server.mode != "stock":  # toolkv's servers: the pin budget
+                server = replace(server, toolkv_env=(*server.toolkv_env, ("TOOLKV_L3_PIN_TOKENS", str(pin))))
         self.tick_s = tick_s
         self.agents = Agents(sessions, server.mode, server.send_tool)
         try:

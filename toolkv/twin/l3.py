@@ -26,6 +26,9 @@ class L3Config:
     read_gbps: float = 5.0
     write_gbps: float = 5.0
     capacity_gb: float | None = None
+    #: on a shared Mooncake store: the share of its capacity toolkv's servers may keep soft-pinned,
+    #: split evenly (each server's TOOLKV_L3_PIN_TOKENS); None: no cap
+    pin_share: float | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -34,6 +37,15 @@ class L3Config:
             or (self.capacity_gb is not None and self.capacity_gb <= 0)
         ):
             raise ValueError("L3 bandwidths and capacity must be positive")
+        if self.pin_share is not None and not 0 < self.pin_share <= 1:
+            raise ValueError("the pin share must be in (0, 1]")
+
+    def pin_tokens(self, servers: int, kv_bytes_per_token: int) -> int | None:
+        """One server's pin budget in tokens: its even part of ``pin_share`` of the capacity (the
+        operator's arithmetic for TOOLKV_L3_PIN_TOKENS); None without a share or a capacity."""
+        if self.pin_share is None or self.capacity_gb is None:
+            return None
+        return max(1, int(self.pin_share * self.capacity_gb * 1e9 / kv_bytes_per_token / servers))
 
 
 class Link:

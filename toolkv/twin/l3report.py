@@ -35,7 +35,10 @@ KV_BYTES = 131_072  # bytes of KV a token in the default profile (the JSONs coun
 
 def l3_config(a: argparse.Namespace) -> L3Config:
     return L3Config(
-        read_gbps=a.l3_read_gbps, write_gbps=a.l3_write_gbps, capacity_gb=a.l3_capacity_gb or None
+        read_gbps=a.l3_read_gbps,
+        write_gbps=a.l3_write_gbps,
+        capacity_gb=a.l3_capacity_gb or None,
+        pin_share=getattr(a, "l3_pin_share", None),
     )
 
 

@@ -78,6 +78,11 @@ class HiCacheStorage:
     _held: dict[str, list[str]]
     _reading: set[str]  # sessions whose whole copy sglang reads at arrival (the pins wait for it)
     pins_left: int  # soft pins left to their deadline: the host held no longer the bytes to end them
+    pin_cap_refused: int  # stores refused by the pin budget (SharedTier.tla's PinFits)
+    #: SharedTier.tla's ``PinBudget`` in tokens: the most this server's puts may hold soft-pinned in
+    #: a shared Mooncake tier at once (a page shared by several sessions counts once); None: no cap.
+    #: The manager sets it from ``l3_pin_tokens``
+    pin_budget_tokens: int | None = None
     #: the soft pin's deadline on Mooncake (spec/storage/SharedTier.tla); the manager sets it past
     #: its TTL (L3Tier); Mooncake's own default is 30 minutes
     pin_ttl_ms: int = 30 * 60 * 1000
@@ -152,7 +157,8 @@ class HiCacheStorage:
         until :meth:`store_ack`. Nodes whose pages are all in storage already (HiCache writes
         every acknowledged host copy to storage itself) are not written again. Returns False,
         changing nothing, when the session is not offloaded to host (a host write still in
-        flight), the path has no page hashes, or the backend evicts on its own."""
+        flight), the path has no page hashes, the backend evicts on its own, or on a shared Mooncake
+        tier the pinned put would pass the pin budget (:meth:`can_pin`)."""
         leaf = rec.protected
         if not self.storage_enabled() or leaf is None or rec.session_id in self._l3:
             return False
@@ -163,9 +169,12 @@ class HiCacheStorage:
             return False
         assert per_node is not None
         keys = [k for node_keys in per_node for k in node_keys]
+        tier = self.shared_tier()
+        if not self.agree.all_true(tier is None or self.can_pin(rec, keys)):
+            self.pin_cap_refused += 1
+            return False
         self._forget_manifest(rec.session_id)  # an older epoch's, left by a failed remove
         copy = StorageCopy(keys=keys, tokens=len(keys) * tree.page_size)
-        tier = self.shared_tier()
         if tier is not None:
             old = self._held.pop(rec.session_id, [])
             self._put_pinned(tier, copy, path)
@@ -181,6 +190,19 @@ class HiCacheStorage:
                 done += n
         self._l3[rec.session_id] = copy
         return True
+
+    def can_pin(self, rec: SessionRecord, keys: Sequence[str]) -> bool:
+        """SharedTier.tla's ``PinFits``: the pinned put of ``keys`` keeps what this server's puts
+        hold soft-pinned within :attr:`pin_budget_tokens`: the pages its other sessions rely on the
+        pins of (a store in flight counts whole: its one upsert puts every page), with ``keys``,
+        each page once. The session's own older pins are left out (its new store replaces them).
+        Pins left to their deadline (``pins_left``) are not counted: nothing here can end them,
+        and the master lets them go at the deadline. Mutant ``NoPinCap``: no cap, and the pinned
+        copies fill the store (the master may evict none of them and refuses later puts)."""
+        if self.pin_budget_tokens is None:
+            return True
+        pages = self._held_elsewhere(rec.session_id) | set(keys)
+        return len(pages) * int(self.tree.page_size) <= self.pin_budget_tokens
 
     def _put_pinned(self, tier: MooncakeTier, copy: StorageCopy, path: Sequence[TreeNode]) -> None:
         """SharedTier.tla's ``StorePage`` on Mooncake: every page of the copy put from the protected

@@ -90,6 +90,7 @@ class HiRadixBackend(HostRestore, OwnLoads, LockPins, HiCacheStorage):
         self._held: dict[str, list[str]] = {}
         self._reading: set[str] = set()
         self.pins_left = 0
+        self.pin_cap_refused = 0
         # Under write_back: this manager's writes in flight, by ack id (sglang's ``node.id`` of the
         # written node, the key of ``ongoing_write_through``) -> the node the write locked
         self._drain_locks: dict[int, TreeNode] = {}

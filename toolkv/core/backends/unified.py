@@ -175,6 +175,7 @@ class UnifiedBackend(UnifiedMirrors, HostRestore, OwnLoads, UnifiedStorage):
         self._held: dict[str, list[str]] = {}
         self._reading: set[str] = set()
         self.pins_left = 0
+        self.pin_cap_refused = 0
         self.counters_host_room = 0  # tool_starts that had the host eviction make room (spec HostRoom)
         # Device tokens sglang has promised but not allocated yet (bound by the scheduler side): a
         # restore leaves them free, as on the HiRadixCache.

@@ -75,6 +75,9 @@ class L3Tier:
         # it may lapse only once toolkv no longer relies on the copy
         if hasattr(s.backend, "pin_ttl_ms"):
             s.backend.pin_ttl_ms = int(2000 * max(s.config.ttl_s, 1.0))
+        # what this server's puts may hold soft-pinned (SharedTier.tla's PinBudget)
+        if hasattr(s.backend, "pin_budget_tokens"):
+            s.backend.pin_budget_tokens = s.config.l3_pin_tokens
         # a server the router sends nothing new (SharedTier.tla's LetGo): it lets go of its sessions
         self.draining = False
         self._drain_stored: set[str] = set()  # sessions the drain has stored once already
@@ -126,8 +129,11 @@ class L3Tier:
         """Spec ``Store`` (then ``StoreAck`` at once if nothing is in flight). False: refused,
         nothing changed. ``why`` (a manager's own move: "l3_early", "host_room") is counted and
         told to :attr:`on_store`."""
+        capped = int(getattr(self.s.backend, "pin_cap_refused", 0))
         if not self._storage().store(rec):
             self.s.counters["l3_store_refused"] += 1
+            if int(getattr(self.s.backend, "pin_cap_refused", 0)) > capped:
+                self.s.counters["l3_store_pin_cap"] += 1  # refused by the pin budget
             return False
         fire_l3(rec, "store", L3.STORING)
         self.s._storing[rec.session_id] = rec
