@@ -136,6 +136,13 @@ POLICY_CHECK = textwrap.dedent(
 )
 
 
+def _child_env(site: Path) -> dict[str, str]:
+    """This environment for a child that builds its own harness: the copy first on the path, and
+    no rendezvous port of this process's gloo group (the child's harness picks its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHONPATH": str(site)}
+
+
 def _package_with_policy(tmp: Path, *, name: bool, cls: bool) -> Path:
     pkg = _copy(tmp)
     if name:  # its name: one more member of PolicyName
@@ -162,7 +169,7 @@ def _package_with_policy(tmp: Path, *, name: bool, cls: bool) -> Path:
 def test_a_new_call_policy_is_two_core_files(tmp_path: Path) -> None:
     site = _package_with_policy(tmp_path, name=True, cls=True)
     p = subprocess.run(
-        [sys.executable, "-c", POLICY_CHECK], cwd=site, env={**os.environ, "PYTHONPATH": str(site)},
+        [sys.executable, "-c", POLICY_CHECK], cwd=site, env=_child_env(site),
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
@@ -173,7 +180,7 @@ def test_a_policy_name_without_its_class_is_refused(tmp_path: Path) -> None:
     """The half-done change (a name, no policy) fails when a manager is built, saying why."""
     site = _package_with_policy(tmp_path, name=True, cls=False)
     p = subprocess.run(
-        [sys.executable, "-c", POLICY_CHECK], cwd=site, env={**os.environ, "PYTHONPATH": str(site)},
+        [sys.executable, "-c", POLICY_CHECK], cwd=site, env=_child_env(site),
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode != 0 and "one call policy per PolicyName" in p.stderr, p.stderr[-3000:]
