@@ -13,6 +13,16 @@ from pathlib import Path
 from typing import Any
 
 
+def _portable(text: str) -> str:
+    """A traceback without this machine's paths (the results are read elsewhere): the package's
+    files relative to its parent, the installed packages' relative to site-packages."""
+    import sysconfig
+
+    here = str(Path(__file__).resolve().parents[2]) + os.sep
+    site = sysconfig.get_paths()["purelib"] + os.sep
+    return text.replace(site, "site-packages" + os.sep).replace(here, "")
+
+
 def campaign(
     *,
     examples: int | None = None,
@@ -122,7 +132,7 @@ def campaign(
             text = str(exc)
             first = text.strip().splitlines()[0] if text.strip() else ""
             failure = f"{type(exc).__name__}: {first}"[:300]
-            detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:]
+            detail = _portable("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))[-6000:]
             m = re.findall(r"^state\.step\(", text, re.M)
             shrunk_len = len(m) or None
     return {
