@@ -56,6 +56,7 @@ from toolkv.argtypes import (
     positive_int,
     seed,
 )
+from toolkv.core.phases import Phase
 from toolkv.core.settings import POLICY_NAMES
 from toolkv.workload.metrics import REFUSALS, Turn, occupancy, recomputed_between, summarize, unexpected_5xx
 from toolkv.workload.plan import SHAPES, Plan, SessionPlan, Workload, make_plan
@@ -383,7 +384,7 @@ def twins(server: AgentServer, k: int, w: Workload, wait_s: float = 60.0) -> lis
                 m: dict[str, Any] = {}
                 while time.time() < deadline:
                     _, m = server.kv_meta(sid)
-                    if m.get("state") == "Offloaded":
+                    if m.get("state") == Phase.OFFLOADED:
                         break
                     time.sleep(0.05)
                 res["device_tokens_offloaded"] = m.get("device_tokens")

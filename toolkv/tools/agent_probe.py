@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from toolkv.core.phases import Phase
+
 POLL_S = 0.002
 
 
@@ -38,12 +40,12 @@ def resume_vs_prefill(server: Any, n: int, rep: int, rng: random.Random) -> dict
     ids = [5, *(rng.randrange(1000, 120_000) for _ in range(n - 1))]
     g = server.generate(ids, sid, 1)
     st, body = server.call("tool_start", {"session_id": sid})
-    off_s = _wait_state(server, sid, "Offloaded") if st == 200 else float("nan")
+    off_s = _wait_state(server, sid, Phase.OFFLOADED) if st == 200 else float("nan")
     _, m = server.kv_meta(sid)
     t0 = time.perf_counter()
     st_e, _ = server.call("tool_end", {"session_id": sid, "epoch": body.get("epoch", 0)})
     call_s = time.perf_counter() - t0
-    ready = _wait_state(server, sid, "Runnable") if st_e == 200 else float("nan")
+    ready = _wait_state(server, sid, Phase.RUNNABLE) if st_e == 200 else float("nan")
     resume_s = call_s + ready  # NaN when it never became Runnable
     g2 = server.generate([*ids, *g.output_ids], sid, 1)
     server.call("close", {"session_id": sid})
@@ -93,11 +95,11 @@ def decode_under_restore(
     restores, in_flight = 0, 0.0
     while time.perf_counter() - t0 < busy_start + 3.0:
         st, body = server.call("tool_start", {"session_id": big})
-        if st != 200 or math.isnan(_wait_state(server, big, "Offloaded")):
+        if st != 200 or math.isnan(_wait_state(server, big, Phase.OFFLOADED)):
             break
         a = time.perf_counter()
         st_e, _ = server.call("tool_end", {"session_id": big, "epoch": body.get("epoch", 0)})
-        if st_e != 200 or math.isnan(_wait_state(server, big, "Runnable")):
+        if st_e != 200 or math.isnan(_wait_state(server, big, Phase.RUNNABLE)):
             break
         in_flight += time.perf_counter() - a
         restores += 1

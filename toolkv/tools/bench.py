@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkv.argtypes import cuda_missing, device, int_list, int_tuple, positive_int, writable_file
+from toolkv.core.phases import Phase
 from toolkv.errors import InputError
 
 RESULTS = "results/bench"  # git-ignored
@@ -176,7 +177,7 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
         now = 2.0
         for j in range(samples):
             sid = f"s{(j * 7919) % n_sessions}"
-            if m.sessions[sid].state != "Running":
+            if m.sessions[sid].state != Phase.RUNNING:
                 continue
             clock.take()
             t = time.perf_counter_ns()
@@ -211,7 +212,7 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             prim["tick_load_ack"].append(clock.take())
             m.insert(sid, m.sessions[sid].tokens.tolist())  # next turn: Running again
         gc.enable()
-        assert all(r.state == "Running" for r in m.sessions.values())
+        assert all(r.state == Phase.RUNNING for r in m.sessions.values())
 
         def row(xs: list[float], key: str) -> dict[str, float]:
             own = [x - p for x, p in zip(xs, prim[key], strict=True)]
@@ -319,7 +320,7 @@ def transfer(args: argparse.Namespace) -> int:
             m.tick(now)
             sync()
             t_off = time.perf_counter() - t
-            assert m.kv_meta(sid)["state"] == "Offloaded", m.kv_meta(sid)
+            assert m.kv_meta(sid)["state"] == Phase.OFFLOADED, m.kv_meta(sid)
             t = time.perf_counter()
             m.tool_end(sid, int(r["epoch"]))  # type: ignore[call-overload]
             now += 1
@@ -330,7 +331,7 @@ def transfer(args: argparse.Namespace) -> int:
             m.tick(now)
             sync()
             t_on = time.perf_counter() - t
-            assert m.kv_meta(sid)["state"] == "Runnable", m.kv_meta(sid)
+            assert m.kv_meta(sid)["state"] == Phase.RUNNABLE, m.kv_meta(sid)
             node_idx = torch.cat(
                 [
                     x.value

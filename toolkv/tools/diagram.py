@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from toolkv.core import lifecycle
+from toolkv.core.phases import Phase
 
 
 def mermaid(table: tuple[lifecycle.Row, ...], initial: str) -> str:
@@ -22,7 +23,7 @@ def mermaid(table: tuple[lifecycle.Row, ...], initial: str) -> str:
 
 
 def session_diagram() -> str:
-    return mermaid(lifecycle.SESSION_TRANSITIONS, "New")
+    return mermaid(lifecycle.SESSION_TRANSITIONS, Phase.NEW)
 
 
 def tier_diagram() -> str:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(text)
         return 0
     table, initial = (
-        (lifecycle.SESSION_TRANSITIONS, "New")
+        (lifecycle.SESSION_TRANSITIONS, Phase.NEW)
         if args.which == "sessions"
         else (lifecycle.TIER_TRANSITIONS, "Unborn")
     )

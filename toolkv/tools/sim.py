@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from toolkv.core.lifecycle import HOLDING
+from toolkv.core.phases import Phase
 from toolkv.core.treeops import path_to, walk
 from toolkv.errors import DeviceMemoryFull
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
@@ -189,9 +190,9 @@ class Simulation:
 
     def _state(self, sid: str) -> str:
         if self.mgr is None:
-            return "Closed"
+            return Phase.CLOSED
         rec = self.mgr.sessions.get(sid)
-        return "Closed" if rec is None else rec.state
+        return Phase.CLOSED if rec is None else rec.state
 
     def _advance_copies(self) -> None:
         """The copy engine finishes transfers that have been in flight for ``dma_ticks``. (An ack
@@ -221,11 +222,11 @@ class Simulation:
                 int(dev_used),
                 int(host_used),
                 int(protected),
-                states["Offloaded"] + states["Offloading"],
-                states["Running"] + states["Runnable"],
+                states[Phase.OFFLOADED] + states[Phase.OFFLOADING],
+                states[Phase.RUNNING] + states[Phase.RUNNABLE],
             )
         )
-        freed = sum(r.freed_tokens for r in m.sessions.values() if r.state == "Offloaded")
+        freed = sum(r.freed_tokens for r in m.sessions.values() if r.state == Phase.OFFLOADED)
         self.report.peak_device_freed_during_tools = max(self.report.peak_device_freed_during_tools, freed)
 
     def _call(self, op: str, **body: Any) -> tuple[int, dict[str, Any]]:
@@ -279,7 +280,7 @@ class Simulation:
         self._start_tool(a)
 
     def _start_tool(self, a: Agent) -> None:
-        snap = self._path_kv(a.sid) if self._state(a.sid) == "Running" else None
+        snap = self._path_kv(a.sid) if self._state(a.sid) == Phase.RUNNING else None
         a.tool_until = self.now + a.rng.randint(*self.cfg.tool_ticks)
         abandon = a.rng.random() < self.cfg.abandon_prob
         if self.tk is None:  # no toolkv: the tool runs, the KV stays where sglang keeps it
@@ -317,7 +318,7 @@ class Simulation:
             return
         self.report.tokens_restored += self.mgr.sessions[a.sid].restored_tokens
         a.phase = "restoring"
-        if r["state"] == "Parked":
+        if r["state"] == Phase.PARKED:
             self.report.parked_restores += 1
             self._log(
                 f"{a.sid} tool_end epoch={a.epoch} -> Parked (its request would wait: sglang loads it then)"
@@ -333,9 +334,9 @@ class Simulation:
         request would queue) is loaded by sglang's ``load_back`` when that request is admitted;
         the forward checks those bytes as it checks every reused prefix."""
         state = self._state(a.sid)
-        if state in HOLDING and state not in ("Handover", "Parked"):
+        if state in HOLDING and state not in (Phase.HANDOVER, Phase.PARKED):
             return  # the load is still in flight
-        if a.snapshot is not None and state in ("Handover", "Runnable"):
+        if a.snapshot is not None and state in (Phase.HANDOVER, Phase.RUNNABLE):
             kv = self._path_kv(a.sid)
             if torch.equal(kv, a.snapshot):
                 self.report.bytes_verified += kv.numel() * kv.element_size()
@@ -343,7 +344,7 @@ class Simulation:
             else:
                 self.report.restore_mismatches += 1
                 self._log(f"{a.sid} RESTORED BYTES DIFFER")
-        elif a.snapshot is not None and state != "Parked":
+        elif a.snapshot is not None and state != Phase.PARKED:
             # the call ended with nothing to restore (toolkv let the KV go): the next turn reuses
             # what sglang still has and recomputes the rest
             self._log(f"{a.sid} tool call over in {state}: nothing restored to compare")
@@ -363,12 +364,12 @@ class Simulation:
             state = self._state(a.sid)
             if state in HOLDING:
                 return
-            if state == "Expired":
+            if state == Phase.EXPIRED:
                 self.report.expired += 1
                 self._log(f"{a.sid} expired by TTL: protection released; client gone, session closed")
             else:
                 self._log(f"{a.sid} {state}: nothing held any more; client gone, session closed")
-            if state != "Closed":
+            if state != Phase.CLOSED:
                 self._call("close", session_id=a.sid)
             a.phase = "done"
 

@@ -61,6 +61,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from toolkv.core import requests
+from toolkv.core.phases import Phase
 from toolkv.errors import ToolKVError
 from toolkv.sglang.cache_hooks import toolkv_cache_hooks
 from toolkv.sglang.config import ToolKVConfig
@@ -449,7 +450,7 @@ class Soak:
         rec = self.tk.manager.sessions.get(sid) if sid else None
         # toolkv's load of the session is in flight (Restoring) or done and not yet handed over:
         # the forward waits for it, then checks the restored prefix byte for byte
-        if rec is not None and rec.state in ("Restoring", "Handover") and rec.restore == "loading":
+        if rec is not None and rec.state in (Phase.RESTORING, Phase.HANDOVER) and rec.restore == "loading":
             self.restored.add(req.rid)
         after_get_new_batch_prefill(SimpleNamespace(batch_to_run=SimpleNamespace(reqs=[req])), self.sched)
         if req.rid in self.aborting:
@@ -467,7 +468,7 @@ class Soak:
         its branch into a plain RadixCache while toolkv holds it (pin: a no-op for the tree;
         shadow: the snapshot's restore must then free its duplicate slots)."""
         rec = self.tk.manager.sessions.get(sid)
-        if rec is None or rec.state not in ("Offloaded", "Offloading") or not rec.tokens:
+        if rec is None or rec.state not in (Phase.OFFLOADED, Phase.OFFLOADING) or not rec.tokens:
             return
         self.submit(None, list(rec.tokens), [1])  # nobody waits for its answer
         self.result.events["repopulated"] += 1

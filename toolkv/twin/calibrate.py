@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from toolkv.core.phases import Phase
 from toolkv.twin.fit import copy_terms, decode_terms, fit, prefill_terms, residual
 from toolkv.twin.profile import TimeProfile, default_profile
 
@@ -164,12 +165,14 @@ def measure_copies(s: LiveServer, sizes: tuple[int, ...], reps: int) -> dict[str
             s.stream(s.tokens(t, 90_000 + 10 * i + rep), 1, sid)
             t0 = time.perf_counter()
             r = s.call("tool_start", {"session_id": sid})
-            while s.state(sid) not in ("Offloaded", None) and time.perf_counter() - t0 < 30:
+            while s.state(sid) not in (Phase.OFFLOADED, None) and time.perf_counter() - t0 < 30:
                 time.sleep(0.002)
             out["d2h"].append([float(t), time.perf_counter() - t0])
             t0 = time.perf_counter()
             s.call("tool_end", {"session_id": sid, "epoch": r.get("epoch", 0)})
-            while s.state(sid) not in ("Runnable", "Handover", None) and time.perf_counter() - t0 < 30:
+            while (
+                s.state(sid) not in (Phase.RUNNABLE, Phase.HANDOVER, None) and time.perf_counter() - t0 < 30
+            ):
                 time.sleep(0.002)
             out["h2d"].append([float(t), time.perf_counter() - t0])
             s.call("close", {"session_id": sid})

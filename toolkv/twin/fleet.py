@@ -37,6 +37,8 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
+from toolkv.core.lifecycle import HOLDING
+from toolkv.core.phases import Phase
 from toolkv.twin.agents import Agents
 from toolkv.twin.configs import TwinConfig, get
 from toolkv.twin.l3 import L3Config
@@ -386,7 +388,7 @@ class Fleet:
 
 
 _FLEETS = itertools.count()
-_HOLDS_NOTHING = frozenset(("Closed", "Released", "Running", "Runnable", "Expired", "Lost", "New"))
+_HOLDS_NOTHING = frozenset(set(Phase) - HOLDING)
 
 
 def simulate_fleet(

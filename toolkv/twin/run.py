@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from toolkv.core.lifecycle import HOLDING
 from toolkv.twin.agents import Agents
 from toolkv.twin.clock import Clock, ModelledGpuTime
 from toolkv.twin.configs import TwinConfig
@@ -321,11 +322,7 @@ class Twin:
             "protected_tokens": int(self.tk.metrics().get("protected_tokens") or 0),
             "request_slots_in_use": self.h.req_pool.size - self.h.req_pool.available_size(),
             "waiting_or_running": int(self.sched.busy),
-            "sessions_holding": sum(
-                1
-                for r in self.tk.manager.sessions.values()
-                if r.state not in ("Closed", "Released", "Running", "Runnable", "Expired", "Lost", "New")
-            ),
+            "sessions_holding": sum(1 for r in self.tk.manager.sessions.values() if r.state in HOLDING),
         }
         self.h.drain()
         acc = self.h.accounting()
