@@ -181,7 +181,8 @@ class ToolKVManager:
         every call offloads. ``policy`` overrides the configured policy for this call (one server
         can serve agents of both policies, e.g. to compare them interleaved on one load). The
         arguments are checked once, as the :class:`~toolkv.core.requests.ToolStart` they make."""
-        return self.start(ToolStart(session_id, tool=tool, expected_s=expected_s, policy=policy))  # type: ignore[arg-type]
+        asked = {"session_id": session_id, "tool": tool, "expected_s": expected_s, "policy": policy}
+        return self.start(ToolStart.from_body({k: v for k, v in asked.items() if v is not None}))
 
     def start(self, req: ToolStart) -> dict[str, object]:
         """Run the tool_start ``req`` under its call policy (the server's when it names none).

@@ -75,7 +75,7 @@ EVENTS: tuple[str, ...] = (
     "demoted_l3", "prefetched", "prefetch_deferred", "tool_end_l3", "l3_from_host", "l3_prefetch",
     "l3_prefetch_refused", "l3_prefetch_short", "l3_restored", "l3_store", "l3_store_refused",
     "l3_store_short", "l3_store_l3_early", "l3_store_host_room", "l3_readahead", "tool_end_l3_arrival",
-    "offload_room_refused", "tool_end_adopted",
+    "offload_room_refused", "tool_end_adopted", "drain_let_go", "drain_closed", "l3_store_pin_cap",
 )  # fmt: skip
 TOKEN_KINDS: tuple[str, ...] = ("offloaded", "freed", "left", "restored", "l3_stored")
 # decisions_total{op,outcome} created at 0: every decision's acceptance, and the refusals the shipped
