@@ -126,7 +126,7 @@ class Offload(_Calls):
         expected = hint if hint is not None else m.durations.median(tool)
         # a full host demotes offloaded sessions predicted back after this one, not a 507 -- but
         # only when the device needs the room this session holds (demote_for_room)
-        m.tool_start(session_id, demote=demote_for_room(m, rec), returns_at=m.now + expected)
+        m.tool_start(session_id, demote=lambda: demote_for_room(m, rec), returns_at=m.now + expected)
         # "_hint": the predicted return (demotion order, L3 by predicted return) uses the hint
         reason = "policy_offload" if hint is None else "policy_offload_hint"
         self.note(rec, tool, Decision("offload", reason, expected, 0.0, None))
@@ -170,7 +170,7 @@ class Auto(_Calls):
             return m.view(rec)
         if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
             try:
-                m.tool_start(session_id, demote=demote_for_room(m, rec), returns_at=back)
+                m.tool_start(session_id, demote=lambda: demote_for_room(m, rec), returns_at=back)
             except HostMemoryFull:
                 return self._let_go(
                     rec, tool, Decision("let_go", "host_full", float(expected_s or 0.0), 0.0, None)

@@ -41,6 +41,7 @@ from toolkv.core.policy import DurationModel
 from toolkv.core.record import SessionRecord
 from toolkv.core.requests import ToolStart
 from toolkv.core.result import SessionView
+from toolkv.core.session.copies import Demote
 from toolkv.core.session.machine import SessionMachine
 from toolkv.core.treeops import Tree
 
@@ -201,7 +202,7 @@ class ToolKVManager:
         self.machine.insert(session_id, tokens, extra_key)
 
     def offload(
-        self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
+        self, session_id: str, *, demote: Demote = False, returns_at: float = float("inf")
     ) -> dict[str, object]:
         """Spec ``ToolStart`` without a call policy (the conformance replay's step): the machine's
         ``tool_start`` (the manager's :meth:`tool_start` is the call policy's)."""

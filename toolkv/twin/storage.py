@@ -103,10 +103,15 @@ EVICTION_RATIO = 0.05
 @dataclass
 class L3Pages:
     """The store's contents: each page's bytes by page hash (the key sglang's hit query asks).
-    With ``mooncake``: the order of ``pages`` is the master's LRU order (a read, an exists or a
-    write moves a page to the end), ``pins`` the soft pins' deadlines on the twin's clock
-    (``now``, the latest time any server's storage I/O ran), ``manifests`` toolkv's session
-    manifests (small objects: not counted against the capacity)."""
+    With ``mooncake``: the master's LRU order (a read, an exists or a write makes a page the most
+    recently used: ``_seq``), ``pins`` the soft pins' deadlines on the twin's clock (``now``, the
+    latest time any server's storage I/O ran), ``manifests`` toolkv's session manifests (small
+    objects: not counted against the capacity).
+
+    The LRU order is a heap of ``(last use, page)`` with stale entries skipped, and a pinned page
+    the eviction met waits in ``_parked`` until its deadline or its unpin: a store holding millions
+    of pages, most of them pinned, evicts without walking past the pinned ones again each time (the
+    same pages, in the same order, as walking the whole LRU order would)."""
 
     capacity_pages: int | None = None
     pages: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -118,6 +123,10 @@ class L3Pages:
     evicted: int = 0  # pages the master evicted
     pinned_writes: int = 0  # pages toolkv's pinned put wrote that the store did not hold
     unpinned: int = 0  # pins toolkv released (a store not acknowledged whole)
+    _seq: dict[str, int] = field(default_factory=dict)  # page -> its last use (Mooncake: LRU order)
+    _lru: list[tuple[int, str]] = field(default_factory=list)  # heap of (last use, page); stale ones skipped
+    _parked: list[tuple[float, int, str]] = field(default_factory=list)  # heap of (pin deadline, last use, page)
+    _clock: itertools.count = field(default_factory=itertools.count)  # type: ignore[type-arg]
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -125,10 +134,24 @@ class L3Pages:
     def touch(self, key: str) -> None:
         """An access (Mooncake: the page becomes the most recently used)."""
         if self.mooncake and key in self.pages:
-            self.pages[key] = self.pages.pop(key)
+            t = next(self._clock)
+            self._seq[key] = t
+            heapq.heappush(self._lru, (t, key))
+            if len(self._lru) > 4 * len(self._seq) + 1024:  # stale entries: rebuild from the live ones
+                self._lru = [(t, k) for k, t in self._seq.items()]
+                heapq.heapify(self._lru)
+                self._parked = []
 
     def pinned(self, key: str) -> bool:
         return self.pins.get(key, -1.0) > self.now
+
+    def unpin(self, key: str) -> bool:
+        """The page's soft pin ends (``SoftPinAction.DISABLE``); False: it had none."""
+        if self.pins.pop(key, None) is None:
+            return False
+        if key in self._seq:  # evictable again at its place in the LRU order
+            heapq.heappush(self._lru, (self._seq[key], key))
+        return True
 
     def put(self, key: str, data: torch.Tensor, pin_until: float | None = None) -> bool:
         """Write one page (an upsert when it is there); False: refused, the store is full."""
@@ -139,10 +162,8 @@ class L3Pages:
             if cap is not None and len(self.pages) >= cap:
                 self.refused += 1
                 return False
-            self.pages[key] = data
-        else:
-            self.pages[key] = data
-            self.touch(key)
+        self.pages[key] = data
+        self.touch(key)
         if pin_until is not None:
             self.pins[key] = max(self.pins.get(key, -1.0), pin_until)
         return True
@@ -151,7 +172,21 @@ class L3Pages:
         """Mooncake's ``BatchEvict``: up to ``EVICTION_RATIO`` of the capacity, least recently used
         first, skipping soft-pinned pages (``-allow_evict_soft_pinned_objects=false``)."""
         want = max(1, int(EVICTION_RATIO * (self.capacity_pages or len(self.pages))))
-        gone = [k for k in self.pages if not self.pinned(k)][:want]
+        lru, parked, seq, pins, now = self._lru, self._parked, self._seq, self.pins, self.now
+        while parked and parked[0][0] <= now:  # deadlines passed: back in the LRU order
+            _, t, k = heapq.heappop(parked)
+            heapq.heappush(lru, (t, k))
+        gone: list[str] = []
+        while lru and len(gone) < want:
+            t, k = heapq.heappop(lru)
+            if seq.get(k) != t:
+                continue  # used again since, or gone
+            deadline = pins.get(k, -1.0)
+            if deadline > now:
+                heapq.heappush(parked, (deadline, t, k))
+                continue
+            gone.append(k)
+            del seq[k]
         for k in gone:
             del self.pages[k]
             self.pins.pop(k, None)
@@ -318,7 +353,7 @@ class TwinSharedTier:
         ``SoftPinAction.DISABLE``, its write charged to the link)."""
         n = 0
         for k in keys:
-            if k in which and self.store.pins.pop(k, None) is not None:
+            if k in which and self.store.unpin(k):
                 n += 1
         self.store.unpinned += n
         if n and self.backend.io is not None:

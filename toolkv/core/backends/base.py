@@ -96,12 +96,19 @@ def free_set(
     leaf_ids = {id(x) for x in leaves}
     freed: dict[int, TreeNode] = {}
     order: list[TreeNode] = []
+    # ``ready`` reads nothing this loop changes: asked once per node, not once per pass (a path of
+    # L nodes takes up to L passes, and ``ready`` walks the loads in flight)
+    is_ready: dict[int, bool] = {}
     changed = True
     while changed:
         changed = False
         for key, m in cand.items():
             d = data(m)
-            if key in freed or d.value is None or d.host_value is None or not ready(m):
+            if key in freed or d.value is None or d.host_value is None:
+                continue
+            if key not in is_ready:
+                is_ready[key] = ready(m)
+            if not is_ready[key]:
                 continue
             if any(data(c).value is not None and id(c) not in freed for c in m.children.values()):
                 continue
@@ -115,7 +122,8 @@ def free_set(
 def record_freed(tree: Tree, recs: Sequence[SessionRecord], order: Sequence[TreeNode]) -> None:
     """Each session's ``freed_tokens``: the tokens of its path among the freed nodes."""
     for r in recs:
-        r.freed_tokens = sum(len(m.key) for m in order if r.node is not None and m in path_to(tree, r.node))
+        on_path = {node_key(m) for m in path_to(tree, r.node)} if r.node is not None else set()
+        r.freed_tokens = sum(len(m.key) for m in order if node_key(m) in on_path)
 
 
 class ProtectionLedger:

@@ -9,6 +9,8 @@ and is checked inside the action, which raises before changing anything when it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from toolkv.core.lifecycle import fire
 from toolkv.core.phases import OFFLOADED, Phase
 from toolkv.core.policy import keep_fits
@@ -21,6 +23,10 @@ from toolkv.core.session.policy_actions import PolicyActions
 from toolkv.core.session.state import MachineState, log
 from toolkv.core.timers import Timers
 from toolkv.errors import DeviceMemoryFull, HostMemoryFull, SessionKVLost, UnknownSession, WrongState
+
+#: a ``tool_start``'s leave to demote other sessions for room: a bool, or a callable asked only
+#: once the host turns out full (the call policies' answer reads the device pressure)
+Demote = bool | Callable[[], bool]
 
 
 class Copies:
@@ -41,9 +47,11 @@ class Copies:
         return rec.state == Phase.RUNNING
 
     def tool_start(
-        self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
+        self, session_id: str, *, demote: Demote = False, returns_at: float = float("inf")
     ) -> SessionView:
-        """Spec ``ToolStart``: offload the session's KV to the host. With ``demote``, a host that
+        """Spec ``ToolStart``: offload the session's KV to the host. With ``demote`` (a callable
+        is asked once, and only when the host is full: the call policy's answer reads the
+        device's pressure, a walk of the whole tree), a host that
         is full (pool or budget) demotes offloaded sessions predicted back after ``returns_at``,
         the latest first, until it fits (their copies become evictable: spec ``Demote`` then
         ``HostRoom``); with an L3 tier any offloaded session may yield, the latest first, and is
@@ -67,12 +75,15 @@ class Copies:
         rec.node, rec.tree_gen = node, self.s.tree_gen
         self.handover.check_offload_room(rec, node)  # raises DeviceMemoryFull before changing anything
         tried: set[str] = set()  # each victim once: one whose store is refused stays a candidate
+        may_demote: bool | None = None
         while True:
             try:
                 clean = self.s.backend.offload(rec, node)  # raises HostMemoryFull before changing anything
                 break
-            except HostMemoryFull:
-                cands = self.policy.demotion_candidates(session_id, returns_at) if demote else []
+            except HostMemoryFull:  # agreed across ranks: so is asking ``demote`` here
+                if may_demote is None:
+                    may_demote = bool(demote() if callable(demote) else demote)
+                cands = self.policy.demotion_candidates(session_id, returns_at) if may_demote else []
                 victims = [v for v in cands if v not in tried]
                 if not victims:
                     raise

@@ -61,7 +61,7 @@ from toolkv.core.lifecycle import EXPIRING, HOLDING, fire
 from toolkv.core.phases import IDLE, RESET_LOSES, Phase
 from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
-from toolkv.core.session.copies import Copies
+from toolkv.core.session.copies import Copies, Demote
 from toolkv.core.session.handover import Handover
 from toolkv.core.session.l3 import L3Tier
 from toolkv.core.session.loads import Loads
@@ -94,7 +94,7 @@ class SessionMachine(MachineState):
 
     # ---- the parts' actions, in the spec's words ------------------------------------------------------
     def tool_start(
-        self, session_id: str, *, demote: bool = False, returns_at: float = float("inf")
+        self, session_id: str, *, demote: Demote = False, returns_at: float = float("inf")
     ) -> SessionView:
         """Spec ``ToolStart`` (:meth:`Copies.tool_start`)."""
         return self.copies.tool_start(session_id, demote=demote, returns_at=returns_at)
