@@ -65,3 +65,30 @@ def test_the_pin_budget_runs_are_their_tables_and_commands() -> None:
         for r in data["rows"]:
             assert r["passed"] and r["crashed"] is None and r["drained_leaks"]["leaked"] == 0, r["checks"]
             assert r["toolkv_l3"]["l3_store_pin_cap"] > 0 and r["l3"]["refused_pages"] == 0, r["toolkv_l3"]
+
+
+def _row(config: str, seed: int, reuse: tuple[int, int], moved: tuple[int, int]) -> dict[str, object]:
+    return {
+        "servers": 8, "config": config, "seed": seed, "reuse": reuse[0] / reuse[1], "reuse_tokens": list(reuse),
+        "ttft_p50_s": 1.0 + seed, "ttft_p90_s": 5.0, "moved_turns": 2,
+        "moved_reuse": moved[0] / moved[1] if moved[1] else None, "moved_reuse_tokens": list(moved), "passed": True,
+    }  # fmt: skip
+
+
+def test_the_seeds_summary_pools_tokens_and_counts_each_seed_against_stock() -> None:
+    """``l3report --seeds``: reuse pooled over the seeds' tokens (a seed with more moved tokens
+    weighs more), and per seed whether toolkv's moved reuse was above, equal to or below
+    stock's on the same seed."""
+    from toolkv.twin.l3report import seeds_table
+
+    rows = [
+        _row("stock-mc", 0, (50, 100), (10, 100)), _row("toolkv-mc", 0, (60, 100), (20, 100)),
+        _row("stock-mc", 1, (50, 100), (0, 300)), _row("toolkv-mc", 1, (40, 100), (0, 300)),
+        _row("stock-mc", 2, (50, 100), (30, 100)), _row("toolkv-mc", 2, (50, 100), (10, 100)),
+    ]  # fmt: skip
+    lines = {ln.split(" | ")[1]: ln.split(" | ") for ln in seeds_table(rows).splitlines()[2:]}
+    tk, st = lines["toolkv-mc"], lines["stock-mc"]
+    assert tk[2] == "0,1,2" and tk[3] == "50 %" and tk[4] == "50 % (40 %-60 %)"
+    assert tk[8] == "6 %" and st[8] == "8 %", "moved reuse pooled: 30/500 and 40/500"
+    assert tk[10] == "1 / 1 / 1" and st[10] == "-"
+    assert tk[5] == "2.00 (1.00-3.00)"

@@ -453,14 +453,17 @@ def summary(
         or st["stored_pages"] <= st["link_write_tokens"],
         "L3: what was read went through the links": st is None or st["read_tokens"] <= st["link_read_tokens"],
     }
+    all_reuse = reuse(a.turns, appended, window)
+    moved_reuse = reuse(moved, appended, window) if moved else None
     out: dict[str, Any] = {
         "config": f.cfg.name, "servers": len(f.servers), "host_gb": f.cfg.server.host_gb, "host_tokens": host_tokens,
         "device_tokens": f.opts.device_tokens, "drained": len(f.servers) - len(f.up),
         "turns": s["turns"], "turns_per_s": s["turns_per_s"], "resumed_turns": s["resumed_turns"],
-        "reuse": reuse(a.turns, appended, window)["reuse"],
+        "reuse": all_reuse["reuse"], "reuse_tokens": [all_reuse["cached_tokens"], all_reuse["reusable_tokens"]],
         "ttft_p50_s": s["resumed_ttft_p50_s"], "ttft_p90_s": s["resumed_ttft_p90_s"],
         "moved_turns": ms["resumed_turns"] if ms else 0,
-        "moved_reuse": reuse(moved, appended, window)["reuse"] if moved else None,
+        "moved_reuse": moved_reuse["reuse"] if moved_reuse else None,
+        "moved_reuse_tokens": [moved_reuse["cached_tokens"], moved_reuse["reusable_tokens"]] if moved_reuse else [0, 0],
         "moved_ttft_p50_s": ms["resumed_ttft_p50_s"] if ms else None,
         "l3_wait_p50_s": _pct(waits, 50), "l3_waits": len(waits),
         "prefill_tokens": prefill, "cached_tokens": cached, "retractions": retractions,

@@ -215,21 +215,104 @@ def plot(rows: list[dict[str, Any]], out: Path, x: str) -> None:
     plt.close(fig)
 
 
-def table_of(path: Path) -> str:
-    """The markdown table of a saved ``toolkv twin l3``/``fleet`` JSON (what docs/benchmarks.md shows)."""
+def _median(xs: list[float]) -> float | None:
+    ys = sorted(x for x in xs if x is not None)
+    if not ys:
+        return None
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+
+
+def _span(xs: list[float | None], cell: Any) -> str:
+    """``median (min-max)`` of the seeds' values, each written by ``cell``."""
+    ys = [x for x in xs if x is not None]
+    if not ys:
+        return "-"
+    return f"{cell(_median(ys))} ({cell(min(ys))}-{cell(max(ys))})" if len(ys) > 1 else cell(ys[0])
+
+
+def _pooled(rows: list[dict[str, Any]], key: str) -> float | None:
+    """Cached / reusable tokens summed over the runs (``reuse_tokens``, ``moved_reuse_tokens``):
+    a seed with more moved tokens weighs more, as a turn of it does."""
+    got = sum(r[key][0] for r in rows)
+    want = sum(r[key][1] for r in rows)
+    return got / want if want else None
+
+
+def seeds_table(rows: list[dict[str, Any]], against: str = "stock-mc") -> str:
+    """One line per (servers, configuration) over the seeds of ``rows`` (each row's ``seed``):
+    reuse pooled over the seeds' tokens and its per-seed median and range, the moved turns' alike,
+    TTFT p50 and p90 medians (range), and for a toolkv configuration the seeds on which its moved
+    reuse was above / equal to / below ``against``'s on the same seed and fleet."""
+    head = ("servers", "config", "seeds", "reuse (pooled)", "reuse per seed", "TTFT p50 s", "TTFT p90 s",
+            "moved turns", "moved reuse (pooled)", "moved reuse per seed", f"moved reuse vs {against}: "
+            "above / equal / below", "checks")  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["servers"], r["config"]), []).append(r)
+    ref = {(r["servers"], r["seed"]): r for r in rows if r["config"] == against}
+    for (n, cfg), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], list(COLORS).index(kv[0][1])
+                                                                 if kv[0][1] in COLORS else 99)):  # fmt: skip
+        vs = "-"
+        if cfg != against and cfg.startswith("toolkv"):
+            won = tie = lost = 0
+            for r in rs:
+                o = ref.get((n, r["seed"]))
+                if o is None or r["moved_reuse"] is None or o["moved_reuse"] is None:
+                    continue
+                d = r["moved_reuse"] - o["moved_reuse"]
+                won, tie, lost = won + (d > 1e-9), tie + (abs(d) <= 1e-9), lost + (d < -1e-9)
+            vs = f"{won} / {tie} / {lost}"
+        out.append("| " + " | ".join([
+            str(n), cfg, ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"])),
+            _pct(_pooled(rs, "reuse_tokens")), _span([r["reuse"] for r in rs], _pct),
+            _span([r["ttft_p50_s"] for r in rs], _f), _span([r["ttft_p90_s"] for r in rs], _f),
+            str(sum(r["moved_turns"] for r in rs)), _pct(_pooled(rs, "moved_reuse_tokens")),
+            _span([r["moved_reuse"] for r in rs], _pct), vs,
+            "pass" if all(r["passed"] for r in rs) else "FAIL",
+        ]) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+def rows_of(paths: list[Path]) -> tuple[str, list[dict[str, Any]]]:
+    """The kind and the rows of saved ``toolkv twin l3``/``fleet`` JSONs, each row with its run's
+    ``seed``."""
     import json
 
-    data = json.loads(Path(path).read_text())
-    return (l3_table if data["kind"] == "l3" else fleet_table)(data["rows"])
+    kinds, rows = set(), []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        kinds.add(data["kind"])
+        rows += [{**r, "seed": data["args"].get("seed", 0)} for r in data["rows"]]
+    if len(kinds) != 1:
+        raise ValueError(f"the files hold runs of different kinds: {sorted(kinds)}")
+    return kinds.pop(), rows
+
+
+def table_of(path: Path) -> str:
+    """The markdown table of a saved ``toolkv twin l3``/``fleet`` JSON (what docs/benchmarks.md shows)."""
+    kind, rows = rows_of([path])
+    return (l3_table if kind == "l3" else fleet_table)(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkv.twin.l3report FILE.json``: print the table of a saved sweep."""
+    """``python -m toolkv.twin.l3report FILE.json``: print the table of a saved sweep.
+    ``python -m toolkv.twin.l3report --seeds FILE.json ...``: fleet runs of several seeds (one
+    file or more each), their summary over the seeds (:func:`seeds_table`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--seeds"] and len(args) > 1:
+        kind, rows = rows_of([Path(a) for a in args[1:]])
+        if kind != "fleet" or any("reuse_tokens" not in r for r in rows):
+            print("--seeds takes fleet runs that record reuse_tokens (toolkv twin fleet)", file=sys.stderr)
+            return 2
+        print(seeds_table(rows))
+        return 0
     if len(args) != 1:
-        print("usage: python -m toolkv.twin.l3report FILE.json", file=sys.stderr)
+        print("usage: python -m toolkv.twin.l3report FILE.json | --seeds FILE.json [FILE.json ...]",
+              file=sys.stderr)  # fmt: skip
         return 2
     print(table_of(Path(args[0])))
     return 0

@@ -124,9 +124,10 @@ class L3Pages:
     pinned_writes: int = 0  # pages toolkv's pinned put wrote that the store did not hold
     unpinned: int = 0  # pins toolkv released (a store not acknowledged whole)
     _seq: dict[str, int] = field(default_factory=dict)  # page -> its last use (Mooncake: LRU order)
-    _lru: list[tuple[int, str]] = field(default_factory=list)  # heap of (last use, page); stale ones skipped
-    _parked: list[tuple[float, int, str]] = field(default_factory=list)  # heap of (pin deadline, last use, page)
-    _clock: itertools.count = field(default_factory=itertools.count)  # type: ignore[type-arg]
+    # heaps: (last use, page), stale entries skipped; (pin deadline, last use, page)
+    _lru: list[tuple[int, str]] = field(default_factory=list)
+    _parked: list[tuple[float, int, str]] = field(default_factory=list)
+    _clock: itertools.count[int] = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
         return len(self.pages)
