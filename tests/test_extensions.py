@@ -6,11 +6,11 @@ plugin's parser reads it and refuses a bad value by name, the library's ``Manage
 plugin's ``ToolKVConfig`` carry it with its default, the manager gets the plugin's value, and the
 operations table (``toolkv docs --settings``) has its row.
 
-A new call policy is a change in two files of ``core``: its name in ``settings.py``
-(``PolicyName``: the settings are read before toolkv's dependencies are known to be installed,
-so the names cannot come from the policies' module) and its class in ``calls.py``. With those
-alone, ``TOOLKV_POLICY`` accepts it, a ``tool_start`` body may name it, and a manager over sglang's
-real HiRadixCache runs a ``tool_start`` under it."""
+A new call policy is one new file of ``core``: ``toolkv/core/calls/<name>.py`` with its class as
+``POLICY`` (``settings.POLICY_NAMES`` reads the names off that folder without importing it: the
+settings are read before toolkv's dependencies are known to be installed). With that file alone,
+``TOOLKV_POLICY`` accepts it, the operations table lists it, a ``tool_start`` body may name it, and
+a manager over sglang's real HiRadixCache runs a ``tool_start`` under it."""
 
 from __future__ import annotations
 
@@ -62,11 +62,13 @@ def _copy(tmp: Path) -> Path:
 
 
 def _changed(site: Path) -> list[str]:
-    return [
-        str(f.relative_to(site))
-        for f in sorted((site / "toolkv").rglob("*.py"))
-        if f.read_text() != (ROOT / f.relative_to(site)).read_text()
-    ]
+    """The package's files the copy changed or added."""
+    out = []
+    for f in sorted((site / "toolkv").rglob("*.py")):
+        ours = ROOT / f.relative_to(site)
+        if not ours.exists() or f.read_text() != ours.read_text():
+            out.append(str(f.relative_to(site)))
+    return out
 
 
 def _package_with(tmp: Path, *, entry: bool, field: bool) -> Path:
@@ -105,13 +107,19 @@ def test_a_declaration_without_its_field_fails_at_import(tmp_path: Path) -> None
     assert p.returncode != 0 and "ManagerSettings fields" in p.stderr, p.stderr[-2000:]
 
 
-POLICY_NAME = '    QUIET = "quiet"  # added by tests/test_extensions.py\n'
-POLICY_CLASS = '''
+POLICY_FILE = '''"""A call policy added by tests/test_extensions.py: every tool_start offloads."""
+
+from toolkv.core.calls.offload import Offload
+from toolkv.core.settings import PolicyName
+
 
 class Quiet(Offload):
-    """A policy added by tests/test_extensions.py: every tool_start offloads, as Offload's."""
+    """Offload's, under another name."""
 
-    name = PolicyName.QUIET
+    name = PolicyName("quiet")
+
+
+POLICY = Quiet
 '''
 POLICY_CHECK = textwrap.dedent(
     """
@@ -143,44 +151,28 @@ def _child_env(site: Path) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(site)}
 
 
-def _package_with_policy(tmp: Path, *, name: bool, cls: bool) -> Path:
+def _package_with_policy(tmp: Path, *, cls: bool) -> Path:
     pkg = _copy(tmp)
-    if name:  # its name: one more member of PolicyName
-        settings = pkg / "core" / "settings.py"
-        text = settings.read_text()
-        marker = '    AUTO = "auto"'
-        assert marker in text, "PolicyName moved: update this test"
-        head, sep, tail = text.partition(marker)
-        line_end = tail.index("\n") + 1
-        settings.write_text(head + sep + tail[:line_end] + POLICY_NAME + tail[line_end:])
-    if cls:  # its class, and its place among the policies
-        calls = pkg / "core" / "calls.py"
-        text = calls.read_text()
-        marker = "\n\n\ndef call_policies("
-        registry = "(Offload(machine), Auto(machine))"
-        assert marker in text and registry in text, "the call policies moved: update this test"
-        text = text.replace(marker, POLICY_CLASS + marker).replace(
-            registry, "(Offload(machine), Auto(machine), Quiet(machine))"
-        )
-        calls.write_text(text)
+    body = POLICY_FILE if cls else POLICY_FILE.replace("\n\nPOLICY = Quiet\n", "\n")
+    (pkg / "core" / "calls" / "quiet.py").write_text(body)
     return tmp
 
 
-def test_a_new_call_policy_is_two_core_files(tmp_path: Path) -> None:
-    site = _package_with_policy(tmp_path, name=True, cls=True)
+def test_a_new_call_policy_is_one_core_file(tmp_path: Path) -> None:
+    site = _package_with_policy(tmp_path, cls=True)
     p = subprocess.run(
         [sys.executable, "-c", POLICY_CHECK], cwd=site, env=_child_env(site),
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
-    assert _changed(site) == ["toolkv/core/calls.py", "toolkv/core/settings.py"], _changed(site)
+    assert _changed(site) == ["toolkv/core/calls/quiet.py"], _changed(site)
 
 
-def test_a_policy_name_without_its_class_is_refused(tmp_path: Path) -> None:
-    """The half-done change (a name, no policy) fails when a manager is built, saying why."""
-    site = _package_with_policy(tmp_path, name=True, cls=False)
+def test_a_policy_file_without_its_class_is_refused(tmp_path: Path) -> None:
+    """The half-done change (a file with no ``POLICY``) fails when a manager is built, saying why."""
+    site = _package_with_policy(tmp_path, cls=False)
     p = subprocess.run(
         [sys.executable, "-c", POLICY_CHECK], cwd=site, env=_child_env(site),
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert p.returncode != 0 and "one call policy per PolicyName" in p.stderr, p.stderr[-3000:]
+    assert p.returncode != 0 and "quiet.py defines no POLICY" in p.stderr, p.stderr[-3000:]

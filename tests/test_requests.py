@@ -70,7 +70,7 @@ def test_a_refusal_names_the_field() -> None:
 @pytest.mark.parametrize(
     "req",
     [
-        requests.ToolStart("s1", tool="ls", expected_s=2, prior_epoch=3, policy=requests.PolicyName.AUTO),
+        requests.ToolStart("s1", tool="ls", expected_s=2, prior_epoch=3, policy=requests.PolicyName("auto")),
         requests.ToolStart("s1"),
         requests.ToolEnd("s1", 4),
         requests.Close("s1"),

@@ -17,7 +17,7 @@ from typing import Any
 from toolkv.core.policy import PolicyConfig
 from toolkv.core.settings import POLICY_NAMES, ManagerSettings
 
-#: the call policies a tool_start can run under (``toolkv.core.calls``; ``settings.PolicyName``)
+#: the call policies a tool_start can run under (one module of ``toolkv.core.calls`` each; ``settings.PolicyName``)
 POLICIES = POLICY_NAMES
 
 

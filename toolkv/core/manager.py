@@ -7,7 +7,7 @@ The layers under it, each in its own module:
   one method per action named as the spec's (``ToolStart`` → ``tool_start``), each with its
   ``can_<action>`` guard on the part that holds it (copies, loads, hand-over, policy, and
   ``toolkv.core.session.l3``, the L3 sub-machine of ``spec/storage/StorageTier.tla``);
-* ``toolkv.core.calls`` — the call policies (``Offload``, ``Auto``) that decide what a tool call's
+* ``toolkv.core.calls`` — the call policies (one module each: ``offload``, ``auto``) that decide what a tool call's
   ``tool_start`` does (spec ``ToolStart``, ``Keep`` or ``LetGo``) and own its fallbacks;
 * ``toolkv.core.timers`` — the TTL, idle and early-restore heaps;
 * ``toolkv.core.capabilities`` — what the backend can do beyond ``Backend``, checked once;

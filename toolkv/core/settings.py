@@ -8,7 +8,9 @@ tests/test_settings_doc.py), the OpenAPI text of ``GET /session/status``'s ``set
 ``toolkv doctor`` prints. A new setting is a change in this file alone: its entry in
 :data:`SETTINGS` and its field in its layer's dataclass (:class:`PluginSettings`,
 :class:`ManagerSettings`, :class:`PolicySettings`), which the plugin's and the library's configs
-are built from (tests/test_extensions.py shows it on a copy of the package).
+are built from (tests/test_extensions.py shows it on a copy of the package). The call policies'
+names (:data:`POLICY_NAMES`, :class:`PolicyName`) are the file names of ``toolkv/core/calls/``,
+read off the folder: a new policy is its own file there, nothing here.
 
 Standard library only (and :mod:`toolkv.argtypes`): the plugin entry point reads the environment
 before toolkv's own dependencies are known to be installed.
@@ -19,23 +21,39 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from toolkv.argtypes import Numeric, floats, ints
 
 Layer = Literal["plugin", "manager", "policy"]
 
 
-class PolicyName(StrEnum):
-    """The call policies a ``tool_start`` can run under (``TOOLKV_POLICY``, a call's ``policy``).
-    The one list of their names: ``toolkv.core.calls.call_policies`` has one policy per member,
-    keyed by it (the manager asserts it at construction)."""
-
-    OFFLOAD = "offload"  # every tool_start offloads (spec ToolStart)
-    AUTO = "auto"  # the per-call policy: keep, offload or let go
+#: the default ``TOOLKV_POLICY`` (first in :data:`POLICY_NAMES`)
+DEFAULT_POLICY = "offload"
 
 
-POLICY_NAMES: tuple[str, ...] = tuple(p.value for p in PolicyName)
+def _policy_names(folder: Path) -> tuple[str, ...]:
+    """The call policies' names: one module of ``toolkv/core/calls/`` a policy, named as it
+    (``offload.py`` is ``offload``), read off the folder without importing it (the policies need
+    toolkv's dependencies; this module must load without them). The default first, then by name."""
+    names = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")]
+    assert DEFAULT_POLICY in names, f"no call policy {DEFAULT_POLICY!r} in {folder}"
+    return tuple(sorted(names, key=lambda n: (n != DEFAULT_POLICY, n)))
+
+
+#: every call policy's name, the one list of them (``TOOLKV_POLICY``, a call's ``policy``)
+POLICY_NAMES: tuple[str, ...] = _policy_names(Path(__file__).with_name("calls"))
+
+if TYPE_CHECKING:  # the members are the policies' files: a type checker sees the enum, not them
+
+    class PolicyName(StrEnum):
+        """The call policies a ``tool_start`` can run under: one member per name of
+        :data:`POLICY_NAMES` (``PolicyName("auto")``)."""
+
+else:
+    PolicyName = StrEnum("PolicyName", {n.upper(): n for n in POLICY_NAMES}, module=__name__)
+
 
 MIN_DURATION_S = 1e-3
 """Observations below this (including 0) are clamped to it: the log of a duration must be finite,
@@ -224,7 +242,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "policy",
         str,
-        "offload",
+        DEFAULT_POLICY,
         "offload (every tool_start) or auto (per call)",
         layer="manager",
         choices=POLICY_NAMES,

@@ -2,11 +2,13 @@
 
 A call policy owns the decision among the spec's ``ToolStart``, ``Keep`` and ``LetGo`` and what is
 done when the chosen action cannot be taken (its fallbacks); the session machine
-(``toolkv.core.session.machine``) only takes the action it is told. Two ship:
+(``toolkv.core.session.machine``) only takes the action it is told. One module of this package a
+policy, named as the policy (its ``POLICY`` is the class; ``settings.POLICY_NAMES`` reads the names
+off the folder): a new policy is one new file here. Two ship:
 
-* :class:`Offload` — every tool call offloads (``ToolStart``), demoting offloaded sessions
+* ``offload.Offload`` — every tool call offloads (``ToolStart``), demoting offloaded sessions
   predicted back later when the host is full; a 507 when none can yield.
-* :class:`Auto` — the per-call policy of ``toolkv.core.policy.decide`` (docs/policy.md): keep a
+* ``auto.Auto`` — the per-call policy of ``toolkv.core.policy.decide`` (docs/policy.md): keep a
   short call's KV on the GPU when the device has spare room by the keep rule
   (``policy.keep_fits``), offload a long one with an early restore timed to its predicted return,
   let tiny or unaffordable KV go. Fallbacks: a keep whose path is not all resident offloads; an
@@ -20,17 +22,16 @@ tensor-parallel rank with the same inputs.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from importlib import import_module
 from typing import Protocol
 
-from toolkv.core.phases import OFFLOADED, Phase
-from toolkv.core.policy import Decision, Pressure, decide, keep_fits
+from toolkv.core.phases import OFFLOADED
+from toolkv.core.policy import Decision, keep_fits
 from toolkv.core.record import SessionRecord
 from toolkv.core.result import SessionView
 from toolkv.core.session.machine import SessionMachine
-from toolkv.core.settings import PolicyName
+from toolkv.core.settings import POLICY_NAMES, PolicyName
 from toolkv.core.treeops import path_to
-from toolkv.errors import HostMemoryFull, WrongState
 
 log = logging.getLogger("toolkv")
 
@@ -45,8 +46,8 @@ class CallPolicy(Protocol):
         ...
 
 
-class _Calls:
-    """What both policies share: noting the call on the record, and the keep rule's inputs."""
+class Calls:
+    """What the policies share: noting the call on the record, and the keep rule's inputs."""
 
     name: PolicyName
 
@@ -114,96 +115,17 @@ def demote_for_room(m: SessionMachine, rec: SessionRecord) -> bool:
     return not keep_fits_now(m, sum(len(n.key) for n in path_to(m.tree, node)))
 
 
-class Offload(_Calls):
-    """Every tool call offloads (spec ``ToolStart``)."""
-
-    name = PolicyName.OFFLOAD
-
-    def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
-        m = self.m
-        rec = self.record(session_id)
-        hint = None if expected_s is None else float(expected_s)
-        expected = hint if hint is not None else m.durations.median(tool)
-        # a full host demotes offloaded sessions predicted back after this one, not a 507 -- but
-        # only when the device needs the room this session holds (demote_for_room)
-        m.tool_start(session_id, demote=lambda: demote_for_room(m, rec), returns_at=m.now + expected)
-        # "_hint": the predicted return (demotion order, L3 by predicted return) uses the hint
-        reason = "policy_offload" if hint is None else "policy_offload_hint"
-        self.note(rec, tool, Decision("offload", reason, expected, 0.0, None))
-        return m.view(rec)  # with the decision and its reason, as the per-call policy answers
-
-
-class Auto(_Calls):
-    """The per-call policy: keep, offload or let go, by ``policy.decide``."""
-
-    name = PolicyName.AUTO
-
-    def tool_start(self, session_id: str, tool: str | None, expected_s: float | None) -> SessionView:
-        m = self.m
-        rec = self.record(session_id)
-        if rec.state != Phase.RUNNING:
-            raise WrongState(
-                f"tool_start needs a Running session; {session_id!r} is {rec.state}", state=rec.state
-            )
-        node = m._live_node(rec)
-        if node is None:
-            return self._let_go(rec, tool, Decision("let_go", "no_kv", float(expected_s or 0.0), 0.0, None))
-        rec.node, rec.tree_gen = node, m.tree_gen
-        hint = None if expected_s is None else float(expected_s)
-        kv_tokens = sum(len(n.key) for n in path_to(m.tree, node))
-        sized = m.caps.host_sized
-        host_need = int(sized.host_need(node)) if sized is not None else kv_tokens
-        d = decide(
-            kv_tokens=kv_tokens,
-            tool=tool,
-            expected_s=hint,
-            pressure=self.pressure(session_id, tool, hint, host_need),
-            model=m.durations,
-            config=m.config.policy_config,
-            restore_tokens_per_s=m.restore_rate,
-            host_need_tokens=host_need,
-        )
-        back = self.returns_at(tool, hint)
-        if d.action == "keep" and m.backend.keep(rec, node):
-            m.policy.keep_step(rec)
-            self.note(rec, tool, d)
-            return m.view(rec)
-        if d.action in ("keep", "offload"):  # keep: the path is not all resident; offload it instead
-            try:
-                m.tool_start(session_id, demote=lambda: demote_for_room(m, rec), returns_at=back)
-            except HostMemoryFull:
-                return self._let_go(
-                    rec, tool, Decision("let_go", "host_full", float(expected_s or 0.0), 0.0, None)
-                )
-            reason = d.reason if d.action == "offload" else "not_resident"
-            self.note(rec, tool, Decision("offload", reason, d.expected_s, d.restore_s, d.prefetch_after_s))
-            return m.view(rec)
-        return self._let_go(rec, tool, d)
-
-    def _let_go(self, rec: SessionRecord, tool: str | None, d: Decision) -> SessionView:
-        self.m.policy.let_go_step(rec)
-        self.note(rec, tool, d)
-        return self.m.view(rec)
-
-    def pressure(self, session_id: str, tool: str | None, hint: float | None, kv_tokens: int) -> Pressure:
-        """The backend's pressure, queued requests counted, with the host room that demotions
-        could make counted as room: the protected tokens of offloaded sessions predicted back
-        later than this call would be (they are worth less on the host than this one). ``decide``
-        only asks whether the host can take ``kv_tokens`` (what the offload would add), so the
-        scan over sessions runs only when it cannot already."""
-        m = self.m
-        p = m.pressure()  # agreed across TP ranks: decide() keeps, offloads or lets go alike on all
-        if p.host_available_tokens >= kv_tokens:
-            return p
-        demotable = m.policy.demotable_tokens(session_id, self.returns_at(tool, hint))
-        if not demotable:
-            return p
-        return replace(p, host_available_tokens=min(p.host_total_tokens, p.host_available_tokens + demotable))
-
-
 def call_policies(machine: SessionMachine) -> dict[str, CallPolicy]:
     """Every call policy over ``machine``, by the name ``ManagerConfig.policy`` and a call's
-    ``policy`` use."""
-    policies: dict[str, CallPolicy] = {p.name: p for p in (Offload(machine), Auto(machine))}
-    assert set(policies) == set(PolicyName), "one call policy per PolicyName"
+    ``policy`` use: each module of this package (``POLICY_NAMES``) gives its ``POLICY``."""
+    policies: dict[str, CallPolicy] = {}
+    for name in POLICY_NAMES:
+        cls = getattr(import_module(f"{__name__}.{name}"), "POLICY", None)
+        if cls is None:
+            raise TypeError(
+                f"toolkv/core/calls/{name}.py defines no POLICY: the class of the call policy {name!r}"
+            )
+        policy: CallPolicy = cls(machine)
+        assert policy.name == name, f"toolkv/core/calls/{name}.py's POLICY is named {policy.name!r}"
+        policies[name] = policy
     return policies
