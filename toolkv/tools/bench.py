@@ -210,7 +210,8 @@ def measure(n_sessions: int, samples: int, log: Any) -> dict[str, Any]:
             m.tick(now)
             load_ticks.append((time.perf_counter_ns() - t) / 1000)
             prim["tick_load_ack"].append(clock.take())
-            m.insert(sid, m.sessions[sid].tokens.tolist())  # next turn: Running again
+            m.admit(sid)  # the next request holds the restored KV (spec Admit: the hand-over's pin ends)
+            m.insert(sid, m.sessions[sid].tokens.tolist())  # its turn ends: Running again
         gc.enable()
         assert all(r.state == Phase.RUNNING for r in m.sessions.values())
 
