@@ -92,3 +92,33 @@ def test_the_seeds_summary_pools_tokens_and_counts_each_seed_against_stock() -> 
     assert tk[8] == "6 %" and st[8] == "8 %", "moved reuse pooled: 30/500 and 40/500"
     assert tk[10] == "1 / 1 / 1" and st[10] == "-"
     assert tk[5] == "2.00 (1.00-3.00)"
+
+
+SEEDS = ROOT / "docs" / "results" / "fleet_mc_seeds"
+
+
+def test_the_seeds_table_is_the_recorded_runs() -> None:
+    """The over-seeds table is ``l3report --seeds`` of the recorded runs; every run passed its
+    checks, its drained server held nothing at the end, and ran the command the docs give: 3
+    sessions a server, 12 GB of store a server, one server drained at 300 s."""
+    from toolkv.twin.l3report import rows_of, seeds_table
+
+    files = sorted(SEEDS.glob("*.json"))
+    assert files, "no recorded runs"
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = re.search(
+        r"<!-- BEGIN fleet-mooncake-seeds -->\n(.*?)\n<!-- END fleet-mooncake-seeds -->", text, re.S
+    )
+    assert block is not None and block.group(1) == seeds_table(rows_of(files)[1]), (
+        "regenerate: python -m toolkv.twin.l3report --seeds docs/results/fleet_mc_seeds/*.json"
+    )
+    for f in files:
+        data = json.loads(f.read_text())
+        a, (r,) = data["args"], data["rows"]
+        assert f.name == f"s{r['servers']}_{r['config']}_seed{a['seed']}.json", f.name
+        assert (a["sessions"], a["duration"], a["drain_share"], a["drain_at"]) == (3, 600.0, 0.01, 300.0), a
+        assert a["l3_capacity_gb"] == 12.0 * r["servers"] and a["l3_pin_share"] is None, a
+        assert r["passed"] and r["crashed"] is None and r["drained_leaks"]["leaked"] == 0, (
+            f.name,
+            r["checks"],
+        )

@@ -275,6 +275,20 @@ def seeds_table(rows: list[dict[str, Any]], against: str = "stock-mc") -> str:
     return "\n".join(out)
 
 
+def pooled_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (servers, configuration) over the seeds, in :func:`plot`'s keys: reuse and
+    moved reuse pooled over the seeds' tokens, TTFT p50 and p90 the seeds' medians."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["servers"], r["config"]), []).append(r)
+    return [
+        {"servers": n, "config": cfg, "reuse": _pooled(rs, "reuse_tokens"),
+         "ttft_p50_s": _median([r["ttft_p50_s"] for r in rs]), "ttft_p90_s": _median([r["ttft_p90_s"] for r in rs]),
+         "moved_reuse": _pooled(rs, "moved_reuse_tokens")}
+        for (n, cfg), rs in sorted(groups.items())
+    ]  # fmt: skip
+
+
 def rows_of(paths: list[Path]) -> tuple[str, list[dict[str, Any]]]:
     """The kind and the rows of saved ``toolkv twin l3``/``fleet`` JSONs, each row with its run's
     ``seed``."""
@@ -298,20 +312,30 @@ def table_of(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m toolkv.twin.l3report FILE.json``: print the table of a saved sweep.
-    ``python -m toolkv.twin.l3report --seeds FILE.json ...``: fleet runs of several seeds (one
-    file or more each), their summary over the seeds (:func:`seeds_table`)."""
+    ``python -m toolkv.twin.l3report --seeds FILE.json ... [--plot PNG]``: fleet runs of several
+    seeds (one file or more each), their summary over the seeds (:func:`seeds_table`), and with
+    ``--plot`` its picture against the number of servers (:func:`pooled_rows`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--seeds"] and len(args) > 1:
-        kind, rows = rows_of([Path(a) for a in args[1:]])
+        files, png = args[1:], None
+        if "--plot" in files:
+            i = files.index("--plot")
+            if i + 1 >= len(files):
+                print("--plot needs a PNG path", file=sys.stderr)
+                return 2
+            png, files = Path(files[i + 1]), files[:i] + files[i + 2 :]
+        kind, rows = rows_of([Path(a) for a in files])
         if kind != "fleet" or any("reuse_tokens" not in r for r in rows):
             print("--seeds takes fleet runs that record reuse_tokens (toolkv twin fleet)", file=sys.stderr)
             return 2
         print(seeds_table(rows))
+        if png is not None:
+            plot(pooled_rows(rows), png, "servers")
         return 0
     if len(args) != 1:
-        print("usage: python -m toolkv.twin.l3report FILE.json | --seeds FILE.json [FILE.json ...]",
+        print("usage: python -m toolkv.twin.l3report FILE.json | --seeds FILE.json [FILE.json ...] [--plot PNG]",
               file=sys.stderr)  # fmt: skip
         return 2
     print(table_of(Path(args[0])))
