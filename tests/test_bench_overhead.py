@@ -26,3 +26,18 @@ def test_the_overhead_bench_runs_through_every_call(tmp_path: Path) -> None:
     assert row["sessions"] == 50
     for call in CALLS:
         assert row[call]["n"] > 0, (call, row[call])
+
+
+def test_the_docs_tables_are_the_recorded_run() -> None:
+    """docs/benchmarks.md's control-path tables are the committed run's JSON, rendered."""
+    import re
+
+    from toolkv.tools.bench import overhead_tables
+
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "docs" / "bench" / "overhead.json").read_text())
+    text = (root / "docs" / "benchmarks.md").read_text()
+    block = re.search(r"<!-- BEGIN overhead [^\n]*-->\n(.*?)\n<!-- END overhead -->", text, re.S)
+    assert block is not None and block.group(1) == overhead_tables(data), (
+        "rerun: toolkv bench overhead --sizes 1000,10000,100000 --samples 1000 --out docs/bench/overhead.json"
+    )

@@ -384,6 +384,37 @@ def transfer(args: argparse.Namespace) -> int:
     return 0 if all(r["bytes_identical"] for r in rows) else 1
 
 
+OVERHEAD_CALLS = ("tool_start", "tick_write_ack", "tool_end", "tick_load_start", "tick_load_ack")
+
+
+def overhead_tables(data: dict[str, Any]) -> str:
+    """The two markdown tables of docs/benchmarks.md's control-path section, from the JSON that
+    ``toolkv bench overhead --out`` writes (tests/test_bench_overhead.py checks the docs hold them)."""
+    lines = [
+        "| tracked sessions | call | all p50 µs | all p99 µs | sglang p50 µs | toolkv p50 µs | toolkv p99 µs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["results"]:
+        for call in OVERHEAD_CALLS:
+            c = r[call]
+            lines.append(
+                f"| {r['sessions']:,} | `{call}` | {c['p50_us']:.0f} | {c['p99_us']:.0f} | {c['sglang_p50_us']:.0f} "
+                f"| {c['toolkv_p50_us']:.0f} | {c['toolkv_p99_us']:.0f} |"
+            )
+    empty = data["reference"]["empty_call_us"]
+    lines += [
+        "",
+        "| tracked sessions | idle tick (mean) | vs empty call | memory per tracked session |",
+        "|---|---|---|---|",
+    ]
+    for r in data["results"]:
+        lines.append(
+            f"| {r['sessions']:,} | {r['idle_tick_us']:.2f} µs | {r['idle_tick_us'] / empty:.1f}× "
+            f"| {r['bytes_per_tracked_session']:.0f} B |"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args.out = output_path(args)
