@@ -13,6 +13,8 @@ and plots.
 from __future__ import annotations
 
 import argparse
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,12 +217,20 @@ def plot(rows: list[dict[str, Any]], out: Path, x: str) -> None:
     plt.close(fig)
 
 
-def _median(xs: list[float]) -> float | None:
-    ys = sorted(x for x in xs if x is not None)
-    if not ys:
-        return None
-    mid = len(ys) // 2
-    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+def _median(xs: Sequence[float | None]) -> float | None:
+    ys = [x for x in xs if x is not None]
+    return statistics.median(ys) if ys else None
+
+
+def _by_fleet(rows: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """The runs grouped by (servers, configuration), the configurations in :data:`COLORS`' order."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    order = list(COLORS)
+    for r in sorted(
+        rows, key=lambda r: (r["servers"], order.index(r["config"]) if r["config"] in order else 99)
+    ):
+        groups.setdefault((r["servers"], r["config"]), []).append(r)
+    return groups
 
 
 def _span(xs: list[float | None], cell: Any) -> str:
@@ -248,12 +258,8 @@ def seeds_table(rows: list[dict[str, Any]], against: str = "stock-mc") -> str:
             "moved turns", "moved reuse (pooled)", "moved reuse per seed", f"moved reuse vs {against}: "
             "above / equal / below", "checks")  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["servers"], r["config"]), []).append(r)
     ref = {(r["servers"], r["seed"]): r for r in rows if r["config"] == against}
-    for (n, cfg), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], list(COLORS).index(kv[0][1])
-                                                                 if kv[0][1] in COLORS else 99)):  # fmt: skip
+    for (n, cfg), rs in _by_fleet(rows).items():
         vs = "-"
         if cfg != against and cfg.startswith("toolkv"):
             won = tie = lost = 0
@@ -278,14 +284,11 @@ def seeds_table(rows: list[dict[str, Any]], against: str = "stock-mc") -> str:
 def pooled_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (servers, configuration) over the seeds, in :func:`plot`'s keys: reuse and
     moved reuse pooled over the seeds' tokens, TTFT p50 and p90 the seeds' medians."""
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["servers"], r["config"]), []).append(r)
     return [
         {"servers": n, "config": cfg, "reuse": _pooled(rs, "reuse_tokens"),
          "ttft_p50_s": _median([r["ttft_p50_s"] for r in rs]), "ttft_p90_s": _median([r["ttft_p90_s"] for r in rs]),
          "moved_reuse": _pooled(rs, "moved_reuse_tokens")}
-        for (n, cfg), rs in sorted(groups.items())
+        for (n, cfg), rs in _by_fleet(rows).items()
     ]  # fmt: skip
 
 
