@@ -163,6 +163,27 @@ def test_host_pool_full_refuses_without_changes() -> None:
         assert (h.accounting(), m.kv_meta("a")) == before
 
 
+def test_a_tool_start_asks_whether_it_may_demote_only_when_the_host_is_full(hh: CacheHarness) -> None:
+    """The call policies' answer to "may this tool_start demote others?" reads the device pressure
+    (a walk of the whole tree): a ``tool_start`` asks it once the host turns out full, and only then."""
+    asked: list[str] = []
+
+    def may_demote(sid: str) -> bool:
+        asked.append(sid)
+        return False
+
+    h = hh
+    m = ToolKVManager(h.tree, config=ManagerConfig(host_budget_tokens=40))
+    turn(h, m, "a", list(range(1, 33)))
+    assert m.offload("a", demote=lambda: may_demote("a"))["state"] in ("Offloading", "Offloaded")
+    assert asked == [], "the host had room: nothing to ask"
+    turn(h, m, "b", list(range(500, 532)))
+    with pytest.raises(HostMemoryFull):
+        m.offload("b", demote=lambda: may_demote("b"))  # 32 + 32 > budget 40, and no leave to demote
+    assert asked == ["b"], "asked once, when the host was full"
+    assert m.kv_meta("a")["state"] in ("Offloading", "Offloaded"), "refused leave: nothing demoted"
+
+
 def test_host_budget_refuses_without_changes(hh: CacheHarness) -> None:
     h = hh
     m = ToolKVManager(h.tree, config=ManagerConfig(host_budget_tokens=40))

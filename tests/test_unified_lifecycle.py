@@ -286,3 +286,31 @@ def test_every_lock_host_lock_and_slot_is_returned(h: UnifiedCacheHarness) -> No
     assert not m.backend.loads_in_flight()
     h.drain()
     assert h.accounting() == initial
+
+
+@pytest.mark.parametrize("core", ["python", "rust"])
+def test_a_tool_start_asks_whether_it_may_demote_only_when_the_host_is_full(core: str) -> None:
+    """On 0.5.23's Python and (the default) Rust tree cores, under the plugin's defaults: the call
+    policies' leave to demote is asked once the host turns out full, and only then."""
+    import dataclasses
+
+    from toolkv.sglang.config import ToolKVConfig
+
+    asked: list[str] = []
+
+    def may_demote(sid: str) -> bool:
+        asked.append(sid)
+        return False
+
+    cfg = UnifiedHarnessConfig(tree_core=core, device_tokens=512)
+    with UnifiedCacheHarness(cfg) as hc:
+        m = ToolKVManager(
+            hc.tree, config=dataclasses.replace(ToolKVConfig().manager_config(), host_budget_tokens=40)
+        )
+        turn(hc, m, "a", list(range(1, 33)))
+        assert m.offload("a", demote=lambda: may_demote("a"))["state"] in ("Offloading", "Offloaded")
+        assert asked == [], "the host had room: nothing to ask"
+        turn(hc, m, "b", list(range(500, 532)))
+        with pytest.raises(HostMemoryFull):
+            m.offload("b", demote=lambda: may_demote("b"))  # 32 + 32 > budget 40, no leave to demote
+        assert asked == ["b"], "asked once, when the host was full"
